@@ -1,0 +1,21 @@
+"""libnn: GPU inference layers on NVIDIA's libraries.
+
+Every op has several paths computing the same function: library paths (cuBLASLt, cuDNN, cuFFT),
+our own CUDA kernels (`custom`), and a float64 NumPy `reference`. `path="auto"` picks the fastest
+path that supports the call; any path can be forced by name.
+"""
+
+from libnn import nn, ops
+from libnn.config import config
+from libnn.errors import (FallbackWarning, KernelCompileError, LibnnError, LibraryError, NoPathError,
+                          PathUnavailableError)
+from libnn.registry import get_op, paths
+from libnn.runtime.cache import cache_info
+from libnn.runtime.device import has_gpu, info
+from libnn.runtime.stream import stream
+
+__version__ = "0.1.0"
+
+__all__ = ["nn", "ops", "config", "paths", "get_op", "info", "has_gpu", "stream", "cache_info",
+           "LibnnError", "PathUnavailableError", "NoPathError", "LibraryError", "KernelCompileError",
+           "FallbackWarning"]

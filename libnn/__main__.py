@@ -1,0 +1,5 @@
+import sys
+
+from libnn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""The benchmark harness every op's suite uses.
+
+Timing follows one method: CUDA events around the region on the current stream, after warm-up, the
+median of many runs, inputs rotated among several sets whose total exceeds the L2 cache so that
+repeated runs do not measure the cache. Rates are reported against ceilings measured on the same
+device in the same run (a device-to-device copy for bandwidth, a cuBLASLt bf16 GEMM for matrix math).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+
+    @property
+    def median_s(self) -> float:
+        return self.median_ms / 1e3
+
+
+def time_gpu(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 5, runs: int = 30,
+             min_seconds: float = 0.0) -> Timing:
+    """Median time of `fn(inputs[i % len(inputs)])` on the current stream, one event pair per run.
+
+    `inputs` is a list of argument sets to rotate through; pass more than one set, together larger
+    than L2, when the data would otherwise stay cached between runs.
+    """
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for i in range(warmup):
+        fn(inputs[i % len(inputs)])
+    stream.synchronize()
+    events = []
+    start_wall = time.perf_counter()
+    i = 0
+    while i < runs or time.perf_counter() - start_wall < min_seconds:
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(stream)
+        fn(inputs[i % len(inputs)])
+        end.record(stream)
+        events.append((begin, end))
+        i += 1
+    stream.synchronize()
+    times = sorted(cupy.cuda.get_elapsed_time(b, e) for b, e in events)
+    return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10], len(times))
+
+
+def time_host(fn: Callable[[], Any], *, calls: int = 2000, repeats: int = 5) -> float:
+    """Median over `repeats` of the host wall time per call, in microseconds: the cost of issuing
+    work (Python, argument checks, plan lookup, launch) when the GPU keeps up."""
+    import cupy
+
+    per_call = []
+    for _ in range(repeats):
+        cupy.cuda.get_current_stream().synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        cupy.cuda.get_current_stream().synchronize()
+    return statistics.median(per_call)
+
+
+@dataclass
+class Ceilings:
+    device: str
+    copy_gbs: float        # device-to-device copy, bytes read + written per second
+    gemm_bf16_tflops: float
+
+    def describe(self) -> str:
+        return (f"{self.device}: copy {self.copy_gbs / 1e3:.2f} TB/s, "
+                f"bf16 GEMM {self.gemm_bf16_tflops:.0f} TFLOP/s (measured now)")
+
+
+def measure_ceilings(gemm_size: int = 8192) -> Ceilings:
+    """The two ceilings every rate is compared with, measured on this device now."""
+    import cupy
+
+    from libnn.dtypes import bfloat16
+    from libnn.ops.linear import linear
+
+    nbytes = 1 << 30
+    src, dst = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)
+    src.fill(7)
+    copy = time_gpu(lambda _: cupy.copyto(dst, src), [None], warmup=3, runs=20)
+    rng = cupy.random.default_rng(0)
+    a = [rng.standard_normal((gemm_size, gemm_size), dtype=cupy.float32).astype(bfloat16) for _ in range(2)]
+    gemm = time_gpu(lambda m: linear(m, m, path="cublaslt"), a, warmup=3, runs=20)
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"].decode()
+    return Ceilings(name, 2 * nbytes / copy.median_s / 1e9, 2 * gemm_size**3 / gemm.median_s / 1e12)
+
+
+@dataclass
+class Result:
+    """One row of a benchmark: a case on one path."""
+    case: str
+    path: str
+    median_ms: float
+    rate: float | None = None          # TFLOP/s or GB/s, per `unit`
+    unit: str = "TFLOP/s"
+    of_ceiling: float | None = None    # rate / measured ceiling
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A plain-text table; floats are shown with 3 significant digits."""
+    if not rows:
+        return "(no results)"
+    columns = list(columns or rows[0].keys())
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    text = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in text)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(t.ljust(w) for t, w in zip(row, widths)) for row in text]
+    return "\n".join(lines)
+
+
+def progress(i: int, total: int, label: str) -> None:
+    """One line per step on stderr, so that long runs show where they are without cluttering stdout."""
+    print(f"[{i}/{total}] {label}", file=sys.stderr, flush=True)
+
+
+def save_json(path: str, payload: dict[str, Any]) -> None:
+    def plain(o: Any) -> Any:
+        return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=plain)

@@ -1,0 +1,132 @@
+"""The `libnn` command: `libnn --help` lists the subcommands, each with its own --help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _info(args: argparse.Namespace) -> int:
+    from libnn.runtime.device import info
+
+    found = info()
+    print(json.dumps(found.as_dict(), indent=2) if args.json else found.table())
+    return 0
+
+
+def _paths(args: argparse.Namespace) -> int:
+    from libnn.bench.harness import format_table
+    from libnn.registry import ops, paths
+
+    for op in [args.op] if args.op else ops():
+        print(f"{op}:")
+        print(format_table(paths(op), ["path", "kind", "device", "available", "reason"]))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from libnn.demo import run
+
+    return run(batch=args.batch, path=args.path)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from libnn.runtime.device import gpu_missing
+
+    if reason := gpu_missing():
+        print(f"libnn bench needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    from libnn.bench import linear
+
+    linear.run(quick=args.quick, json_path=args.json)
+    return 0
+
+
+def _plans(args: argparse.Namespace) -> int:
+    from libnn.runtime.device import gpu_missing
+
+    if reason := gpu_missing():
+        print(f"libnn plans needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    from libnn.inspect import linear_plans
+
+    report = linear_plans(m=args.m, n=args.n, k=args.k, dtype=args.dtype, bias=not args.no_bias,
+                          activation=args.activation, allow_tf32=args.tf32, time=args.time)
+    print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else report.table())
+    return 0
+
+
+def _check_kernels(args: argparse.Namespace) -> int:
+    from libnn.bench.harness import format_table
+    from libnn.runtime.kernels import compile_report
+
+    rows = compile_report(args.arch)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows, ["file", "arch", "kernel", "registers", "smem_bytes", "stack_bytes", "spill_bytes"]))
+    return 1 if any(r["spill_bytes"] for r in rows) and args.fail_on_spill else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="libnn", description="GPU inference layers on cuBLASLt, cuDNN and cuFFT, "
+                                "each op raced against custom CUDA kernels and a float64 NumPy reference.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("info", help="the GPU and the NVIDIA library versions libnn sees")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=_info)
+
+    s = sub.add_parser("paths", help="each op's paths and whether they can run here")
+    s.add_argument("op", nargs="?", help="one op (default: all)")
+    s.set_defaults(func=_paths)
+
+    s = sub.add_parser("demo", help="a small MLP on the GPU if there is one, else on the NumPy reference path")
+    s.add_argument("--batch", type=int, default=64, help="rows of input (default 64)")
+    s.add_argument("--path", default="auto", help="force a path for every layer (default auto)")
+    s.set_defaults(func=_demo)
+
+    s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
+    s.add_argument("op", choices=["linear"], help="the op to benchmark")
+    s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
+    s.add_argument("--json", metavar="FILE", help="also write every result to FILE")
+    s.set_defaults(func=_bench)
+
+    s = sub.add_parser("plans", help="the algorithms a library's heuristic offers for one problem (GPU only)")
+    s.add_argument("op", choices=["linear"], help="the op whose plans to list")
+    s.add_argument("--m", type=int, required=True, help="rows of x")
+    s.add_argument("--n", type=int, required=True, help="output features (rows of w)")
+    s.add_argument("--k", type=int, required=True, help="input features")
+    s.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"], help="default bf16")
+    s.add_argument("--activation", choices=["relu", "gelu"], help="fused activation (default none)")
+    s.add_argument("--no-bias", action="store_true", help="plan without the bias epilogue")
+    s.add_argument("--tf32", action="store_true", help="allow TF32 for fp32")
+    s.add_argument("--time", action="store_true", help="time every candidate (CUDA events, median)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=_plans)
+
+    s = sub.add_parser("check-kernels", help="compile every kernels/*.cu with NVRTC (no GPU needed) and "
+                       "report registers, shared memory and spills")
+    s.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="targets (default sm_80 sm_90)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--fail-on-spill", action="store_true", help="exit 1 if any kernel spills registers")
+    s.set_defaults(func=_check_kernels)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as exc:  # a user-facing command: the message, not a traceback
+        from libnn.errors import LibnnError
+        if not isinstance(exc, LibnnError | ValueError | TypeError):
+            raise
+        print(f"libnn {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The floating-point dtypes libnn knows, by short name.
+
+bfloat16 is not a NumPy dtype of its own: it comes from ml_dtypes, the package CuPy (>=14), JAX and
+TensorFlow share, so a bf16 array moves between them without a copy. Without ml_dtypes installed,
+bf16 is simply unavailable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    bfloat16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # the base install: NumPy only
+    bfloat16 = None
+
+float16 = np.dtype(np.float16)
+float32 = np.dtype(np.float32)
+float64 = np.dtype(np.float64)
+
+_BY_NAME = {"fp16": float16, "float16": float16, "half": float16,
+            "fp32": float32, "float32": float32, "float": float32,
+            "fp64": float64, "float64": float64, "double": float64}
+if bfloat16 is not None:
+    _BY_NAME.update({"bf16": bfloat16, "bfloat16": bfloat16})
+
+
+def short_name(dtype) -> str:
+    """'fp16', 'bf16', 'fp32', 'fp64', or NumPy's own name for anything else."""
+    dtype = np.dtype(dtype)
+    for name in ("fp16", "bf16", "fp32", "fp64"):
+        if _BY_NAME.get(name) == dtype:
+            return name
+    return dtype.name
+
+
+def parse(name) -> np.dtype:
+    """A dtype from a short name ('bf16', 'fp32', ...) or anything NumPy understands."""
+    if isinstance(name, str):
+        key = name.lower()
+        if key in _BY_NAME:
+            return _BY_NAME[key]
+        if key in ("bf16", "bfloat16"):
+            raise ValueError("dtype bf16 needs the ml_dtypes package (pip install ml_dtypes)")
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(_BY_NAME))}")
+    return np.dtype(name)
+
+
+# Relative L2 error that each dtype's results are held to against the float64 reference.
+TOLERANCE = {"fp64": 1e-12, "fp32": 1e-5, "tf32": 1e-3, "fp16": 1e-2, "bf16": 1e-2}

@@ -1,0 +1,28 @@
+"""Linear layer: y = act(x @ weight.T + bias) through libnn.ops.linear."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from libnn.nn.module import Module, init_uniform
+from libnn.ops.linear import linear
+
+
+class Linear(Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
+                 *, dtype: Any = "fp32", device: str = "cpu", path: str = "auto", seed: int | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.activation, self.path = activation, path
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        self.register_parameter("weight", init_uniform((out_features, in_features), bound, dtype, device, seed))
+        self.register_parameter("bias", init_uniform((out_features,), bound, dtype, device,
+                                                     None if seed is None else seed + 1) if bias else None)
+
+    def forward(self, x: Any) -> Any:
+        return linear(x, self.weight, self.bias, self.activation, path=self.path)
+
+    def __repr__(self) -> str:
+        return (f"Linear(in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, activation={self.activation!r}, path={self.path!r})")

@@ -1,0 +1,138 @@
+"""linear: y = act(x @ w.T + b), the fully connected layer as one GEMM with a fused epilogue.
+
+x is (..., K), w is (N, K) (PyTorch's (out_features, in_features)), b is (N,) or None.
+Activations: None, "relu", and "gelu", which on every path is the tanh approximation
+0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³))) because that is the GELU cuBLASLt's epilogue computes.
+
+Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
+- cublaslt:  cuBLASLt through nvmath-python, bias and activation fused in its epilogue.
+- custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32.
+- reference: NumPy in float64, rounded to the input dtype once at the end.
+
+fp16/bf16 accumulate in fp32 on the GPU paths. fp32 is exact fp32 unless `allow_tf32=True`, which
+lets cuBLASLt use TF32 tensor cores (about 1e-3 relative error instead of 1e-6).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.registry import Op
+from libnn.runtime.arrays import array_module, as_array, contiguous, device_of
+
+ACTIVATIONS = (None, "relu", "gelu")
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+
+op = Op("linear")
+
+
+@dataclass(frozen=True)
+class LinearProblem:
+    """Everything that decides how a linear call runs; also the plan-cache key."""
+    M: int
+    N: int
+    K: int
+    dtype: str            # short name: fp16, bf16, fp32, fp64
+    has_bias: bool
+    activation: str | None
+    allow_tf32: bool
+    device: str           # "cpu" or "gpu:N"
+
+    def describe(self) -> str:
+        epilogue = "+".join(filter(None, ["bias" if self.has_bias else None, self.activation])) or "no epilogue"
+        return f"linear M={self.M} N={self.N} K={self.K} {self.dtype} ({epilogue})"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.N * self.K
+
+
+def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
+    if w.ndim != 2:
+        raise ValueError(f"linear: w must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
+    if x.ndim < 1:
+        raise ValueError("linear: x must have at least 1 dimension (..., in_features), got a scalar")
+    N, K = w.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: x has {x.shape[-1]} features in its last dimension but w has {K} "
+                         f"(w is (out_features, in_features) = {tuple(w.shape)}, x is {tuple(x.shape)})")
+    if b is not None and tuple(b.shape) != (N,):
+        raise ValueError(f"linear: b must have shape ({N},) to match w's out_features, got {tuple(b.shape)}")
+    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+        raise TypeError(f"linear: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
+    for name, a in (("w", w), ("b", b)):
+        if a is not None and a.dtype != x.dtype:
+            raise TypeError(f"linear: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
+                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    device = device_of({"x": x, "w": w, "b": b}, "linear")
+    return LinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
+                         has_bias=b is not None, activation=activation, allow_tf32=bool(allow_tf32),
+                         device=device)
+
+
+def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, allow_tf32: bool = False,
+           path: str = "auto") -> Any:
+    """act(x @ w.T + b) for x (..., K), w (N, K), b (N,) or None; returns (..., N) in x's dtype, on
+    x's device. `path` is "auto" or one of `libnn.paths("linear")`."""
+    x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
+    b = None if b is None else as_array(b, "linear", "b")
+    problem = _check(x, w, b, activation, allow_tf32)
+    x2d = contiguous(x).reshape(problem.M, problem.K)
+    y = op.dispatch(problem, path, x2d, contiguous(w), None if b is None else contiguous(b))
+    return y.reshape(*x.shape[:-1], problem.N)
+
+
+def apply_activation(v, activation: str | None):
+    """The activations in float arithmetic of whichever array module `v` belongs to; NaN propagates."""
+    xp = array_module(v)
+    if activation == "relu":
+        return xp.where(v < 0, 0, v)  # where(), not maximum(): keep NaN as NaN
+    if activation == "gelu":
+        return 0.5 * v * (1 + xp.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+    return v
+
+
+def _degenerate(problem: LinearProblem, x, b):
+    """The result when M, N or K is 0 (no GEMM to run), else None."""
+    xp = array_module(x)
+    if problem.M == 0 or problem.N == 0:
+        return xp.empty((problem.M, problem.N), x.dtype)
+    if problem.K == 0:  # an empty sum: every output is act(bias)
+        bias = xp.zeros(problem.N, xp.float64 if xp is np else xp.float32) if b is None else b.astype(xp.float32)
+        return apply_activation(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
+    return None
+
+
+def _gpu_support(problem: LinearProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support)
+def _cublaslt(problem: LinearProblem, x, w, b):
+    from libnn.backends import cublaslt
+
+    degenerate = _degenerate(problem, x, b)
+    return degenerate if degenerate is not None else cublaslt.linear(problem, x, w, b)
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+def _custom(problem: LinearProblem, x, w, b):
+    degenerate = _degenerate(problem, x, b)
+    return degenerate if degenerate is not None else launch_custom(problem, x, w, b)
+
+
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: LinearProblem, x, w, b):
+    y = x.astype(np.float64) @ w.astype(np.float64).T
+    if b is not None:
+        y += b.astype(np.float64)
+    return apply_activation(y, problem.activation).astype(x.dtype)

@@ -1,0 +1,133 @@
+"""Ops and their paths.
+
+An op (``linear``, ``conv2d``, ...) has several paths that compute the same function: library paths
+(``cublaslt``, ``cudnn``, ``cufft``), ``custom`` (our kernels) and ``reference`` (NumPy, float64).
+Each path declares where it runs, what it needs installed, and which problems it supports; the op
+dispatches a call to the forced path or, under ``path="auto"``, by this policy:
+
+1. only paths on the device the arrays are on (host arrays go to ``reference``);
+2. only paths whose libraries are present and that support the problem (dtype, options, shape);
+3. of those, the first in the op's registration order, which lists paths fastest first as measured
+   by ``libnn bench <op>`` on the H100;
+4. if that path's library fails at run time, a ``FallbackWarning`` says why and the next one runs.
+
+The reason every path was passed over is kept in ``op.last_decision`` for inspection.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from libnn.errors import FallbackWarning, LibraryError, NoPathError, PathUnavailableError
+from libnn.runtime import device as _device
+
+_OPS: dict[str, "Op"] = {}
+
+
+@dataclass(frozen=True)
+class Path:
+    name: str
+    kind: str                      # "library", "custom" or "reference"
+    device: str                    # "gpu" or "cpu"
+    run: Callable[..., Any]
+    requires: tuple[str, ...] = ()  # Python modules the path imports
+    supports: Callable[[Any], str | None] = lambda problem: None  # None, or why not
+
+    def missing(self) -> str | None:
+        """None if this path can run on this machine, else what is missing."""
+        if self.device == "gpu" and (reason := _device.gpu_missing()):
+            return reason
+        for module in self.requires:
+            if reason := _device.module_missing(module):
+                return reason
+        return None
+
+
+@dataclass
+class Decision:
+    path: str
+    passed_over: dict[str, str] = field(default_factory=dict)  # path name -> why it was not run
+
+
+class Op:
+    def __init__(self, name: str):
+        self.name = name
+        self.paths: dict[str, Path] = {}
+        self.last_decision: Decision | None = None
+        _OPS[name] = self
+
+    def path(self, name: str, *, kind: str, device: str, requires: tuple[str, ...] = (),
+             supports: Callable[[Any], str | None] | None = None):
+        """Decorator registering a path; registration order is the `auto` preference order."""
+        def register(run):
+            self.paths[name] = Path(name, kind, device, run, requires, supports or (lambda problem: None))
+            return run
+        return register
+
+    def _why_not(self, p: Path, problem: Any, where: str) -> str | None:
+        if p.device != where:
+            return f"runs on the {p.device.upper()}, the arrays are on the {where.upper()}"
+        return p.missing() or p.supports(problem)
+
+    def dispatch(self, problem: Any, path: str, *args: Any) -> Any:
+        """Run `problem` on `path` (a path name or "auto"); `problem.device` is 'cpu' or 'gpu:N'."""
+        where = problem.device.split(":")[0]
+        if path != "auto":
+            return self._run_forced(problem, path, where, args)
+        passed_over = {}
+        for p in self.paths.values():
+            if reason := self._why_not(p, problem, where):
+                passed_over[p.name] = reason
+                continue
+            try:
+                result = p.run(problem, *args)
+            except LibraryError as exc:
+                passed_over[p.name] = f"failed: {exc}"
+                warnings.warn(f"{self.name}: path '{p.name}' failed, trying the next path: {exc}",
+                              FallbackWarning, stacklevel=3)
+                continue
+            self.last_decision = Decision(p.name, passed_over)
+            return result
+        self.last_decision = None
+        reasons = "; ".join(f"{n}: {r}" for n, r in passed_over.items())
+        raise NoPathError(f"{self.name}: no path can compute {problem.describe()} ({reasons})")
+
+    def _run_forced(self, problem: Any, path: str, where: str, args: tuple) -> Any:
+        if path not in self.paths:
+            raise ValueError(f"{self.name}: unknown path {path!r}; expected 'auto' or one of {list(self.paths)}")
+        p = self.paths[path]
+        if p.device != where:
+            raise TypeError(f"{self.name}: path '{path}' runs on the {p.device.upper()}, but the arrays are "
+                            f"{'host (NumPy) arrays' if where == 'cpu' else 'on the GPU'}; "
+                            + ("move them with cupy.asarray(...)" if p.device == "gpu"
+                               else "move them to the host with cupy.asnumpy(...) or use a GPU path"))
+        if reason := p.missing() or p.supports(problem):
+            raise PathUnavailableError(f"{self.name}: path '{path}' cannot run {problem.describe()}: {reason}")
+        result = p.run(problem, *args)
+        self.last_decision = Decision(p.name)
+        return result
+
+    def availability(self) -> list[dict[str, str]]:
+        return [{"path": p.name, "kind": p.kind, "device": p.device,
+                 "available": "yes" if not p.missing() else "no", "reason": p.missing() or ""}
+                for p in self.paths.values()]
+
+
+def get_op(name: str) -> Op:
+    import libnn.ops  # noqa: F401  (registers every op)
+
+    if name not in _OPS:
+        raise ValueError(f"unknown op {name!r}; known ops: {sorted(_OPS)}")
+    return _OPS[name]
+
+
+def paths(op: str) -> list[dict[str, str]]:
+    """The paths of `op` and whether each can run here (and if not, why)."""
+    return get_op(op).availability()
+
+
+def ops() -> list[str]:
+    import libnn.ops  # noqa: F401
+    return sorted(_OPS)

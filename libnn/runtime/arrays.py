@@ -1,0 +1,74 @@
+"""Arrays in, arrays out: NumPy for the reference path, CuPy for GPU paths, and anything that speaks
+DLPack or ``__cuda_array_interface__`` (torch tensors, JAX arrays...) taken without a copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from libnn.errors import LibnnError
+
+
+def is_cupy(a: Any) -> bool:
+    module = type(a).__module__
+    return module.startswith("cupy") and hasattr(a, "device")
+
+
+def _dlpack_on_cuda(a: Any) -> bool | None:
+    """True/False if `a` reports its DLPack device, None if it speaks no DLPack."""
+    device = getattr(a, "__dlpack_device__", None)
+    if device is None:
+        return None
+    kind, _ = device()
+    return int(kind) in (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def as_array(a: Any, op: str, arg: str):
+    """`a` as a numpy.ndarray or cupy.ndarray, sharing memory with it whenever possible."""
+    if isinstance(a, np.ndarray) or is_cupy(a):
+        return a
+    if hasattr(a, "__cuda_array_interface__") or _dlpack_on_cuda(a):
+        import cupy
+        if hasattr(a, "__dlpack__"):
+            return cupy.from_dlpack(a)
+        return cupy.asarray(a)
+    if _dlpack_on_cuda(a) is False:
+        return np.from_dlpack(a)
+    if isinstance(a, np.generic):
+        return np.asarray(a)
+    raise TypeError(f"{op}: {arg} must be an array (numpy.ndarray, cupy.ndarray, or anything with DLPack / "
+                    f"__cuda_array_interface__), got {type(a).__module__}.{type(a).__name__}")
+
+
+def describe(a: Any) -> str:
+    """A short phrase for error messages: 'a numpy.ndarray in host memory'."""
+    where = f"on GPU {a.device.id}" if is_cupy(a) else "in host memory"
+    return f"a {type(a).__module__.split('.')[0]}.{type(a).__name__} {where}"
+
+
+def array_module(a: Any):
+    if is_cupy(a):
+        import cupy
+        return cupy
+    return np
+
+
+def device_of(arrays: dict[str, Any], op: str) -> str:
+    """'cpu' or 'gpu:N' for a set of named arrays (None entries skipped); all must agree."""
+    places = {}
+    for name, a in arrays.items():
+        if a is not None:
+            places[name] = f"gpu:{a.device.id}" if is_cupy(a) else "cpu"
+    distinct = set(places.values())
+    if len(distinct) > 1:
+        listing = ", ".join(f"{n} on {p}" for n, p in places.items())
+        raise LibnnError(f"{op}: all arrays must be on one device, got {listing}")
+    return distinct.pop()
+
+
+def contiguous(a: Any):
+    """A C-contiguous array with `a`'s values: `a` itself when it already is one."""
+    if a.flags.c_contiguous:
+        return a
+    return array_module(a).ascontiguousarray(a)

@@ -1,0 +1,66 @@
+"""Plan caches: everything expensive (library plans, handles, compiled modules) is built once per key
+and reused. A key must name everything the object depends on (shapes, strides, dtypes, options,
+device); `cache_info()` reports hits and build time per cache, which is how tests check that a second
+call built nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Generic, Hashable, TypeVar
+
+T = TypeVar("T")
+
+_ALL: dict[str, "PlanCache"] = {}
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    builds: int = 0
+    build_seconds: float = 0.0
+    size: int = 0
+
+
+class PlanCache(Generic[T]):
+    """A thread-safe LRU map from key to built object, with build statistics."""
+
+    def __init__(self, name: str, maxsize: int = 512):
+        self.name = name
+        self.maxsize = maxsize
+        self._items: OrderedDict[Hashable, T] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+        _ALL[name] = self
+
+    def get(self, key: Hashable, build: Callable[[], T]) -> T:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                self.stats.hits += 1
+                return self._items[key]
+        start = time.perf_counter()
+        value = build()  # outside the lock: builds can take seconds and may use other caches
+        with self._lock:
+            self.stats.builds += 1
+            self.stats.build_seconds += time.perf_counter() - start
+            self._items[key] = value
+            while len(self._items) > self.maxsize:
+                self._items.popitem(last=False)
+            self.stats.size = len(self._items)
+        return value
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.stats = CacheStats()
+
+
+def cache_info() -> dict[str, CacheStats]:
+    """Statistics of every plan cache libnn has created in this process."""
+    return {name: cache.stats for name, cache in _ALL.items()}

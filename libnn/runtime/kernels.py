@@ -1,0 +1,218 @@
+"""The kernel loader: `kernels/*.cu` compiled at run time by NVRTC, cached, and loaded through CuPy.
+
+NVRTC is called through cuda-bindings (NVIDIA's official bindings) rather than through CuPy's
+compiler so that one function serves both the run-time loader and the GPU-less compile check that CI
+runs: compiling needs no GPU, only loading does. The cubin goes to a disk cache keyed by the file's
+contents, the options, the target architecture and the NVRTC version, and is loaded with
+`cupy.RawModule(path=...)`.
+
+Kernel files include no headers (fp16/bf16 are handled as raw 16-bit words with PTX conversions), so
+the NVRTC of either wheel stack compiles them without a CUDA toolkit installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from libnn.errors import KernelCompileError
+from libnn.runtime.cache import PlanCache
+
+# -Xptxas=-v puts the resource report (registers, shared memory, spills) into every cached log.
+DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo", "-Xptxas=-v")
+
+
+def kernel_dir() -> Path:
+    """kernels/ of a source checkout, or the copy packaged in the wheel."""
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
+    if checkout.is_dir():
+        return checkout
+    from importlib import resources
+    return Path(str(resources.files("libnn._kernels")))
+
+
+def kernel_files() -> list[Path]:
+    return sorted(kernel_dir().glob("*.cu"))
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels and plans are kept: $LIBNN_CACHE_DIR, else the user's cache dir."""
+    root = os.environ.get("LIBNN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "libnn")
+    return Path(root)
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as exc:
+        raise KernelCompileError(
+            "compiling kernels needs NVRTC through cuda-bindings: install libnn[cu12] or libnn[cu13] "
+            f"(or libnn[test]); import failed: {exc}") from exc
+    return nvrtc
+
+
+def _check(result, what: str) -> None:
+    nvrtc = _nvrtc()
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, text = nvrtc.nvrtcGetErrorString(result)
+        raise KernelCompileError(f"NVRTC {what} failed: {text.decode()}")
+
+
+def nvrtc_version() -> str:
+    err, major, minor = _nvrtc().nvrtcVersion()
+    _check(err, "version query")
+    return f"{major}.{minor}"
+
+
+def supported_archs() -> list[int]:
+    """The sm_XX numbers this NVRTC can compile for."""
+    nvrtc = _nvrtc()
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check(err, "supported-arch query")
+    return list(archs)
+
+
+@dataclass(frozen=True)
+class CompiledFile:
+    path: Path
+    arch: str          # "sm_90"
+    options: tuple[str, ...]
+    cubin: bytes       # or PTX text, for a compute_XX target
+    log: str           # NVRTC's log, with ptxas' resource report when verbose
+    file: Path | None = None  # where the disk cache keeps `cubin`
+
+    def resources(self) -> list["KernelResources"]:
+        return parse_ptxas_report(self.log)
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    arch: str
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_report(log: str) -> list[KernelResources]:
+    """Registers, static shared memory, stack and spills per kernel from `-Xptxas=-v` output."""
+    found, kernel, arch, frame = [], None, None, (0, 0, 0)
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            kernel, arch, frame = m.group(1), m.group(2), (0, 0, 0)
+        elif (m := _FRAME.search(line)) and kernel:
+            frame = tuple(int(g) for g in m.groups())
+        elif (m := _USED.search(line)) and kernel:
+            found.append(KernelResources(kernel, arch, int(m.group(1)), int(m.group(2) or 0), *frame))
+            kernel = None
+    return found
+
+
+def _first_error_location(log: str) -> str:
+    m = re.search(r"^(.*?\.cu)\((\d+)\): (?:catastrophic )?error: (.*)$", log, re.M)
+    return f"{m.group(1)}:{m.group(2)}: {m.group(3)}" if m else "see the log below"
+
+
+def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, ...]) -> CompiledFile:
+    nvrtc = _nvrtc()
+    err, program = nvrtc.nvrtcCreateProgram(source, f"kernels/{path.name}".encode(), 0, [], [])
+    _check(err, "program creation")
+    try:
+        opts = [f"-arch={arch}".encode(), *(o.encode() for o in options)]
+        (compile_err,) = nvrtc.nvrtcCompileProgram(program, len(opts), opts)
+        err, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise KernelCompileError(f"compiling kernels/{path.name} for {arch} failed at "
+                                     f"{_first_error_location(log_text)}\n{log_text}")
+        get_size, get = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_") else \
+                        (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        err, size = get_size(program)
+        _check(err, "output size query")
+        binary = b" " * size
+        (err,) = get(program, binary)
+        _check(err, "output fetch")
+        return CompiledFile(path, arch, options, binary, log_text)
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT_OPTIONS,
+                 use_disk_cache: bool = True) -> CompiledFile:
+    """Compile one kernel file for `arch` ('sm_90', or 'compute_90' for PTX), from the disk cache when
+    an identical compile was done before."""
+    path = Path(path) if Path(path).is_absolute() else kernel_dir() / path
+    source = path.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, arch.encode(), *(o.encode() for o in options),
+                                     nvrtc_version().encode()])).hexdigest()[:32]
+    stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
+    binary, log = stored.with_suffix(".bin"), stored.with_suffix(".log")
+    if use_disk_cache and binary.exists() and log.exists():
+        return CompiledFile(path, arch, options, binary.read_bytes(), log.read_text(), binary)
+    compiled = _compile_uncached(path, source, arch, options)
+    if not use_disk_cache:
+        return compiled
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    # write-then-rename so that a concurrent process never loads half a file
+    for target, data in ((log, compiled.log.encode()), (binary, compiled.cubin)):
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(target)
+    return CompiledFile(path, arch, options, compiled.cubin, compiled.log, binary)
+
+
+def target_arch(device_id: int) -> str:
+    """sm_XY for the device, or PTX for the newest arch NVRTC knows when the device is newer still
+    (the driver then compiles the PTX for the device at load)."""
+    from libnn.runtime.device import compute_capability
+
+    major, minor = compute_capability(device_id)
+    cc = major * 10 + minor
+    archs = supported_archs()
+    return f"sm_{cc}" if cc in archs else f"compute_{max(a for a in archs if a <= cc)}"
+
+
+_modules: PlanCache = PlanCache("kernel modules")
+
+
+def load(name: str, options: tuple[str, ...] = DEFAULT_OPTIONS):
+    """The cupy.RawModule of kernels/<name>.cu for the current device, compiled once per key."""
+    import cupy
+
+    from libnn.runtime.device import current_device_id
+
+    path = kernel_dir() / name
+    device_id = current_device_id()
+    key = (name, hashlib.sha256(path.read_bytes()).hexdigest(), options, device_id)
+
+    def build():
+        compiled = compile_file(path, target_arch(device_id), options)
+        return cupy.RawModule(path=str(compiled.file))  # the driver tells cubin from PTX itself
+
+    return _modules.get(key, build)
+
+
+def compile_report(archs: list[str]) -> list[dict]:
+    """Compile every kernel file for each arch (no GPU needed) and list each kernel's resources."""
+    rows = []
+    for path in kernel_files():
+        for arch in archs:
+            compiled = compile_file(path, arch)
+            for r in compiled.resources():
+                rows.append({"file": path.name, "arch": arch, "kernel": r.kernel, "registers": r.registers,
+                             "smem_bytes": r.shared_bytes, "stack_bytes": r.stack_bytes,
+                             "spill_bytes": r.spill_store_bytes + r.spill_load_bytes})
+    return rows

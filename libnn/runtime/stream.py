@@ -1,0 +1,37 @@
+"""The stream every libnn path launches on.
+
+libnn does not keep a stream of its own: it uses CuPy's current stream, so `with libnn.stream(s):`
+also covers CuPy work the user does in between, and a CuPy `with s:` block is honoured by libnn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+def as_cupy_stream(s: Any):
+    """A cupy Stream from a cupy Stream, a torch.cuda.Stream, or a raw cudaStream_t (int)."""
+    import cupy
+
+    if isinstance(s, cupy.cuda.Stream | cupy.cuda.ExternalStream):
+        return s
+    if hasattr(s, "cuda_stream"):  # torch.cuda.Stream
+        return cupy.cuda.ExternalStream(int(s.cuda_stream))
+    if isinstance(s, int):
+        return cupy.cuda.ExternalStream(s)
+    raise TypeError(f"libnn.stream: expected a cupy.cuda.Stream, torch.cuda.Stream or an int cudaStream_t, "
+                    f"got {type(s).__name__}")
+
+
+@contextlib.contextmanager
+def stream(s: Any) -> Iterator[Any]:
+    """Run every libnn (and CuPy) launch inside the block on stream `s`."""
+    cupy_stream = as_cupy_stream(s)
+    with cupy_stream:
+        yield cupy_stream
+
+
+def current_stream():
+    import cupy
+    return cupy.cuda.get_current_stream()

@@ -1,0 +1,64 @@
+"""Shared test helpers: random inputs, the relative L2 error, tolerances, and GPU fixtures.
+
+Tests marked `gpu` skip cleanly where there is no GPU; everything else runs in CI on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from libnn import dtypes
+from libnn.runtime.device import gpu_missing
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_missing()
+    if reason:
+        skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def rel_error(got, expected) -> float:
+    """‖got − expected‖ / ‖expected‖ in float64; NaN anywhere in `got` gives inf (never passes)."""
+    got = np.asarray(got.get() if hasattr(got, "get") else got).astype(np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    denom = np.linalg.norm(expected)
+    return float(np.linalg.norm(got - expected) / (denom if denom else 1.0))
+
+
+def random_normal(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> np.ndarray:
+    """N(0, scale²) rounded to `dtype` (a short name or dtype); never zeros."""
+    return (rng.standard_normal(shape) * scale).astype(dtypes.parse(dtype))
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A fresh generator per test, seeded from the clock so each run draws new inputs; the seed is
+    printed on failure through the test id's captured output."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def poisoned_gpu_memory():
+    """Every GPU allocation made during the test (ours and nvmath's, through CuPy's allocator) is
+    filled with 0xFF bytes first: NaN in fp16, bf16 and fp32, so unwritten outputs show."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+
+    def poisoned(size: int):
+        memory = pool.malloc(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(memory.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return memory
+
+    cupy.cuda.set_allocator(poisoned)
+    yield
+    cupy.cuda.set_allocator(pool.malloc)

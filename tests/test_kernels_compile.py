@@ -1,0 +1,68 @@
+"""Every kernels/*.cu compiles with NVRTC for sm_80 and sm_90 without a GPU, without spills; the
+loader's cache and error messages behave. Runs in CI: there NVRTC must be present (libnn[test])."""
+
+import os
+
+import pytest
+
+from libnn.errors import KernelCompileError
+from libnn.runtime import kernels
+
+if os.environ.get("CI"):
+    import cuda.bindings.nvrtc  # noqa: F401  (CI installs libnn[test]: a missing NVRTC is a failure there)
+else:
+    pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIBNN_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("path", kernels.kernel_files(), ids=lambda p: p.name)
+def test_kernel_file_compiles_without_spills(path, arch):
+    compiled = kernels.compile_file(path, arch)
+    resources = compiled.resources()
+    assert resources, f"ptxas reported no kernels for {path.name}:\n{compiled.log}"
+    for r in resources:
+        print(f"{path.name} {arch} {r.kernel}: {r.registers} registers, {r.shared_bytes} B smem, "
+              f"{r.stack_bytes} B stack, spills {r.spill_store_bytes}/{r.spill_load_bytes} B")
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, f"{r.kernel} spills registers on {arch}"
+        assert r.registers <= 255
+
+
+def test_kernel_files_exist():
+    assert {p.name for p in kernels.kernel_files()} >= {"gemm.cu"}
+
+
+def test_compile_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "broken.cu"
+    bad.write_text('extern "C" __global__ void k(float* out) {\n    out[0] = undefined_name;\n}\n')
+    with pytest.raises(KernelCompileError, match=r"kernels/broken.cu:2: identifier \"undefined_name\" is undefined"):
+        kernels.compile_file(bad, "sm_90")
+
+
+def test_disk_cache_is_keyed_by_source_options_and_arch(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.cu"
+    source.write_text('extern "C" __global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n')
+    calls = []
+    real = kernels._compile_uncached
+    monkeypatch.setattr(kernels, "_compile_uncached", lambda *a: calls.append(a[2:]) or real(*a))
+    first = kernels.compile_file(source, "sm_90")
+    assert kernels.compile_file(source, "sm_90").cubin == first.cubin and len(calls) == 1
+    kernels.compile_file(source, "sm_80")
+    kernels.compile_file(source, "sm_90", kernels.DEFAULT_OPTIONS + ("-DVARIANT=2",))
+    source.write_text(source.read_text() + "// changed\n")
+    kernels.compile_file(source, "sm_90")
+    assert len(calls) == 4
+
+
+def test_ptxas_report_parsing():
+    log = """ptxas info    : Compiling entry function 'gemm3' for 'sm_90'
+ptxas info    : Function properties for gemm3
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 16384 bytes smem, 400 bytes cmem[0]"""
+    (r,) = kernels.parse_ptxas_report(log)
+    assert (r.kernel, r.arch, r.registers, r.shared_bytes, r.stack_bytes, r.spill_store_bytes,
+            r.spill_load_bytes) == ("gemm3", "sm_90", 168, 16384, 16, 8, 4)

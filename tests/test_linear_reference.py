@@ -1,0 +1,79 @@
+"""The reference path against an independent oracle: explicit loops with math.fsum (exactly rounded
+sums) and math.tanh, on tiny inputs."""
+
+import math
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.ops.linear import linear
+from conftest import random_normal, rel_error
+
+
+def oracle(x, w, b, activation):
+    x64, w64 = np.asarray(x, np.float64).reshape(-1, x.shape[-1]), np.asarray(w, np.float64)
+    out = np.empty((x64.shape[0], w64.shape[0]))
+    for m in range(x64.shape[0]):
+        for n in range(w64.shape[0]):
+            v = math.fsum(float(x64[m, k]) * float(w64[n, k]) for k in range(x64.shape[1]))
+            v += 0.0 if b is None else float(b[n])
+            if activation == "relu":
+                v = max(v, 0.0)
+            elif activation == "gelu":
+                v = 0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+            out[m, n] = v
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+DTYPES = ["fp64", "fp32", "fp16"] + (["bf16"] if dtypes.bfloat16 is not None else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (2, 13, 1), (11, 2, 17)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_reference_matches_loop_oracle(rng, dtype, activation, shape, bias):
+    M, N, K = shape
+    x, w = random_normal(rng, (M, K), dtype), random_normal(rng, (N, K), dtype)
+    b = random_normal(rng, (N,), dtype) if bias else None
+    y = linear(x, w, b, activation, path="reference")
+    assert y.dtype == dtypes.parse(dtype) and y.shape == (M, N)
+    # both see the same rounded inputs and round once to `dtype` at the end: they agree to the bit
+    # unless a float64 sum lands within 1e-16 of a rounding boundary of `dtype`
+    assert rel_error(y, oracle(x, w, b, activation).astype(y.dtype)) <= 1e-12
+
+
+def test_reference_keeps_leading_dimensions(rng):
+    x, w, b = random_normal(rng, (2, 3, 5), "fp64"), random_normal(rng, (4, 5), "fp64"), random_normal(rng, (4,), "fp64")
+    y = linear(x, w, b, "gelu")
+    assert y.shape == (2, 3, 4)
+    assert rel_error(y, oracle(x, w, b, "gelu")) <= 1e-12
+
+
+def test_auto_runs_host_arrays_on_the_reference_path(rng):
+    x, w = random_normal(rng, (3, 4), "fp32"), random_normal(rng, (5, 4), "fp32")
+    linear(x, w)
+    assert libnn.get_op("linear").last_decision.path == "reference"
+
+
+def test_empty_batch_gives_empty_output(rng):
+    y = linear(np.empty((0, 4), np.float32), random_normal(rng, (5, 4), "fp32"))
+    assert y.shape == (0, 5) and y.dtype == np.float32
+
+
+def test_zero_features_gives_activation_of_bias(rng):
+    b = random_normal(rng, (5,), "fp32")
+    y = linear(np.empty((3, 0), np.float32), np.empty((5, 0), np.float32), b, "relu")
+    np.testing.assert_array_equal(y, np.broadcast_to(np.maximum(b, 0), (3, 5)))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_nan_and_inf_propagate_to_their_rows(rng, activation):
+    x, w = random_normal(rng, (4, 6), "fp32"), random_normal(rng, (3, 6), "fp32")
+    x[1, 2], x[2, 0] = np.nan, np.inf
+    y = linear(x, w, None, activation)
+    assert np.isnan(y[1]).all()
+    assert not np.isfinite(y[2]).any() or activation == "relu"  # relu(-inf) is 0
+    assert np.isfinite(y[[0, 3]]).all()

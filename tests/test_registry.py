@@ -1,0 +1,80 @@
+"""The path registry's policy: auto order, supports(), visible fallback, forced-path errors."""
+
+import warnings
+from dataclasses import dataclass
+
+import pytest
+
+from libnn.errors import FallbackWarning, LibraryError, NoPathError, PathUnavailableError
+from libnn.registry import Op
+
+
+@dataclass(frozen=True)
+class Problem:
+    dtype: str
+    device: str = "cpu"
+
+    def describe(self):
+        return f"toy {self.dtype}"
+
+
+def make_op(fail_fast: bool = False) -> Op:
+    op = Op("toy-op")
+
+    @op.path("fast", kind="library", device="cpu", supports=lambda p: None if p.dtype == "fp16" else "fp16 only")
+    def fast(problem, value):
+        if fail_fast:
+            raise LibraryError("LIBRARY SAYS: no engine supports this graph")
+        return ("fast", value)
+
+    @op.path("slow", kind="reference", device="cpu")
+    def slow(problem, value):
+        return ("slow", value)
+
+    @op.path("gpu-only", kind="custom", device="gpu")
+    def gpu_only(problem, value):
+        raise AssertionError("never runs on host arrays")
+
+    return op
+
+
+def test_auto_takes_the_first_supported_path_in_order():
+    op = make_op()
+    assert op.dispatch(Problem("fp16"), "auto", 1) == ("fast", 1)
+    assert op.dispatch(Problem("fp32"), "auto", 1) == ("slow", 1)
+    assert op.last_decision.passed_over == {"fast": "fp16 only"}
+
+
+def test_library_failure_falls_back_visibly_with_the_library_message():
+    op = make_op(fail_fast=True)
+    with pytest.warns(FallbackWarning, match="path 'fast' failed.*no engine supports this graph"):
+        assert op.dispatch(Problem("fp16"), "auto", 2) == ("slow", 2)
+    assert "no engine supports" in op.last_decision.passed_over["fast"]
+
+
+def test_forced_path_surfaces_the_library_error_without_fallback():
+    op = make_op(fail_fast=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(LibraryError, match="no engine supports this graph"):
+            op.dispatch(Problem("fp16"), "fast", 3)
+
+
+def test_forcing_an_unsupported_problem_names_the_reason():
+    with pytest.raises(PathUnavailableError, match="path 'fast' cannot run toy fp32: fp16 only"):
+        make_op().dispatch(Problem("fp32"), "fast", 0)
+
+
+def test_no_path_error_lists_every_reason():
+    op = Op("toy-op-2")
+    op.path("only", kind="library", device="cpu", supports=lambda p: "never")(lambda p, v: v)
+    with pytest.raises(NoPathError, match="only: never"):
+        op.dispatch(Problem("fp32"), "auto", 0)
+
+
+def test_gpu_path_is_passed_over_for_host_arrays():
+    op = make_op()
+    op.dispatch(Problem("fp32"), "auto", 0)
+    assert "gpu-only" not in op.last_decision.passed_over  # it comes after the path that ran
+    with pytest.raises(TypeError, match="runs on the GPU, but the arrays are host"):
+        op.dispatch(Problem("fp32"), "gpu-only", 0)
