@@ -136,3 +136,61 @@ def _reference(problem: LinearProblem, x, w, b):
     if b is not None:
         y += b.astype(np.float64)
     return apply_activation(y, problem.activation).astype(x.dtype)
+
+
+# --- custom path: kernels/gemm.cu -------------------------------------------------------------------
+# The numbered versions of kernels/gemm.cu per dtype, slowest first; the last one is the custom path.
+_VERSIONS = {"fp32": ("v1", "v2"), "fp16": ("v1", "v3"), "bf16": ("v1", "v3")}
+_ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2}
+_KERNEL_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How kernels/gemm.cu's LAUNCH table says to run one version."""
+    kernel: str            # name without the dtype suffix
+    block: tuple[int, int, int]
+    tile_n: int            # output columns per block (grid x)
+    tile_m: int            # output rows per block (grid y)
+    dynamic_smem: int = 0
+
+
+_LAUNCH = {"v1": _Launch("gemm1_naive", (32, 8, 1), 32, 8),
+           "v2": _Launch("gemm2_tiled", (256, 1, 1), 128, 128),
+           "v3": _Launch("gemm3_mma", (256, 1, 1), 256, 128, dynamic_smem=98304)}
+_MAX_GRID_Y = 65535
+
+
+def custom_versions(dtype: str) -> tuple[str, ...]:
+    """The versions of kernels/gemm.cu that compute `dtype`, for benchmarks and tests."""
+    return _VERSIONS[dtype]
+
+
+def launch_custom_version(version: str, x, w, b, activation: str | None):
+    """y = act(x @ w.T + b) with one numbered version of kernels/gemm.cu (C-contiguous CuPy arrays)."""
+    import cupy
+
+    from libnn.runtime import kernels
+
+    dtype = dtypes.short_name(x.dtype)
+    if version not in _VERSIONS[dtype]:
+        raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {dtype}; "
+                         f"it has {_VERSIONS[dtype]}")
+    launch = _LAUNCH[version]
+    M, K = x.shape
+    N = w.shape[0]
+    y = cupy.empty((M, N), x.dtype)
+    kernel = kernels.function("gemm.cu", f"{launch.kernel}_{_KERNEL_SUFFIX[dtype]}", launch.dynamic_smem)
+    bias = b if b is not None else np.uint64(0)  # a null pointer: no bias
+    rows_per_launch = _MAX_GRID_Y * launch.tile_m  # grid.y is limited; larger M runs in slices
+    for m0 in range(0, M, rows_per_launch):
+        rows = min(rows_per_launch, M - m0)
+        grid = (-(-N // launch.tile_n), -(-rows // launch.tile_m), 1)
+        kernel(grid, launch.block, (x[m0:m0 + rows], w, bias, y[m0:m0 + rows], np.int32(rows), np.int32(N),
+                                    np.int32(K), np.int32(_ACTIVATION_CODES[activation])),
+               shared_mem=launch.dynamic_smem)
+    return y
+
+
+def launch_custom(problem: LinearProblem, x, w, b):
+    return launch_custom_version(_VERSIONS[problem.dtype][-1], x, w, b, problem.activation)

@@ -186,23 +186,37 @@ def target_arch(device_id: int) -> str:
 
 
 _modules: PlanCache = PlanCache("kernel modules")
+_functions: PlanCache = PlanCache("kernel functions")
 
 
 def load(name: str, options: tuple[str, ...] = DEFAULT_OPTIONS):
-    """The cupy.RawModule of kernels/<name>.cu for the current device, compiled once per key."""
+    """The cupy.RawModule of kernels/<name> for the current device. Within a process a file is
+    compiled (or fetched from the disk cache, keyed by its contents) once per device and options."""
     import cupy
 
     from libnn.runtime.device import current_device_id
 
-    path = kernel_dir() / name
     device_id = current_device_id()
-    key = (name, hashlib.sha256(path.read_bytes()).hexdigest(), options, device_id)
 
     def build():
-        compiled = compile_file(path, target_arch(device_id), options)
+        compiled = compile_file(kernel_dir() / name, target_arch(device_id), options)
         return cupy.RawModule(path=str(compiled.file))  # the driver tells cubin from PTX itself
 
-    return _modules.get(key, build)
+    return _modules.get((name, options, device_id), build)
+
+
+def function(file: str, kernel: str, dynamic_smem: int = 0):
+    """A kernel of kernels/<file> for the current device, allowed `dynamic_smem` bytes of dynamic
+    shared memory (above 48 KB a kernel must opt in)."""
+    from libnn.runtime.device import current_device_id
+
+    def build():
+        f = load(file).get_function(kernel)
+        if dynamic_smem > 48 * 1024:
+            f.max_dynamic_shared_size_bytes = dynamic_smem
+        return f
+
+    return _functions.get((file, kernel, dynamic_smem, current_device_id()), build)
 
 
 def compile_report(archs: list[str]) -> list[dict]:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The whole GPU job in one call: environment report, the full test suite (GPU tests included), the
+# benchmarks and plan inspection, with logs under $OUT (default ./gpu-out).
+#
+#   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
+#
+# On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
+# are installed into /tmp/site first and libnn runs from this working tree.
+set -uo pipefail
+stage=${1:-all}
+shift || true
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 LIBNN_CACHE_DIR=${LIBNN_CACHE_DIR:-/tmp/libnn-cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+status=0
+run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt and remember a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc in $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || status=1
+}
+run info python3 -m libnn info
+if [ "$stage" = tests ] || [ "$stage" = all ]; then
+  run pytest python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
+  run demo python3 -m libnn demo
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  run bench_linear python3 -m libnn bench linear --json "$OUT/bench_linear.json"
+  run plans_linear python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
+fi
+exit $status

@@ -1,0 +1,207 @@
+"""linear on the GPU: every path against the float64 reference on fresh random inputs, odd shapes
+included, outputs poisoned; plus plan caching, streams, foreign arrays and bad input."""
+
+import math
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.errors import PathUnavailableError
+from libnn.ops.linear import custom_versions, launch_custom_version, linear
+from conftest import random_normal, rel_error
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1, 1), (1, 7, 13), (13, 1, 129), (3, 5, 7), (17, 31, 64), (127, 257, 63), (64, 128, 256),
+          (1000, 1001, 1003), (256, 384, 4096)]
+GPU_DTYPES = ["fp16", "bf16", "fp32"]
+
+
+def tolerance(dtype: str, allow_tf32: bool = False) -> float:
+    return dtypes.TOLERANCE["tf32" if allow_tf32 else dtype]
+
+
+def draw(rng, M, N, K, dtype, bias=True):
+    """Host inputs scaled by 1/√K so outputs stay O(1) in every dtype."""
+    scale = 1 / math.sqrt(max(K, 1))
+    x, w = random_normal(rng, (M, K), dtype), random_normal(rng, (N, K), dtype, scale)
+    b = random_normal(rng, (N,), dtype) if bias else None
+    return x, w, b
+
+
+def to_gpu(*arrays):
+    import cupy
+    return [None if a is None else cupy.asarray(a) for a in arrays]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("epilogue", [(False, None), (True, None), (True, "relu"), (True, "gelu"), (False, "gelu")],
+                         ids=lambda e: "+".join(filter(None, ["bias" if e[0] else None, e[1]])) or "plain")
+def test_gpu_path_matches_reference(rng, path, dtype, shape, epilogue):
+    bias, activation = epilogue
+    x, w, b = draw(rng, *shape, dtype, bias)
+    expected = linear(x, w, b, activation, path="reference").astype(np.float64)
+    y = linear(*to_gpu(x, w, b), activation, path=path)
+    assert y.shape == expected.shape and y.dtype == x.dtype
+    assert rel_error(y, expected) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("shape", [(1, 7, 13), (127, 257, 63), (512, 512, 1024)], ids=str)
+def test_cublaslt_tf32_is_within_tf32_tolerance(rng, shape):
+    x, w, b = draw(rng, *shape, "fp32")
+    expected = linear(x, w, b, "gelu", path="reference")
+    assert rel_error(linear(*to_gpu(x, w, b), "gelu", allow_tf32=True, path="cublaslt"), expected) <= tolerance("fp32", True)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (33, 65, 17), (130, 260, 136), (1000, 1001, 1003)], ids=str)
+def test_every_custom_kernel_version_matches_reference(rng, dtype, shape):
+    x, w, b = draw(rng, *shape, dtype)
+    expected = linear(x, w, b, "gelu", path="reference")
+    for version in custom_versions(dtype):
+        y = launch_custom_version(version, *to_gpu(x, w, b), "gelu")
+        assert rel_error(y, expected) <= tolerance(dtype), version
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_misaligned_views_are_computed_correctly(rng):
+    """A view starting 2 bytes into an allocation defeats 16-byte loads; paths must notice."""
+    import cupy
+
+    x, w, b = draw(rng, 65, 72, 64, "fp16")
+    big = cupy.asarray(np.concatenate([np.zeros(1, np.float16), x.ravel()]))
+    x_view = big[1:].reshape(x.shape)
+    assert x_view.data.ptr % 16 == 2
+    expected = linear(x, w, b, "relu", path="reference")
+    for path in ["cublaslt", "custom"]:
+        assert rel_error(linear(x_view, *to_gpu(w, b), "relu", path=path), expected) <= tolerance("fp16"), path
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_auto_picks_cublaslt_and_handles_leading_dims_and_strided_input(rng):
+    import cupy
+
+    x, w, b = draw(rng, 6 * 5, 24, 40, "bf16")
+    x3 = cupy.asarray(x).reshape(6, 5, 40)
+    y = linear(x3[:, ::-1], *to_gpu(w, b), "gelu")  # negative strides: copied to a contiguous array
+    assert libnn.get_op("linear").last_decision.path == "cublaslt"
+    expected = linear(x.reshape(6, 5, 40)[:, ::-1], w, b, "gelu", path="reference")
+    assert y.shape == (6, 5, 24) and rel_error(y, expected) <= tolerance("bf16")
+
+
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_nan_and_inf_reach_the_output(rng, path, activation):
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 4, 8, 16, "fp32"))
+    x[1, 3], x[2, 0] = cupy.nan, cupy.inf
+    y = linear(x, w, b, activation, path=path).get()
+    assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any()
+    assert np.isfinite(y[[0, 3]]).all()
+
+
+def test_relu_of_nan_is_nan_on_custom_and_documented_on_cublaslt(rng):
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 2, 8, 16, "fp32"))
+    x[0, 0] = cupy.nan
+    assert np.isnan(linear(x, w, b, "relu", path="custom").get()[0]).all()
+    row = linear(x, w, b, "relu", path="cublaslt").get()[0]
+    # cuBLASLt's RELU epilogue is max(v, 0), which returns 0 for NaN (see the README's notes)
+    assert np.isnan(row).all() or (row == 0).all()
+
+
+def test_empty_and_zero_k_inputs(rng):
+    import cupy
+
+    w, b = to_gpu(*draw(rng, 1, 5, 4, "fp16")[1:])
+    for path in ["cublaslt", "custom"]:
+        assert linear(cupy.empty((0, 4), cupy.float16), w, b, path=path).shape == (0, 5)
+        y = linear(cupy.empty((3, 0), cupy.float16), cupy.empty((5, 0), cupy.float16), b, "relu", path=path)
+        np.testing.assert_allclose(y.get(), np.broadcast_to(np.maximum(b.get(), 0), (3, 5)))
+
+
+def test_second_call_builds_no_new_plan_and_a_new_shape_does(rng):
+    x, w, b = to_gpu(*draw(rng, 37, 41, 43, "bf16"))
+    linear(x, w, b, "gelu", path="cublaslt")
+    before = libnn.cache_info()["cublaslt plans"].builds
+    linear(x * 2, w, b, "gelu", path="cublaslt")
+    assert libnn.cache_info()["cublaslt plans"].builds == before
+    linear(x[:36], w, b, "gelu", path="cublaslt")
+    assert libnn.cache_info()["cublaslt plans"].builds == before + 1
+
+
+def test_stream_context_is_honoured(rng):
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 300, 200, 100, "fp16"))
+    expected = linear(x, w, b, "gelu", path="cublaslt").get()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with libnn.stream(s):
+        for path in ["cublaslt", "custom"]:
+            y = linear(x, w, b, "gelu", path=path)
+            s.synchronize()
+            assert rel_error(y, expected) <= tolerance("fp16")
+    assert (libnn.runtime.device.current_device_id(), s.ptr) in {k[2:] for k in libnn.backends.cublaslt._plans._items}
+
+
+def test_torch_tensors_are_taken_without_a_copy(rng):
+    torch = pytest.importorskip("torch")
+    x, w, b = draw(rng, 9, 10, 11, "fp32")
+    tx = torch.from_numpy(x).cuda()
+    y = linear(tx, torch.from_numpy(w).cuda(), torch.from_numpy(b).cuda(), "relu")
+    assert rel_error(y, linear(x, w, b, "relu")) <= tolerance("fp32")
+    bf = torch.from_numpy(x).cuda().to(torch.bfloat16)
+    assert linear(bf, torch.from_numpy(w).cuda().to(torch.bfloat16)).dtype == dtypes.bfloat16
+
+
+def test_gpu_arrays_to_reference_path_are_rejected(rng):
+    x, w, b = to_gpu(*draw(rng, 2, 3, 4, "fp32"))
+    with pytest.raises(TypeError, match="path 'reference' runs on the CPU, but the arrays are on the GPU"):
+        linear(x, w, b, path="reference")
+
+
+def test_fp64_on_a_forced_gpu_path_names_the_supported_dtypes(rng):
+    x, w, b = to_gpu(*draw(rng, 2, 3, 4, "fp64"))
+    with pytest.raises(PathUnavailableError, match=r"path 'cublaslt' cannot run .*fp64 is not supported \(supported: fp16, bf16, fp32\)"):
+        linear(x, w, b, path="cublaslt")
+    with pytest.raises(libnn.NoPathError, match="no path can compute"):
+        linear(x, w, b)
+
+
+def test_mixed_devices_are_rejected(rng):
+    x, w, b = draw(rng, 2, 3, 4, "fp32")
+    with pytest.raises(libnn.LibnnError, match="all arrays must be on one device, got x on gpu:0, w on cpu"):
+        linear(to_gpu(x)[0], w, to_gpu(b)[0])
+
+
+def test_linear_layer_on_gpu_matches_reference(rng):
+    layer = libnn.nn.Linear(48, 33, activation="gelu", dtype="bf16", device="gpu", seed=5)
+    x = random_normal(rng, (7, 48), "bf16")
+    host = libnn.nn.Linear(48, 33, activation="gelu", dtype="bf16", seed=5)
+    assert rel_error(layer(to_gpu(x)[0]), host(x).astype(np.float64)) <= tolerance("bf16")
+
+
+def test_kernel_loader_targets_this_gpu():
+    from libnn.runtime import kernels
+    from libnn.runtime.device import compute_capability, current_device_id
+
+    major, minor = compute_capability(current_device_id())
+    assert kernels.target_arch(current_device_id()) in (f"sm_{major}{minor}", f"compute_{major}{minor}")
+    assert kernels.load("gemm.cu").get_function("gemm1_naive_f32") is not None
+
+
+def test_plan_inspection_lists_timed_candidates():
+    from libnn.inspect import linear_plans
+
+    report = linear_plans(256, 512, 1024, "bf16", activation="gelu", time=True)
+    assert report.rows and all(r["time_ms"] > 0 for r in report.rows)
+    assert any("fastest" in r["note"] for r in report.rows) and "heuristic #1" in report.rows[0]["note"]
