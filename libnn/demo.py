@@ -54,10 +54,11 @@ def run(batch: int = 64, path: str = "auto") -> int:
         cupy.cuda.get_current_stream().synchronize()
         y = cupy.asnumpy(y)
     elapsed = (time.perf_counter() - start) / repeats
+    ran_on = linear_op.last_decision.path
     expected = reference(x.astype(np.float64))
     error = np.linalg.norm(y.astype(np.float64) - expected) / np.linalg.norm(expected)
     flops = sum(2 * batch * k * n for k, n in zip(sizes, sizes[1:]))
-    print(f"MLP {' -> '.join(map(str, sizes))}, batch {batch}, {dtype}: path '{linear_op.last_decision.path}' "
+    print(f"MLP {' -> '.join(map(str, sizes))}, batch {batch}, {dtype}: path '{ran_on}' "
           f"per layer, {elapsed * 1e3:.3f} ms per forward ({flops / elapsed / 1e9:.1f} GFLOP/s)")
     print(f"relative L2 error against the float64 reference: {error:.2e}")
     return 0
