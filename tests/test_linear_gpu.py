@@ -48,7 +48,29 @@ def test_gpu_path_matches_reference(rng, path, dtype, shape, epilogue):
     expected = linear(x, w, b, activation, path="reference").astype(np.float64)
     y = linear(*to_gpu(x, w, b), activation, path=path)
     assert y.shape == expected.shape and y.dtype == x.dtype
-    assert rel_error(y, expected) <= tolerance(dtype)
+    if (path, dtype, activation) == ("cublaslt", "fp32", "gelu"):
+        # cuBLASLt's GELU epilogue evaluates tanh approximately (absolute error ~5e-6, see the next
+        # test): a relative bound alone fails whenever the outputs happen to be tiny
+        assert rel_error(y, expected) <= tolerance(dtype) or np.abs(y.get() - expected).max() <= CUBLASLT_GELU_ABS_ERROR
+    else:
+        assert rel_error(y, expected) <= tolerance(dtype)
+
+
+# Measured on the H100 (cuBLASLt 13.1): 5.2e-6 at v = -1.52 over 4097 points in [-6, 6].
+CUBLASLT_GELU_ABS_ERROR = 1e-5
+
+
+def test_cublaslt_fp32_gelu_epilogue_error_is_bounded():
+    import cupy
+
+    v = np.linspace(-6, 6, 4097).astype(np.float32).reshape(-1, 1)
+    one, zero = np.ones((1, 1), np.float32), np.zeros(1, np.float32)
+    got = linear(*to_gpu(v, one, zero), "gelu", path="cublaslt").get()
+    error = np.abs(got - linear(v.astype(np.float64), one.astype(np.float64), zero.astype(np.float64), "gelu"))
+    print(f"cuBLASLt fp32 GELU: max abs error {error.max():.2e} at v = {v.ravel()[error.argmax()]:.3f}")
+    assert error.max() <= CUBLASLT_GELU_ABS_ERROR
+    assert np.abs(linear(cupy.asarray(v), cupy.asarray(one), cupy.asarray(zero), "gelu", path="custom").get()
+                  - linear(v.astype(np.float64), one.astype(np.float64), zero.astype(np.float64), "gelu")).max() <= 1e-6
 
 
 @pytest.mark.usefixtures("poisoned_gpu_memory")
@@ -108,15 +130,14 @@ def test_nan_and_inf_reach_the_output(rng, path, activation):
     assert np.isfinite(y[[0, 3]]).all()
 
 
-def test_relu_of_nan_is_nan_on_custom_and_documented_on_cublaslt(rng):
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+def test_relu_of_nan_is_nan(rng, path):
     import cupy
 
     x, w, b = to_gpu(*draw(rng, 2, 8, 16, "fp32"))
     x[0, 0] = cupy.nan
-    assert np.isnan(linear(x, w, b, "relu", path="custom").get()[0]).all()
-    row = linear(x, w, b, "relu", path="cublaslt").get()[0]
-    # cuBLASLt's RELU epilogue is max(v, 0), which returns 0 for NaN (see the README's notes)
-    assert np.isnan(row).all() or (row == 0).all()
+    y = linear(x, w, b, "relu", path=path).get()
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
 
 
 def test_empty_and_zero_k_inputs(rng):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from libnn import dtypes
 from libnn.bench import harness
-from libnn.ops import linear as linear_op
+from libnn.ops.linear import custom_versions, launch_custom_version, linear
 
 
 @dataclass(frozen=True)
@@ -90,15 +90,14 @@ def _torch_fn(case: Case) -> Callable | None:
 
 def _paths(case: Case) -> dict[str, Callable]:
     def forced(path: str) -> Callable:
-        return lambda args: linear_op.linear(*args, case.activation, allow_tf32=case.allow_tf32, path=path)
+        return lambda args: linear(*args, case.activation, allow_tf32=case.allow_tf32, path=path)
 
     runs = {"cublaslt": forced("cublaslt")}
     if not case.allow_tf32:
         runs["custom"] = forced("custom")
     if case.variants:
-        for version in linear_op.custom_versions(case.dtype):
-            runs[f"custom {version}"] = (lambda v: lambda args: linear_op.launch_custom_version(
-                v, *args, case.activation))(version)
+        for version in custom_versions(case.dtype):
+            runs[f"custom {version}"] = (lambda v: lambda args: launch_custom_version(v, *args, case.activation))(version)
     if torch := _torch_fn(case):
         runs["torch eager"] = torch
     return runs
@@ -108,7 +107,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-    ceilings = harness.measure_ceilings(2048 if quick else 8192)
+    ceilings = harness.measure_ceilings()
     print(ceilings.describe())
     cases = QUICK if quick else CASES
     rows: list[dict[str, Any]] = []
