@@ -49,7 +49,7 @@ def linear_plans(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = True,
         chosen_before = plan.chosen
         plan.autotune(x, w, b, y, runs=20)
         if not config.autotune:
-            plan.chosen = chosen_before  # inspecting must not change what later calls run
+            plan.choose(chosen_before)  # inspecting must not change what later calls run
     rows = []
     for c in plan.candidates:
         row = c.describe()

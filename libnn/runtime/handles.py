@@ -33,3 +33,19 @@ def cudnn_handle():
         return handle
 
     return _cudnn.get((current_device_id(), stream.ptr), build)
+
+
+_workspaces: dict[tuple[int, int], object] = {}
+
+
+def workspace(nbytes: int):
+    """A scratch buffer of at least `nbytes` for the current device and stream, shared by every plan
+    that runs there: work on one stream is ordered, so plans never use it at the same time. It grows
+    to the largest request and is never shrunk."""
+    import cupy
+
+    key = (current_device_id(), current_stream().ptr)
+    buffer = _workspaces.get(key)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = _workspaces[key] = cupy.empty(max(nbytes, 256), cupy.uint8)
+    return buffer

@@ -6,8 +6,9 @@ runs: compiling needs no GPU, only loading does. The cubin goes to a disk cache 
 contents, the options, the target architecture and the NVRTC version, and is loaded with
 `cupy.RawModule(path=...)`.
 
-Kernel files include no headers (fp16/bf16 are handled as raw 16-bit words with PTX conversions), so
-the NVRTC of either wheel stack compiles them without a CUDA toolkit installed.
+Kernel files include no CUDA toolkit headers (fp16/bf16 are handled as raw 16-bit words with PTX
+conversions), so the NVRTC of either wheel stack compiles them without a CUDA toolkit installed. They
+may include libnn's own headers, `kernels/*.cuh`, which are part of every cache key.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def kernel_dir() -> Path:
 
 def kernel_files() -> list[Path]:
     return sorted(kernel_dir().glob("*.cu"))
+
+
+def _headers(directory: Path) -> bytes:
+    """The contents of every libnn header a kernel file may include, for cache keys."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(directory.glob("*.cuh")))
 
 
 def cache_dir() -> Path:
@@ -129,7 +135,7 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
     err, program = nvrtc.nvrtcCreateProgram(source, f"kernels/{path.name}".encode(), 0, [], [])
     _check(err, "program creation")
     try:
-        opts = [f"-arch={arch}".encode(), *(o.encode() for o in options)]
+        opts = [f"-arch={arch}".encode(), f"-I{path.parent}".encode(), *(o.encode() for o in options)]
         (compile_err,) = nvrtc.nvrtcCompileProgram(program, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(program)
         log = b" " * size
@@ -156,7 +162,7 @@ def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT
     an identical compile was done before."""
     path = Path(path) if Path(path).is_absolute() else kernel_dir() / path
     source = path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, arch.encode(), *(o.encode() for o in options),
+    key = hashlib.sha256(b"\0".join([source, _headers(path.parent), arch.encode(), *(o.encode() for o in options),
                                      nvrtc_version().encode()])).hexdigest()[:32]
     stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
     binary, log = stored.with_suffix(".bin"), stored.with_suffix(".log")

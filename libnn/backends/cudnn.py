@@ -1,0 +1,183 @@
+"""cuDNN frontend graphs: build, cache (memory and disk), inspect and execute.
+
+A graph is built once per key (everything that changes it: shapes, strides, dtypes, attributes,
+device, stream) by a builder function that reads like the math (one node per line), then planned
+with heuristics modes A and FALLBACK and the first plan that builds is kept. Built plans are also
+serialized to the disk cache, keyed additionally by the GPU and the cuDNN versions, so that a second
+process deserializes them instead of running the heuristics and NVRTC again.
+
+Tensors are addressed by UID in the variant pack, so a cached graph holds no arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from libnn.errors import LibraryError
+from libnn.runtime.cache import PlanCache
+from libnn.runtime.device import current_device_id
+from libnn.runtime.handles import cudnn_handle, workspace
+from libnn.runtime.kernels import cache_dir
+from libnn.runtime.stream import current_stream
+
+_graphs: PlanCache = PlanCache("cudnn graphs")
+
+HEUR_MODES = ("A", "B", "FALLBACK")
+
+
+def data_type(short_name: str):
+    import cudnn
+
+    return {"fp16": cudnn.data_type.HALF, "bf16": cudnn.data_type.BFLOAT16,
+            "fp32": cudnn.data_type.FLOAT}[short_name]
+
+
+def _library_errors() -> tuple[type[BaseException], ...]:
+    import cudnn
+
+    return (cudnn.cudnnGraphNotSupportedError, ValueError, RuntimeError)
+
+
+@dataclass
+class Graph:
+    """A planned cuDNN graph and what it took to get it."""
+    graph: Any
+    source: str                  # "built" or "disk cache"
+    build_seconds: float
+    plan_name: str
+    workspace_bytes: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def execute(self, buffers: dict[int, Any]) -> None:
+        """Run on the current stream; `buffers` maps tensor UIDs to CuPy arrays."""
+        pack = {uid: a.data.ptr for uid, a in buffers.items()}
+        space = workspace(self.workspace_bytes)
+        try:
+            self.graph.execute(pack, space.data.ptr, handle=cudnn_handle())
+        except _library_errors() as exc:
+            raise LibraryError(f"cuDNN execute failed: {exc}") from exc
+
+
+def versions() -> str:
+    import cudnn
+
+    return f"cudnn {cudnn.backend_version()} frontend {cudnn.__version__}"
+
+
+def _disk_key(key: Any) -> str:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(current_device_id())
+    text = repr((key, props["name"], props["multiProcessorCount"], props["major"], props["minor"], versions()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _heur_modes(names: tuple[str, ...]):
+    import cudnn
+
+    return [getattr(cudnn.heur_mode, n) for n in names]
+
+
+def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_cache: bool) -> Graph:
+    import cudnn
+
+    handle = cudnn_handle()
+    stored = cache_dir() / "cudnn" / f"{_disk_key(key)}.plan"
+    start = time.perf_counter()
+    if use_disk_cache and stored.exists():
+        graph = cudnn.pygraph(handle=handle)
+        try:
+            graph.deserialize(handle, list(stored.read_bytes()))
+            return Graph(graph, "disk cache", time.perf_counter() - start, "deserialized",
+                         graph.get_workspace_size())
+        except _library_errors():
+            stored.unlink(missing_ok=True)  # a stale or foreign plan: rebuild below
+    try:
+        graph = builder(handle)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans(_heur_modes(("A", "FALLBACK")))
+        graph.check_support()
+        graph.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    except _library_errors() as exc:
+        raise LibraryError(f"cuDNN cannot run {description}: {type(exc).__name__}: {exc}") from exc
+    built = Graph(graph, "built", time.perf_counter() - start, _selected_name(graph), graph.get_workspace_size())
+    if use_disk_cache:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stored.with_suffix(".tmp")
+        tmp.write_bytes(bytes(graph.serialize()))
+        tmp.replace(stored)
+    return built
+
+
+def _selected_name(graph: Any) -> str:
+    try:
+        return str(graph.selected_engine)
+    except Exception:  # informational only
+        return "?"
+
+
+def graph_for(key: Any, builder: Callable[[Any], Any], description: str, use_disk_cache: bool = True) -> Graph:
+    """The planned graph for `key` on the current device and stream, built by `builder(handle)`."""
+    full_key = (key, current_device_id(), current_stream().ptr)
+    return _graphs.get(full_key, lambda: _build(builder, description, key, use_disk_cache))
+
+
+@dataclass
+class PlanInfo:
+    mode: str
+    index: int
+    name: str
+    engine_id: int | None
+    knobs: dict[str, int]
+    behavior_notes: list[str]
+    workspace_bytes: int | None
+    built: bool
+    error: str | None = None
+    time_ms: float | None = None
+
+
+def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | None,
+                    modes: tuple[str, ...] = HEUR_MODES, time_plans: bool = False,
+                    on_plan: Callable[[PlanInfo], None] | None = None) -> list[PlanInfo]:
+    """Every plan each heuristics mode offers for the graph, built one by one; with `time_plans`,
+    each one's median time on `buffers`."""
+    import cudnn
+
+    from libnn.bench.harness import time_gpu
+
+    handle = cudnn_handle()
+    found = []
+    for mode in modes:
+        graph = builder(handle)
+        try:
+            graph.validate()
+            graph.build_operation_graph()
+            graph.create_execution_plans(_heur_modes((mode,)))
+        except _library_errors() as exc:
+            found.append(PlanInfo(mode, -1, "-", None, {}, [], None, False, f"{type(exc).__name__}: {exc}"))
+            continue
+        for i in range(graph.get_execution_plan_count()):
+            engine_id, knobs = graph.get_engine_and_knobs_at_index(i)
+            info = PlanInfo(mode, i, graph.get_plan_name_at_index(i), engine_id,
+                            {str(getattr(k, "name", k)).split(".")[-1]: int(v) for k, v in knobs.items()},
+                            [str(getattr(n, "name", n)).split(".")[-1] for n in graph.get_behavior_notes_for_plan_at_index(i)],
+                            None, False)
+            try:
+                graph.build_plan_at_index(i)
+                info.built = True
+                info.workspace_bytes = graph.get_workspace_size_plan_at_index(i)
+            except (*_library_errors(), NotImplementedError) as exc:
+                info.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+            if info.built and time_plans and buffers is not None:
+                space = workspace(info.workspace_bytes or 0)
+                pack = {uid: a.data.ptr for uid, a in buffers.items()}
+                info.time_ms = time_gpu(lambda _: graph.execute_plan_at_index(pack, space.data.ptr, i, handle=handle),
+                                        [None], warmup=2, runs=10).median_ms
+            found.append(info)
+            if on_plan:
+                on_plan(info)
+    return found

@@ -1,0 +1,301 @@
+"""conv2d: y = act(scale ⊙ conv(x, w) + shift), a 2-D convolution for inference with batch norm,
+bias and activation fused into one epilogue.
+
+x is (N, H, W, C) for layout="NHWC" or (N, C, H, W) for layout="NCHW"; w is in the matching filter
+layout: (K, R, S, C/groups) for NHWC, (K, C/groups, R, S) (PyTorch's) for NCHW; y has x's layout.
+Bias and batch norm become one per-channel affine epilogue (computed in fp32):
+    scale = gamma / sqrt(running_var + eps),  shift = beta - running_mean * scale + b * scale.
+`bn` is (scale, shift) or (gamma, beta, running_mean, running_var, eps). Activations: None, "relu",
+"relu6", "gelu" (tanh approximation), "silu".
+
+Paths, in `auto` order:
+- cudnn:           one cuDNN frontend graph: conv_fprop → mul(scale) → add(shift) → activation.
+- cudnn+epilogue:  cuDNN's conv alone, then our fused epilogue kernel (kernels/epilogue.cu); what
+                   `auto` falls back to when cuDNN has no engine for the fused graph.
+- custom:          kernels/conv2d.cu (implicit GEMM on tensor cores, depthwise, direct).
+- reference:       NumPy in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.ops import activations
+from libnn.registry import Op
+from libnn.runtime.arrays import array_module, as_array, device_of
+
+LAYOUTS = ("NHWC", "NCHW")
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+
+op = Op("conv2d")
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    N: int
+    H: int
+    W: int
+    C: int
+    K: int
+    R: int
+    S: int
+    P: int
+    Q: int
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    dtype: str
+    layout: str
+    has_scale: bool
+    has_shift: bool
+    activation: str | None
+    allow_tf32: bool
+    device: str
+
+    def describe(self) -> str:
+        epilogue = "+".join(filter(None, ["scale" if self.has_scale else None, "shift" if self.has_shift else None,
+                                          self.activation])) or "no epilogue"
+        return (f"conv2d N={self.N} C={self.C} H={self.H} W={self.W} -> K={self.K} {self.R}x{self.S} "
+                f"stride {self.stride} pad {self.padding} dil {self.dilation} groups {self.groups} "
+                f"{self.dtype} {self.layout} ({epilogue})")
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.N * self.P * self.Q * self.K * self.R * self.S * (self.C // self.groups)
+
+    def x_strides(self) -> list[int]:
+        """Element strides of x in cuDNN's dimension order (N, C, H, W)."""
+        return _strides(self.layout, self.C, self.H, self.W)
+
+    def y_strides(self) -> list[int]:
+        return _strides(self.layout, self.K, self.P, self.Q)
+
+    def w_strides(self) -> list[int]:
+        return _strides(self.layout, self.C // self.groups, self.R, self.S)
+
+    def epilogue_only(self) -> "ConvProblem":
+        """The same convolution with no epilogue (what the unfused paths ask cuDNN for)."""
+        from dataclasses import replace
+        return replace(self, has_scale=False, has_shift=False, activation=None)
+
+
+def _strides(layout: str, C: int, H: int, W: int) -> list[int]:
+    return [H * W * C, 1, W * C, C] if layout == "NHWC" else [C * H * W, H * W, W, 1]
+
+
+def _pair(name: str, value: int | Sequence[int], minimum: int) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(pair) != 2 or any(int(v) != v or v < minimum for v in pair):
+        raise ValueError(f"conv2d: {name} must be an int or a pair of ints >= {minimum}, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def fold_batchnorm(gamma, beta, running_mean, running_var, eps: float):
+    """(scale, shift) of batch norm in inference, in float32 on the arrays' device (float64 on the host)."""
+    if not eps > 0:
+        raise ValueError(f"conv2d: batch norm eps must be > 0, got {eps!r}")
+    xp = array_module(gamma)
+    dt = np.float64 if xp is np else xp.float32
+    scale = gamma.astype(dt) / xp.sqrt(running_var.astype(dt) + eps)
+    return scale, beta.astype(dt) - running_mean.astype(dt) * scale
+
+
+def _epilogue_vectors(bn, b, K: int, device_array):
+    """Per-channel (scale, shift) of the fused epilogue, each None when it is the identity."""
+    xp = array_module(device_array)
+    dt = np.float64 if xp is np else xp.float32
+    scale = shift = None
+    if bn is not None:
+        bn = [as_array(v, "conv2d", f"bn[{i}]") if i < 4 else v for i, v in enumerate(bn)]
+        if len(bn) not in (2, 5):
+            raise ValueError(f"conv2d: bn must be (scale, shift) or (gamma, beta, running_mean, running_var, eps), "
+                             f"got {len(bn)} items")
+        for i, v in enumerate(bn[:4]):
+            if tuple(v.shape) != (K,):
+                raise ValueError(f"conv2d: bn[{i}] must have shape ({K},) to match w's {K} output channels, "
+                                 f"got {tuple(v.shape)}")
+        scale, shift = fold_batchnorm(*bn) if len(bn) == 5 else (bn[0].astype(dt), bn[1].astype(dt))
+    if b is not None:
+        b = b.astype(dt)
+        shift = b if scale is None else shift + b * scale
+    return scale, shift
+
+
+def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32) -> ConvProblem:
+    if layout not in LAYOUTS:
+        raise ValueError(f"conv2d: layout must be one of {LAYOUTS}, got {layout!r}")
+    if x.ndim != 4:
+        raise ValueError(f"conv2d: x must be 4-D ({', '.join(layout)}), got shape {tuple(x.shape)}")
+    if w.ndim != 4:
+        filter_layout = "K, R, S, C/groups" if layout == "NHWC" else "K, C/groups, R, S"
+        raise ValueError(f"conv2d: w must be 4-D ({filter_layout}), got shape {tuple(w.shape)}")
+    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+        raise TypeError(f"conv2d: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
+    for name, a in (("w", w), ("b", b)):
+        if a is not None and a.dtype != x.dtype:
+            raise TypeError(f"conv2d: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
+                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    activations.check("conv2d", activation)
+    if int(groups) != groups or groups < 1:
+        raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
+    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    if layout == "NHWC":
+        (N, H, W, C), (K, R, S, Cg) = x.shape, w.shape
+    else:
+        (N, C, H, W), (K, Cg, R, S) = x.shape, w.shape
+    if C % groups:
+        raise ValueError(f"conv2d: groups={groups} does not divide x's {C} channels (layout {layout})")
+    if K % groups:
+        raise ValueError(f"conv2d: groups={groups} does not divide w's {K} output channels")
+    if Cg != C // groups:
+        raise ValueError(f"conv2d: w has {Cg} input channels per group but x has {C} channels in {groups} "
+                         f"group(s), i.e. {C // groups} (layout {layout}, w shape {tuple(w.shape)})")
+    if b is not None and tuple(b.shape) != (K,):
+        raise ValueError(f"conv2d: b must have shape ({K},) to match w's output channels, got {tuple(b.shape)}")
+    P = (H + 2 * padding[0] - dilation[0] * (R - 1) - 1) // stride[0] + 1
+    Q = (W + 2 * padding[1] - dilation[1] * (S - 1) - 1) // stride[1] + 1
+    if P < 1 or Q < 1:
+        raise ValueError(f"conv2d: the {R}x{S} kernel (dilation {dilation}) is larger than the padded "
+                         f"{H + 2 * padding[0]}x{W + 2 * padding[1]} input")
+    device = device_of({"x": x, "w": w, "b": b}, "conv2d")
+    has_bn = bn is not None
+    return ConvProblem(N, H, W, C, K, R, S, P, Q, stride, padding, dilation, int(groups), dtypes.short_name(x.dtype),
+                       layout, has_scale=has_bn, has_shift=has_bn or b is not None, activation=activation,
+                       allow_tf32=bool(allow_tf32), device=device)
+
+
+def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+           dilation: int | Sequence[int] = 1, groups: int = 1, bn: Sequence[Any] | None = None,
+           activation: str | None = None, layout: str = "NHWC", allow_tf32: bool = False, path: str = "auto") -> Any:
+    """act(bn(conv(x, w) + b)) in `layout`; see the module docstring for shapes. Returns y in x's
+    dtype, layout and device."""
+    x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
+    b = None if b is None else as_array(b, "conv2d", "b")
+    problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
+    scale, shift = _epilogue_vectors(bn, b, problem.K, x)
+    xp = array_module(x)
+    return op.dispatch(problem, path, xp.ascontiguousarray(x), xp.ascontiguousarray(w), scale, shift)
+
+
+def output_shape(problem: ConvProblem) -> tuple[int, int, int, int]:
+    p = problem
+    return (p.N, p.P, p.Q, p.K) if p.layout == "NHWC" else (p.N, p.K, p.P, p.Q)
+
+
+def _gpu_support(problem: ConvProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+# --- cudnn paths ------------------------------------------------------------------------------------
+def _graph_builder(problem: ConvProblem):
+    """conv_fprop → mul(scale) → add(shift) → activation, one node per line."""
+    def build(handle):
+        import cudnn
+
+        from libnn.backends.cudnn import data_type
+
+        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        x = g.tensor(dim=[p.N, p.C, p.H, p.W], stride=p.x_strides(), data_type=io, uid=1)
+        w = g.tensor(dim=[p.K, p.C // p.groups, p.R, p.S], stride=p.w_strides(), data_type=io, uid=2)
+        y = g.conv_fprop(x, w, padding=list(p.padding), stride=list(p.stride), dilation=list(p.dilation),
+                         compute_data_type=f32)
+        if p.has_scale:
+            y = g.mul(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=3))
+        if p.has_shift:
+            y = g.add(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=4))
+        if p.activation == "relu":
+            y = g.relu(y)
+        elif p.activation == "relu6":
+            y = g.relu(y, lower_clip=0.0, upper_clip=6.0)
+        elif p.activation == "gelu":
+            y = g.gelu_approx_tanh(y)
+        elif p.activation == "silu":
+            y = g.swish(y)
+        y.set_output(True).set_data_type(io).set_stride(p.y_strides()).set_uid(5)
+        if p.dtype == "fp32" and not p.allow_tf32:  # exact fp32: no TF32 tensor-core engines
+            g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        return g
+    return build
+
+
+def run_cudnn_graph(problem: ConvProblem, x, w, scale, shift):
+    import cupy
+
+    from libnn.backends import cudnn as cudnn_backend
+
+    y = cupy.empty(output_shape(problem), x.dtype)
+    graph = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe())
+    buffers = {1: x, 2: w, 5: y}
+    if problem.has_scale:
+        buffers[3] = scale
+    if problem.has_shift:
+        buffers[4] = shift
+    graph.execute(buffers)
+    return y
+
+
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support)
+def _cudnn(problem: ConvProblem, x, w, scale, shift):
+    return run_cudnn_graph(problem, x, w, scale, shift)
+
+
+@op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support)
+def _cudnn_then_epilogue(problem: ConvProblem, x, w, scale, shift):
+    y = run_cudnn_graph(problem.epilogue_only(), x, w, None, None)
+    return apply_epilogue_kernel(problem, y, scale, shift)
+
+
+def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
+    """y = act(y * scale[k] + shift[k]) in place with kernels/epilogue.cu; returns y."""
+    from libnn.runtime import kernels
+
+    if not (problem.has_scale or problem.has_shift or problem.activation):
+        return y
+    kernel = kernels.function("epilogue.cu", f"channel_epilogue_{_SUFFIX[problem.dtype]}")
+    inner = 1 if problem.layout == "NHWC" else problem.P * problem.Q  # elements between channels
+    threads = 256
+    blocks = min(-(-y.size // threads), 65535 * 8)
+    kernel((blocks,), (threads,), (y, scale if scale is not None else np.uint64(0),
+                                   shift if shift is not None else np.uint64(0), np.int64(y.size),
+                                   np.int32(problem.K), np.int64(inner),
+                                   np.int32(activations.KERNEL_CODES[problem.activation])))
+    return y
+
+
+_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+
+
+# --- reference --------------------------------------------------------------------------------------
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: ConvProblem, x, w, scale, shift):
+    p = problem
+    x64 = x.astype(np.float64)
+    w64 = w.astype(np.float64)
+    if p.layout == "NCHW":  # compute in NHWC / KRSC
+        x64, w64 = x64.transpose(0, 2, 3, 1), w64.transpose(0, 2, 3, 1)
+    (sh, sw), (ph, pw), (dh, dw) = p.stride, p.padding, p.dilation
+    padded = np.pad(x64, ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+    G, Cg, Kg = p.groups, p.C // p.groups, p.K // p.groups
+    out = np.zeros((p.N, p.P, p.Q, G, Kg))
+    filters = w64.reshape(G, Kg, p.R, p.S, Cg)
+    for r in range(p.R):
+        for s in range(p.S):
+            window = padded[:, r * dh: r * dh + (p.P - 1) * sh + 1: sh, s * dw: s * dw + (p.Q - 1) * sw + 1: sw, :]
+            out += np.einsum("npqgc,gkc->npqgk", window.reshape(p.N, p.P, p.Q, G, Cg), filters[:, :, r, s, :])
+    out = out.reshape(p.N, p.P, p.Q, p.K)
+    if scale is not None:
+        out *= scale
+    if shift is not None:
+        out += shift
+    out = activations.apply(out, p.activation)
+    if p.layout == "NCHW":
+        out = out.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(out).astype(x.dtype)

@@ -1,0 +1,125 @@
+"""conv2d on the CPU: the reference against explicit loops, output-shape arithmetic, BN folding,
+and the errors bad input gets."""
+
+import math
+
+import numpy as np
+import pytest
+
+from libnn import dtypes
+from libnn.ops.activations import apply
+from libnn.ops.conv2d import conv2d, fold_batchnorm
+from conftest import random_normal, rel_error
+
+
+def loop_oracle(x, w, scale, shift, stride, padding, dilation, groups, activation):
+    """NCHW x, KCRS w; explicit loops with math.fsum: independent of the reference's einsum."""
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    P, Q = (H + 2 * ph - dh * (R - 1) - 1) // sh + 1, (W + 2 * pw - dw * (S - 1) - 1) // sw + 1
+    Kg = K // groups
+    y = np.zeros((N, K, P, Q))
+    for n in range(N):
+        for k in range(K):
+            g = k // Kg
+            for p in range(P):
+                for q in range(Q):
+                    terms = []
+                    for c in range(Cg):
+                        for r in range(R):
+                            for s in range(S):
+                                h, v = p * sh - ph + r * dh, q * sw - pw + s * dw
+                                if 0 <= h < H and 0 <= v < W:
+                                    terms.append(float(x[n, g * Cg + c, h, v]) * float(w[k, c, r, s]))
+                    y[n, k, p, q] = math.fsum(terms) * (1.0 if scale is None else scale[k]) + (0.0 if shift is None else shift[k])
+    return apply(y, activation)
+
+
+CASES = [  # (N, C, H, W, K, R, S, stride, padding, dilation, groups)
+    (1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1),
+    (2, 3, 7, 5, 4, 3, 3, 1, 1, 1, 1),
+    (1, 4, 9, 8, 6, 3, 2, 2, 1, 1, 2),
+    (1, 6, 8, 7, 6, 3, 3, 1, 2, 2, 6),   # depthwise, dilation 2
+    (2, 5, 6, 6, 3, 1, 1, 2, 0, 1, 1),   # 1x1, stride 2, odd channels
+    (1, 2, 5, 9, 3, 5, 3, (2, 1), (2, 0), (1, 2), 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("activation", [None, "relu6", "silu"])
+def test_reference_matches_loop_oracle(rng, case, layout, activation):
+    N, C, H, W, K, R, S, stride, padding, dilation, groups = case
+    x, w = random_normal(rng, (N, C, H, W), "fp64"), random_normal(rng, (K, C // groups, R, S), "fp64")
+    b = random_normal(rng, (K,), "fp64")
+    gamma, beta, mean = (random_normal(rng, (K,), "fp64") for _ in range(3))
+    var = rng.uniform(0.5, 2.0, K)
+    scale, shift = fold_batchnorm(gamma, beta, mean, var, 1e-5)
+    expected = loop_oracle(x, w, scale, shift + b * scale, _two(stride), _two(padding), _two(dilation), groups, activation)
+    if layout == "NHWC":
+        x, w = x.transpose(0, 2, 3, 1), w.transpose(0, 2, 3, 1)
+        expected = expected.transpose(0, 2, 3, 1)
+    y = conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups,
+               bn=(gamma, beta, mean, var, 1e-5), activation=activation, layout=layout)
+    assert y.shape == expected.shape
+    assert rel_error(y, expected) <= 1e-12
+
+
+def _two(v):
+    return v if isinstance(v, tuple) else (v, v)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"] + (["bf16"] if dtypes.bfloat16 is not None else []))
+def test_reference_rounds_once_to_the_input_dtype(rng, dtype):
+    x, w = random_normal(rng, (1, 5, 5, 3), dtype), random_normal(rng, (4, 3, 3, 3), dtype)
+    y = conv2d(x, w, padding=1, activation="gelu")
+    expected = conv2d(x.astype(np.float64), w.astype(np.float64), padding=1, activation="gelu")
+    assert y.dtype == x.dtype and rel_error(y, expected.astype(y.dtype)) <= 1e-12
+
+
+def test_batchnorm_folding_is_the_affine_map_of_bn():
+    rng = np.random.default_rng(0)
+    gamma, beta, mean, v = rng.normal(size=4), rng.normal(size=4), rng.normal(size=4), rng.uniform(0.1, 3, 4)
+    scale, shift = fold_batchnorm(gamma, beta, mean, v, 1e-3)
+    t = rng.normal(size=(10, 4))
+    np.testing.assert_allclose(t * scale + shift, gamma * (t - mean) / np.sqrt(v + 1e-3) + beta, rtol=1e-13)
+
+
+@pytest.mark.parametrize("H, R, stride, padding, dilation, expected", [
+    (56, 3, 1, 1, 1, 56), (56, 3, 2, 1, 1, 28), (7, 1, 1, 0, 1, 7), (8, 3, 2, 0, 1, 3), (9, 3, 1, 2, 2, 9), (5, 5, 1, 0, 1, 1)])
+def test_output_size_arithmetic(H, R, stride, padding, dilation, expected):
+    y = conv2d(np.ones((1, H, H, 1)), np.ones((1, R, R, 1)), stride=stride, padding=padding, dilation=dilation)
+    assert y.shape == (1, expected, expected, 1)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(w=np.ones((4, 3, 3, 2))), ValueError, r"w has 2 input channels per group but x has 3 channels in 1 group"),
+    (dict(groups=2), ValueError, r"groups=2 does not divide x's 3 channels"),
+    (dict(w=np.ones((3, 3, 3, 1)), groups=3, x=np.ones((1, 6, 6, 3)), K=3), None, None),
+    (dict(w=np.ones((4, 9, 9, 3))), ValueError, r"the 9x9 kernel .* is larger than the padded 6x6 input"),
+    (dict(padding=-1), ValueError, r"padding must be an int or a pair of ints >= 0, got -1"),
+    (dict(stride=0), ValueError, r"stride must be an int or a pair of ints >= 1"),
+    (dict(layout="NCWH"), ValueError, r"layout must be one of \('NHWC', 'NCHW'\)"),
+    (dict(bn=(np.ones(3), np.ones(4))), ValueError, r"bn\[0\] must have shape \(4,\) to match w's 4 output channels"),
+    (dict(bn=(np.ones(4), np.ones(4), np.zeros(4), np.ones(4), 0.0)), ValueError, r"eps must be > 0"),
+    (dict(bn=(np.ones(4),)), ValueError, r"bn must be \(scale, shift\) or"),
+    (dict(b=np.ones(5)), ValueError, r"b must have shape \(4,\)"),
+    (dict(w=np.ones((4, 3, 3, 3), np.float32)), TypeError, r"w has dtype fp32 but x has fp64"),
+    (dict(activation="tanh"), ValueError, r"activation must be one of"),
+    (dict(x=np.ones((6, 6, 3))), ValueError, r"x must be 4-D \(N, H, W, C\)"),
+])
+def test_bad_input_gets_a_clear_error(kwargs, error, message):
+    args = dict(x=np.ones((1, 6, 6, 3)), w=np.ones((4, 3, 3, 3)))
+    args.update({k: v for k, v in kwargs.items() if k != "K"})
+    x, w = args.pop("x"), args.pop("w")
+    if error is None:
+        assert conv2d(x, w, **args).shape == (1, 4, 4, kwargs["K"])
+        return
+    with pytest.raises(error, match=message):
+        conv2d(x, w, **args)
+
+
+def test_forcing_a_gpu_path_with_host_arrays_says_so():
+    with pytest.raises(TypeError, match="path 'cudnn' runs on the GPU, but the arrays are host"):
+        conv2d(np.ones((1, 4, 4, 2), np.float32), np.ones((2, 3, 3, 2), np.float32), path="cudnn")
