@@ -38,22 +38,33 @@ def _bench(args: argparse.Namespace) -> int:
     if reason := gpu_missing():
         print(f"libnn bench needs a GPU: {reason}", file=sys.stderr)
         return 2
-    from libnn.bench import linear
+    import importlib
 
-    linear.run(quick=args.quick, json_path=args.json)
+    importlib.import_module(f"libnn.bench.{args.op}").run(quick=args.quick, json_path=args.json)
     return 0
 
 
 def _plans(args: argparse.Namespace) -> int:
     from libnn.runtime.device import gpu_missing
 
+    needed = ["m"] if args.op == "linear" else ["c", "h", "w", "r"]
+    if missing := [f"--{a}" for a in needed if getattr(args, a) is None]:
+        print(f"libnn plans {args.op}: missing {' '.join(missing)}", file=sys.stderr)
+        return 2
+
     if reason := gpu_missing():
         print(f"libnn plans needs a GPU: {reason}", file=sys.stderr)
         return 2
-    from libnn.inspect import linear_plans
+    from libnn.inspect import conv_plans, linear_plans
 
-    report = linear_plans(m=args.m, n=args.n, k=args.k, dtype=args.dtype, bias=not args.no_bias,
-                          activation=args.activation, allow_tf32=args.tf32, time=args.time)
+    if args.op == "linear":
+        report = linear_plans(m=args.m, n=args.n, k=args.k, dtype=args.dtype or "bf16", bias=not args.no_bias,
+                              activation=args.activation, allow_tf32=args.tf32, time=args.time)
+    else:
+        report = conv_plans(n=args.n, c=args.c, h=args.h, w=args.w, k=args.k, r=args.r, s=args.s or args.r,
+                            stride=args.stride, padding=args.padding, dilation=args.dilation, groups=args.groups,
+                            dtype=args.dtype or "fp16", layout=args.layout, activation=args.activation,
+                            bn=not args.no_bias, time=args.time, progress=not args.json)
     print(json.dumps(report.as_dict(), indent=2, default=str) if args.json else report.table())
     return 0
 
@@ -89,19 +100,31 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_demo)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear"], help="the op to benchmark")
+    s.add_argument("op", choices=["linear", "conv"], help="the op to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE")
     s.set_defaults(func=_bench)
 
-    s = sub.add_parser("plans", help="the algorithms a library's heuristic offers for one problem (GPU only)")
-    s.add_argument("op", choices=["linear"], help="the op whose plans to list")
-    s.add_argument("--m", type=int, required=True, help="rows of x")
-    s.add_argument("--n", type=int, required=True, help="output features (rows of w)")
-    s.add_argument("--k", type=int, required=True, help="input features")
-    s.add_argument("--dtype", default="bf16", choices=["fp16", "bf16", "fp32"], help="default bf16")
-    s.add_argument("--activation", choices=["relu", "gelu"], help="fused activation (default none)")
-    s.add_argument("--no-bias", action="store_true", help="plan without the bias epilogue")
+    s = sub.add_parser("plans", help="the plans a library's heuristics offer for one problem (GPU only)",
+                       description="linear: --m --n --k (cuBLASLt). conv: --n --c --h --w --k --r [--s] "
+                       "[--stride --padding --dilation --groups --layout] (cuDNN, heuristics modes A, B, FALLBACK).")
+    s.add_argument("op", choices=["linear", "conv"], help="the op whose plans to list")
+    s.add_argument("--m", type=int, help="linear: rows of x")
+    s.add_argument("--n", type=int, required=True, help="linear: output features; conv: batch size")
+    s.add_argument("--k", type=int, required=True, help="linear: input features; conv: output channels")
+    s.add_argument("--c", type=int, help="conv: input channels")
+    s.add_argument("--h", type=int, help="conv: input height")
+    s.add_argument("--w", type=int, help="conv: input width")
+    s.add_argument("--r", type=int, help="conv: filter height")
+    s.add_argument("--s", type=int, help="conv: filter width (default: --r)")
+    s.add_argument("--stride", type=int, default=1, help="conv: stride (default 1)")
+    s.add_argument("--padding", type=int, default=0, help="conv: padding (default 0)")
+    s.add_argument("--dilation", type=int, default=1, help="conv: dilation (default 1)")
+    s.add_argument("--groups", type=int, default=1, help="conv: groups (default 1)")
+    s.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"], help="conv: layout (default NHWC)")
+    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear), fp16 (conv)")
+    s.add_argument("--activation", choices=["relu", "relu6", "gelu", "silu"], help="fused activation (default none)")
+    s.add_argument("--no-bias", action="store_true", help="without the bias (linear) or batch-norm (conv) epilogue")
     s.add_argument("--tf32", action="store_true", help="allow TF32 for fp32")
     s.add_argument("--time", action="store_true", help="time every candidate (CUDA events, median)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -50,3 +50,6 @@ def parse(name) -> np.dtype:
 
 # Relative L2 error that each dtype's results are held to against the float64 reference.
 TOLERANCE = {"fp64": 1e-12, "fp32": 1e-5, "tf32": 1e-3, "fp16": 1e-2, "bf16": 1e-2}
+
+# The suffix of a kernel's name in kernels/*.cu for each dtype it is generated for.
+KERNEL_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}

@@ -32,8 +32,10 @@ def linear_plans(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = True,
     from libnn import dtypes
     from libnn.backends import cublaslt
     from libnn.config import config
-    from libnn.ops.linear import LinearProblem
+    from libnn.ops import activations
+    from libnn.ops.linear import ACTIVATIONS, LinearProblem
 
+    activations.check("linear", activation, ACTIVATIONS)
     dt = dtypes.parse(dtype)
     rng = cupy.random.default_rng(0)
 
@@ -70,3 +72,70 @@ def linear_plans(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = True,
         summary.append(f"the heuristic's first choice takes {first:.4f} ms, the fastest {best:.4f} ms: "
                        f"{100 * (first / best - 1):.1f}% slower than the fastest")
     return PlanReport(f"cuBLASLt plans for {problem.describe()}", rows, summary)
+
+
+def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: int = 1, padding: int = 0,
+               dilation: int = 1, groups: int = 1, dtype: str = "fp16", layout: str = "NHWC",
+               activation: str | None = "relu", bn: bool = True, time: bool = False,
+               modes: tuple[str, ...] = ("A", "B", "FALLBACK"), progress: bool = False) -> PlanReport:
+    """Every plan cuDNN's heuristics modes offer for the fused conv graph, each built (and with
+    `time`, timed); marks each mode's first choice, the fastest, and the plan libnn runs."""
+    import sys
+
+    import cupy
+
+    from libnn import dtypes
+    from libnn.backends import cudnn
+    from libnn.ops.conv2d import _check, _graph_builder, conv2d, output_shape
+
+    dt = dtypes.parse(dtype)
+    rng = cupy.random.default_rng(0)
+    x_shape = (n, h, w, c) if layout == "NHWC" else (n, c, h, w)
+    w_shape = (k, r, s, c // groups) if layout == "NHWC" else (k, c // groups, r, s)
+    x = rng.standard_normal(x_shape, dtype=cupy.float32).astype(dt)
+    wt = (rng.standard_normal(w_shape, dtype=cupy.float32) / math.sqrt(c // groups * r * s)).astype(dt)
+    vectors = [rng.standard_normal(k, dtype=cupy.float32) for _ in range(2)] if bn else None
+    problem = _check(x, wt, None, vectors, stride, padding, dilation, groups, activation, layout, False)
+    y = cupy.empty(output_shape(problem), dt)
+    buffers = {1: x, 2: wt, 5: y}
+    if bn:
+        buffers.update({3: vectors[0], 4: vectors[1]})
+
+    def report(info):
+        if progress:
+            print(f"  mode {info.mode} plan {info.index}: {info.name} "
+                  f"{'%.4f ms' % info.time_ms if info.time_ms else ('built' if info.built else 'not built')}",
+                  file=sys.stderr, flush=True)
+
+    plans = cudnn.enumerate_plans(_graph_builder(problem), buffers, modes, time_plans=time, on_plan=report)
+    conv2d(x, wt, bn=vectors, stride=stride, padding=padding, dilation=dilation, groups=groups,
+           activation=activation, layout=layout, path="cudnn")  # what libnn runs, from its own cache
+    ran = cudnn.graph_for(problem, _graph_builder(problem), problem.describe())
+    timed = [p for p in plans if p.time_ms is not None]
+    fastest = min(timed, key=lambda p: p.time_ms) if timed else None
+    rows = []
+    for p in plans:
+        marks = []
+        if p.index == 0:
+            marks.append(f"heuristic {p.mode} #1")
+        if fastest is not None and p is fastest:
+            marks.append("fastest")
+        if p.name == ran.plan_name:
+            marks.append("libnn runs")
+        rows.append({"mode": p.mode, "index": p.index, "plan": p.name, "engine": p.engine_id,
+                     "knobs": " ".join(f"{kk}={v}" for kk, v in p.knobs.items()) or "-",
+                     "behavior": " ".join(p.behavior_notes) or "-",
+                     "workspace_MiB": None if p.workspace_bytes is None else p.workspace_bytes / 2**20,
+                     "built": "yes" if p.built else f"no: {p.error}", "time_ms": p.time_ms,
+                     "TFLOP/s": problem.flops / (p.time_ms / 1e3) / 1e12 if p.time_ms else None,
+                     "note": ", ".join(marks)})
+    summary = [f"libnn runs {ran.plan_name} (heuristics mode A's first plan that builds; "
+               f"graph {ran.source} in {ran.build_seconds * 1e3:.1f} ms)",
+               "numerical notes per plan are not exposed by cuDNN frontend 1.28's Python API"]
+    if fastest is not None:
+        first = next((p for p in plans if p.mode == "A" and p.time_ms is not None), None)
+        if first is not None:
+            summary.append(f"heuristic A's first choice {first.name} takes {first.time_ms:.4f} ms, the fastest "
+                           f"({fastest.name}, mode {fastest.mode}) {fastest.time_ms:.4f} ms: "
+                           f"{100 * (first.time_ms / fastest.time_ms - 1):.1f}% slower than the fastest")
+    return PlanReport(f"cuDNN plans for {problem.describe()}", rows, summary)

@@ -12,6 +12,16 @@ from libnn import dtypes
 from libnn.runtime.device import gpu_missing
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_kernel_cache(tmp_path_factory):
+    """One fresh kernel/plan cache for the whole session (subprocesses inherit it): every kernel file
+    is compiled once per architecture, and nothing from earlier runs is reused."""
+    import os
+
+    os.environ["LIBNN_CACHE_DIR"] = str(tmp_path_factory.mktemp("libnn-cache"))
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     reason = gpu_missing()
     if reason:

@@ -14,11 +14,6 @@ else:
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIBNN_CACHE_DIR", str(tmp_path))
-
-
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("path", kernels.kernel_files(), ids=lambda p: p.name)
 def test_kernel_file_compiles_without_spills(path, arch):

@@ -1,5 +1,7 @@
 """Ops: one module per op, each holding its signature, shape checks and paths side by side."""
 
+from libnn.ops.conv2d import conv2d
 from libnn.ops.linear import linear
+from libnn.ops.pool2d import avg_pool2d, max_pool2d
 
-__all__ = ["linear"]
+__all__ = ["linear", "conv2d", "max_pool2d", "avg_pool2d"]

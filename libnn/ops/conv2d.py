@@ -259,7 +259,7 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
 
     if not (problem.has_scale or problem.has_shift or problem.activation):
         return y
-    kernel = kernels.function("epilogue.cu", f"channel_epilogue_{_SUFFIX[problem.dtype]}")
+    kernel = kernels.function("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
     inner = 1 if problem.layout == "NHWC" else problem.P * problem.Q  # elements between channels
     threads = 256
     blocks = min(-(-y.size // threads), 65535 * 8)
@@ -270,7 +270,64 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
     return y
 
 
-_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+# --- custom path: kernels/conv2d.cu ------------------------------------------------------------------
+_MAX_BLOCKS = 65535 * 8  # the grid-stride kernels need no more blocks than this to fill the GPU
+
+
+def element_strides(layout: str, C: int, H: int, W: int) -> tuple[int, int, int, int]:
+    """Element strides of a contiguous tensor in (n, h, w, c) order, whichever its layout."""
+    return (H * W * C, W * C, C, 1) if layout == "NHWC" else (C * H * W, W, 1, H * W)
+
+
+def custom_version(problem: ConvProblem) -> str:
+    """Which kernel of kernels/conv2d.cu runs this problem."""
+    if problem.groups == problem.C == problem.K:
+        return "conv2_depthwise"
+    if problem.groups == 1:
+        return "conv4_igemm" if problem.dtype == "fp32" else "conv3_igemm"
+    return "conv1_direct"
+
+
+def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, int]:
+    """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table."""
+    pixels = p.N * p.P * p.Q
+    if version == "conv2_depthwise":
+        vector = 4 if p.dtype == "fp32" else 8
+        groups_per_pixel = -(-min(p.C, 128) // vector)
+        return (min(-(-pixels // (256 // groups_per_pixel)), _MAX_BLOCKS), -(-p.C // 128)), 256, (p.R * p.S + 2) * 512
+    if version == "conv3_igemm":
+        return (-(-pixels // 128), -(-p.K // 64)), 128, 49152
+    if version == "conv4_igemm":
+        return (-(-pixels // 128), -(-p.K // 128)), 256, 0
+    return (min(-(-pixels * p.K // 256), _MAX_BLOCKS),), 256, 0
+
+
+def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None):
+    """y = act(scale * conv(x, w) + shift) with one kernel of kernels/conv2d.cu (the default: the
+    fastest that supports the problem)."""
+    import cupy
+
+    from libnn.runtime import kernels
+
+    p = problem
+    version = version or custom_version(p)
+    if p.layout == "NCHW" and p.groups != p.C:  # the kernels read KRSC filters (depthwise: the same bytes)
+        w = cupy.ascontiguousarray(w.transpose(0, 2, 3, 1))
+    y = cupy.empty(output_shape(p), x.dtype)
+    grid, block, smem = _conv_launch(version, p)
+    kernel = kernels.function("conv2d.cu", f"{version}_{dtypes.KERNEL_SUFFIX[p.dtype]}", smem)
+    null = np.uint64(0)
+    ints = [p.N, p.H, p.W, p.C, p.K, p.R, p.S, p.P, p.Q, *p.stride, *p.padding, *p.dilation, p.groups,
+            activations.KERNEL_CODES[p.activation]]
+    strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.K, p.P, p.Q)]
+    kernel(grid, (block,), (x, w, null if scale is None else scale, null if shift is None else shift, y,
+                            *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)), shared_mem=smem)
+    return y
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+def _custom(problem: ConvProblem, x, w, scale, shift):
+    return launch_custom(problem, x, w, scale, shift)
 
 
 # --- reference --------------------------------------------------------------------------------------

@@ -142,7 +142,6 @@ def _reference(problem: LinearProblem, x, w, b):
 # The numbered versions of kernels/gemm.cu per dtype, slowest first; the last one is the custom path.
 _VERSIONS = {"fp32": ("v1", "v2"), "fp16": ("v1", "v3"), "bf16": ("v1", "v3")}
 _ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2}
-_KERNEL_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ def launch_custom_version(version: str, x, w, b, activation: str | None):
     M, K = x.shape
     N = w.shape[0]
     y = cupy.empty((M, N), x.dtype)
-    kernel = kernels.function("gemm.cu", f"{launch.kernel}_{_KERNEL_SUFFIX[dtype]}", launch.dynamic_smem)
+    kernel = kernels.function("gemm.cu", f"{launch.kernel}_{dtypes.KERNEL_SUFFIX[dtype]}", launch.dynamic_smem)
     bias = b if b is not None else np.uint64(0)  # a null pointer: no bias
     rows_per_launch = _MAX_GRID_Y * launch.tile_m  # grid.y is limited; larger M runs in slices
     for m0 in range(0, M, rows_per_launch):

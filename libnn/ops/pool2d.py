@@ -1,0 +1,153 @@
+"""max_pool2d and avg_pool2d over (kh, kw) windows, for NHWC or NCHW tensors.
+
+cuDNN's graph API has no pooling node (the frontend 1.28 Python API exposes none), so the GPU path is
+our own kernels/pool2d.cu, checked against the NumPy reference.
+
+Semantics follow PyTorch: max pooling ignores padded positions and propagates NaN; average pooling
+counts padded positions in the divisor unless `count_include_pad=False`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.ops.conv2d import LAYOUTS, _pair
+from libnn.registry import Op
+from libnn.runtime.arrays import array_module, as_array, device_of
+
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+
+op = Op("pool2d")
+
+
+@dataclass(frozen=True)
+class PoolProblem:
+    mode: str              # "max" or "avg"
+    N: int
+    H: int
+    W: int
+    C: int
+    P: int
+    Q: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    count_include_pad: bool
+    dtype: str
+    layout: str
+    device: str
+
+    def describe(self) -> str:
+        return (f"{self.mode}_pool2d N={self.N} C={self.C} {self.H}x{self.W} kernel {self.kernel} "
+                f"stride {self.stride} pad {self.padding} {self.dtype} {self.layout}")
+
+    @property
+    def bytes_moved(self) -> int:
+        return (self.N * self.C * (self.H * self.W + self.P * self.Q)) * np.dtype(dtypes.parse(self.dtype)).itemsize
+
+    def output_shape(self) -> tuple[int, int, int, int]:
+        return (self.N, self.P, self.Q, self.C) if self.layout == "NHWC" else (self.N, self.C, self.P, self.Q)
+
+
+def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> PoolProblem:
+    name = f"{mode}_pool2d"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
+    if x.ndim != 4:
+        raise ValueError(f"{name}: x must be 4-D ({', '.join(layout)}), got shape {tuple(x.shape)}")
+    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+        raise TypeError(f"{name}: x must be a floating-point array, got {x.dtype}")
+    kernel = _pair("kernel_size", kernel_size, 1)
+    stride = kernel if stride is None else _pair("stride", stride, 1)
+    padding = _pair("padding", padding, 0)
+    if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
+        raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
+    N, H, W, C = x.shape if layout == "NHWC" else (x.shape[0], x.shape[2], x.shape[3], x.shape[1])
+    P = (H + 2 * padding[0] - kernel[0]) // stride[0] + 1
+    Q = (W + 2 * padding[1] - kernel[1]) // stride[1] + 1
+    if P < 1 or Q < 1:
+        raise ValueError(f"{name}: the {kernel[0]}x{kernel[1]} window is larger than the padded "
+                         f"{H + 2 * padding[0]}x{W + 2 * padding[1]} input")
+    return PoolProblem(mode, N, H, W, C, P, Q, kernel, stride, padding, bool(count_include_pad),
+                       dtypes.short_name(x.dtype), layout, device_of({"x": x}, name))
+
+
+def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
+    x = as_array(x, f"{mode}_pool2d", "x")
+    problem = _check(mode, x, kernel_size, stride, padding, count_include_pad, layout)
+    return op.dispatch(problem, path, array_module(x).ascontiguousarray(x))
+
+
+def max_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+               padding: int | Sequence[int] = 0, *, layout: str = "NHWC", path: str = "auto") -> Any:
+    """Max over each window; stride defaults to the kernel size (PyTorch's default)."""
+    return _pool("max", x, kernel_size, stride, padding, True, layout, path)
+
+
+def avg_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+               padding: int | Sequence[int] = 0, *, count_include_pad: bool = True, layout: str = "NHWC",
+               path: str = "auto") -> Any:
+    """Mean over each window; stride defaults to the kernel size (PyTorch's default)."""
+    return _pool("avg", x, kernel_size, stride, padding, count_include_pad, layout, path)
+
+
+def _gpu_support(problem: PoolProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+def _custom(problem: PoolProblem, x):
+    return launch_pool(problem, x)
+
+
+def launch_pool(problem: PoolProblem, x):
+    """kernels/pool2d.cu: the 16-byte NHWC kernel for max pooling, the general one otherwise."""
+    import cupy
+
+    from libnn.ops.conv2d import element_strides
+    from libnn.runtime import kernels
+
+    p = problem
+    y = cupy.empty(p.output_shape(), x.dtype)
+    vectorized = p.mode == "max" and p.layout == "NHWC"
+    name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
+    lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
+    threads = p.N * p.P * p.Q * -(-p.C // lanes)
+    kernel = kernels.function("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}")
+    ints = [p.N, p.H, p.W, p.C, p.P, p.Q, *p.kernel, *p.stride, *p.padding, int(p.count_include_pad)]
+    strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.C, p.P, p.Q)]
+    kernel((min(-(-threads // 256), 65535 * 8),), (256,),
+           (x, y, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))
+    return y
+
+
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: PoolProblem, x):
+    p = problem
+    xs = x.astype(np.float64)
+    if p.layout == "NCHW":
+        xs = xs.transpose(0, 2, 3, 1)
+    (kh, kw), (sh, sw), (ph, pw) = p.kernel, p.stride, p.padding
+    fill = -np.inf if p.mode == "max" else 0.0
+    padded = np.pad(xs, ((0, 0), (ph, ph), (pw, pw), (0, 0)), constant_values=fill)
+    windows = [padded[:, r: r + (p.P - 1) * sh + 1: sh, s: s + (p.Q - 1) * sw + 1: sw, :]
+               for r in range(kh) for s in range(kw)]
+    stack = np.stack(windows)
+    if p.mode == "max":
+        out = np.max(stack, axis=0)  # np.max propagates NaN
+    elif p.count_include_pad:
+        out = np.sum(stack, axis=0) / (kh * kw)
+    else:
+        valid = np.pad(np.ones((1, p.H, p.W, 1)), ((0, 0), (ph, ph), (pw, pw), (0, 0)))
+        counts = sum(valid[:, r: r + (p.P - 1) * sh + 1: sh, s: s + (p.Q - 1) * sw + 1: sw, :]
+                     for r in range(kh) for s in range(kw))
+        out = np.sum(stack, axis=0) / counts
+    if p.layout == "NCHW":
+        out = out.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(out).astype(x.dtype)

@@ -1,0 +1,166 @@
+"""conv2d and pooling on the GPU: every path against the float64 reference over a sweep of shapes,
+dtypes and layouts, outputs poisoned; the cuDNN plan cache in memory and across processes."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.ops.conv2d import conv2d
+from libnn.ops.pool2d import avg_pool2d, max_pool2d
+from conftest import random_normal, rel_error
+
+pytestmark = pytest.mark.gpu
+
+# (N, C, H, W, K, R, S, stride, padding, dilation, groups)
+SHAPES = [
+    (1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1),
+    (2, 3, 13, 11, 5, 3, 3, 1, 1, 1, 1),
+    (1, 16, 17, 17, 24, 3, 3, 2, 1, 1, 1),
+    (2, 64, 14, 14, 64, 3, 3, 1, 1, 1, 1),
+    (1, 32, 9, 9, 32, 3, 3, 1, 2, 2, 1),
+    (3, 8, 10, 7, 16, 1, 1, 1, 0, 1, 1),
+    (1, 16, 12, 12, 32, 3, 3, 1, 1, 1, 4),
+    (2, 32, 15, 15, 32, 3, 3, 1, 1, 1, 32),   # depthwise
+    (1, 7, 23, 29, 13, 5, 5, 2, 2, 1, 1),
+]
+DTYPES = ["fp16", "bf16", "fp32"]
+PATHS = ["cudnn", "cudnn+epilogue", "custom"]
+
+
+def tolerance(dtype):
+    return dtypes.TOLERANCE[dtype]
+
+
+def make(rng, shape, dtype, layout):
+    N, C, H, W, K, R, S, stride, padding, dilation, groups = shape
+    x = random_normal(rng, (N, C, H, W), dtype)
+    w = random_normal(rng, (K, C // groups, R, S), dtype, 1 / math.sqrt(C // groups * R * S))
+    if layout == "NHWC":
+        x, w = np.ascontiguousarray(x.transpose(0, 2, 3, 1)), np.ascontiguousarray(w.transpose(0, 2, 3, 1))
+    b = random_normal(rng, (K,), dtype)
+    bn = (random_normal(rng, (K,), "fp32"), random_normal(rng, (K,), "fp32"), random_normal(rng, (K,), "fp32"),
+          rng.uniform(0.5, 2, K).astype(np.float32), 1e-5)
+    return x, w, b, bn, dict(stride=stride, padding=padding, dilation=dilation, groups=groups, layout=layout)
+
+
+def gpu(a):
+    import cupy
+    return cupy.asarray(a)
+
+
+def run(path, x, w, b, bn, kwargs, activation):
+    if path == "reference":
+        return conv2d(x, w, b, bn=bn, activation=activation, path="reference", **kwargs)
+    return conv2d(gpu(x), gpu(w), gpu(b), bn=tuple(gpu(v) for v in bn[:4]) + (bn[4],), activation=activation,
+                  path=path, **kwargs)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_conv_path_matches_reference(rng, path, dtype, layout, shape):
+    x, w, b, bn, kwargs = make(rng, shape, dtype, layout)
+    activation = ["relu", "relu6", "gelu", "silu", None][rng.integers(5)]
+    expected = run("reference", x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                   tuple(v.astype(np.float64) for v in bn[:4]) + (bn[4],), kwargs, activation)
+    try:
+        y = run(path, x, w, b, bn, kwargs, activation)
+    except libnn.LibraryError as exc:
+        pytest.skip(f"the library declined this case (auto falls back): {exc}")
+    assert y.shape == expected.shape and y.dtype == x.dtype
+    assert rel_error(y, expected) <= tolerance(dtype), activation
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_auto_always_finds_a_path_and_says_which(rng, dtype):
+    x, w, b, bn, kwargs = make(rng, (2, 16, 9, 9, 8, 3, 3, 1, 1, 1, 1), dtype, "NHWC")
+    y = run("auto", x, w, b, bn, kwargs, "relu")
+    decision = libnn.get_op("conv2d").last_decision
+    assert decision.path in PATHS
+    expected = run("reference", x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                   tuple(v.astype(np.float64) for v in bn[:4]) + (bn[4],), kwargs, "relu")
+    assert rel_error(y, expected) <= tolerance(dtype)
+
+
+def test_second_call_reuses_the_graph(rng):
+    x, w, b, bn, kwargs = make(rng, (1, 8, 6, 6, 8, 3, 3, 1, 1, 1, 1), "fp16", "NHWC")
+    run("cudnn", x, w, b, bn, kwargs, "relu")
+    builds = libnn.cache_info()["cudnn graphs"].builds
+    run("cudnn", x, w, b, bn, kwargs, "relu")
+    assert libnn.cache_info()["cudnn graphs"].builds == builds
+
+
+WARM_START = """
+import json, sys, time, cupy, numpy as np
+from libnn.ops.conv2d import conv2d
+from libnn.backends import cudnn
+x = cupy.asarray(np.random.default_rng(0).standard_normal((32, 56, 56, 64)).astype(np.float16))
+w = cupy.asarray((np.random.default_rng(1).standard_normal((64, 3, 3, 64)) / 24).astype(np.float16))
+b = cupy.asarray(np.random.default_rng(2).standard_normal(64).astype(np.float16))
+start = time.perf_counter()
+y = conv2d(x, w, b, padding=1, activation="relu", path="cudnn")
+cupy.cuda.get_current_stream().synchronize()
+graph = next(iter(cudnn._graphs._items.values()))
+print(json.dumps({"first_call_s": time.perf_counter() - start, "graph_s": graph.build_seconds,
+                  "source": graph.source, "checksum": float(cupy.abs(y.astype(cupy.float32)).sum())}))
+"""
+
+
+def test_plan_cache_round_trip_across_processes(tmp_path):
+    """A second process finds the plan on disk: no heuristics, no NVRTC, same result."""
+    env = {**__import__("os").environ, "LIBNN_CACHE_DIR": str(tmp_path)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", WARM_START], env=env, capture_output=True, text=True,
+                                      check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    print(runs)
+    assert runs[0]["source"] == "built" and runs[1]["source"] == "disk cache"
+    assert runs[1]["graph_s"] <= 0.05
+    assert runs[0]["checksum"] == runs[1]["checksum"]
+
+
+def test_cudnn_failure_under_auto_falls_back_visibly(rng, monkeypatch):
+    from libnn.backends import cudnn as backend
+
+    def refuse(*args, **kwargs):
+        raise libnn.LibraryError("cuDNN cannot run this: no engine supports this graph (simulated)")
+
+    monkeypatch.setattr(backend, "graph_for", refuse)
+    x, w, b, bn, kwargs = make(rng, (1, 8, 6, 6, 8, 3, 3, 1, 1, 1, 1), "fp16", "NHWC")
+    with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*no engine supports this graph"):
+        run("auto", x, w, b, bn, kwargs, "relu")
+    assert libnn.get_op("conv2d").last_decision.path == "custom"
+    with pytest.raises(libnn.LibraryError, match="no engine supports"):
+        run("cudnn", x, w, b, bn, kwargs, "relu")
+
+
+POOL_SHAPES = [(1, 1, 1, 1, 1, 1, 0), (2, 13, 11, 3, 2, 2, 0), (1, 17, 17, 16, 3, 2, 1), (4, 28, 28, 64, 2, 2, 0),
+               (1, 9, 12, 5, 3, 1, 1)]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("mode", ["max", "avg"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("shape", POOL_SHAPES, ids=str)
+def test_pool_matches_reference(rng, mode, dtype, layout, shape):
+    N, H, W, C, k, s, p = shape
+    x = random_normal(rng, (N, H, W, C) if layout == "NHWC" else (N, C, H, W), dtype)
+    pool = max_pool2d if mode == "max" else avg_pool2d
+    expected = pool(x.astype(np.float64), k, s, p, layout=layout)
+    y = pool(gpu(x), k, s, p, layout=layout, path="custom")
+    assert y.shape == expected.shape and rel_error(y, expected) <= tolerance(dtype)
+
+
+def test_max_pool_propagates_nan():
+    x = np.arange(16, dtype=np.float32).reshape(1, 4, 4, 1)
+    x[0, 1, 1, 0] = np.nan
+    y = max_pool2d(gpu(x), 2).get()
+    assert np.isnan(y[0, 0, 0, 0]) and np.isfinite(y.ravel()[1:]).all()
