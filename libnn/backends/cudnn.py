@@ -35,6 +35,11 @@ def data_type(short_name: str):
             "fp32": cudnn.data_type.FLOAT}[short_name]
 
 
+def _first_line(exc: BaseException) -> str:
+    """cuDNN's messages carry the whole backend log; the first line says what happened."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+
+
 def _library_errors() -> tuple[type[BaseException], ...]:
     import cudnn
 
@@ -58,7 +63,7 @@ class Graph:
         try:
             self.graph.execute(pack, space.data.ptr, handle=cudnn_handle())
         except _library_errors() as exc:
-            raise LibraryError(f"cuDNN execute failed: {exc}") from exc
+            raise LibraryError(f"cuDNN execute failed: {_first_line(exc)}") from exc
 
 
 def versions() -> str:
@@ -103,7 +108,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
         graph.check_support()
         graph.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
     except _library_errors() as exc:
-        raise LibraryError(f"cuDNN cannot run {description}: {type(exc).__name__}: {exc}") from exc
+        raise LibraryError(f"cuDNN cannot run {description}: {_first_line(exc)}") from exc
     built = Graph(graph, "built", time.perf_counter() - start, _selected_name(graph), graph.get_workspace_size())
     if use_disk_cache:
         stored.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +125,25 @@ def _selected_name(graph: Any) -> str:
         return "?"
 
 
+@dataclass
+class Refusal:
+    """cuDNN declined this graph; kept in the cache so that the next call fails fast."""
+    error: LibraryError
+
+
 def graph_for(key: Any, builder: Callable[[Any], Any], description: str, use_disk_cache: bool = True) -> Graph:
-    """The planned graph for `key` on the current device and stream, built by `builder(handle)`."""
-    full_key = (key, current_device_id(), current_stream().ptr)
-    return _graphs.get(full_key, lambda: _build(builder, description, key, use_disk_cache))
+    """The planned graph for `key` on the current device and stream, built by `builder(handle)`.
+    A graph cuDNN declines raises LibraryError, now and on every later call with the same key."""
+    def build():
+        try:
+            return _build(builder, description, key, use_disk_cache)
+        except LibraryError as exc:
+            return Refusal(exc)
+
+    found = _graphs.get((key, current_device_id(), current_stream().ptr), build)
+    if isinstance(found, Refusal):
+        raise LibraryError(str(found.error))
+    return found
 
 
 @dataclass
@@ -158,7 +178,7 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
             graph.build_operation_graph()
             graph.create_execution_plans(_heur_modes((mode,)))
         except _library_errors() as exc:
-            found.append(PlanInfo(mode, -1, "-", None, {}, [], None, False, f"{type(exc).__name__}: {exc}"))
+            found.append(PlanInfo(mode, -1, "-", None, {}, [], None, False, _first_line(exc)))
             continue
         for i in range(graph.get_execution_plan_count()):
             engine_id, knobs = graph.get_engine_and_knobs_at_index(i)
@@ -171,11 +191,11 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
                 info.built = True
                 info.workspace_bytes = graph.get_workspace_size_plan_at_index(i)
             except (*_library_errors(), NotImplementedError) as exc:
-                info.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+                info.error = _first_line(exc)[:120]
             if info.built and time_plans and buffers is not None:
                 space = workspace(info.workspace_bytes or 0)
                 pack = {uid: a.data.ptr for uid, a in buffers.items()}
-                info.time_ms = time_gpu(lambda _: graph.execute_plan_at_index(pack, space.data.ptr, i, handle=handle),
+                info.time_ms = time_gpu(lambda _: graph.execute_plan_at_index(pack, space.data.ptr, index=i, handle=handle),
                                         [None], warmup=2, runs=10).median_ms
             found.append(info)
             if on_plan:
