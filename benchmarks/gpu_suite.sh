@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU job in one call: environment report, the full test suite (GPU tests included), the
-# benchmarks and plan inspection, with logs under $OUT (default ./gpu-out).
+# The whole GPU job in one call: environment report and demo, the full test suite (GPU tests
+# included), the benchmarks and plan inspection, with logs under $OUT (default ./gpu-out): at most
+# 8 files (info, pytest, bench_linear, bench_conv with their JSON, plans).
 #
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
 #
@@ -19,11 +20,11 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 status=0
-run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt and remember a failure
+run() {  # run NAME CMD...: append the output to $OUT/NAME.txt and remember a failure
   local name=$1; shift
-  echo "=== $name: $*"
+  echo "=== $name: $*" | tee -a "$OUT/$name.txt"
   local start=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.txt"
+  "$@" 2>&1 | tee -a "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: exit $rc in $((SECONDS - start)) s"
   [ "$rc" -eq 0 ] || status=1
@@ -31,10 +32,12 @@ run() {  # run NAME CMD...: tee the output to $OUT/NAME.txt and remember a failu
 run info python3 -m libnn info
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run pytest python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
-  run demo python3 -m libnn demo
+  run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   run bench_linear python3 -m libnn bench linear --json "$OUT/bench_linear.json"
-  run plans_linear python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
+  run bench_conv python3 -m libnn bench conv --json "$OUT/bench_conv.json"
+  run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
+  run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time
 fi
 exit $status

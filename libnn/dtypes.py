@@ -27,13 +27,16 @@ if bfloat16 is not None:
     _BY_NAME.update({"bf16": bfloat16, "bfloat16": bfloat16})
 
 
+_SHORT_NAMES = {_BY_NAME[n]: n for n in ("fp16", "bf16", "fp32", "fp64") if n in _BY_NAME}
+
+
 def short_name(dtype) -> str:
     """'fp16', 'bf16', 'fp32', 'fp64', or NumPy's own name for anything else."""
-    dtype = np.dtype(dtype)
-    for name in ("fp16", "bf16", "fp32", "fp64"):
-        if _BY_NAME.get(name) == dtype:
-            return name
-    return dtype.name
+    name = _SHORT_NAMES.get(dtype)  # hot path: a dtype object hashes fast
+    if name is None:
+        dtype = np.dtype(dtype)
+        name = _SHORT_NAMES.get(dtype, dtype.name)
+    return name
 
 
 def parse(name) -> np.dtype:

@@ -46,7 +46,7 @@ def linear_plans(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = True,
     y = cupy.empty((m, n), dt)
     problem = LinearProblem(m, n, k, dtypes.short_name(dt), bias, activation, allow_tf32,
                             f"gpu:{cupy.cuda.runtime.getDevice()}")
-    plan = cublaslt.plan_for(problem, x, w, b, y)
+    plan = cublaslt.plan_for(problem, x, w, b, y, cupy.cuda.get_current_stream().ptr)
     if time:
         chosen_before = plan.chosen
         plan.autotune(x, w, b, y, runs=20)

@@ -73,28 +73,49 @@ class Op:
 
     def dispatch(self, problem: Any, path: str, *args: Any) -> Any:
         """Run `problem` on `path` (a path name or "auto"); `problem.device` is 'cpu' or 'gpu:N'."""
+        return self.run(self.resolve(problem, path), problem, *args)
+
+    def resolve(self, problem: Any, path: str) -> tuple[tuple[Path, ...], dict[str, str]]:
+        """The paths to try for `problem`, in order, and why each other path was passed over. A
+        forced path comes alone, or raises if it cannot run here. The result depends only on the
+        problem and the machine, so an op may cache it per problem."""
         where = problem.device.split(":")[0]
         if path != "auto":
-            return self._run_forced(problem, path, where, args)
-        passed_over = {}
+            return (self._forced(problem, path, where),), {}
+        candidates, passed_over = [], {}
         for p in self.paths.values():
             if reason := self._why_not(p, problem, where):
                 passed_over[p.name] = reason
-                continue
+            else:
+                candidates.append(p)
+        if not candidates:
+            reasons = "; ".join(f"{n}: {r}" for n, r in passed_over.items())
+            raise NoPathError(f"{self.name}: no path can compute {problem.describe()} ({reasons})")
+        return tuple(candidates), passed_over
+
+    def run(self, resolved: tuple[tuple[Path, ...], dict[str, str]], problem: Any, *args: Any) -> Any:
+        """Run the first of the resolved paths whose library does not fail; a failure under `auto`
+        warns and moves on to the next path."""
+        candidates, passed_over = resolved
+        if len(candidates) == 1:  # a forced path, or the only one: its errors are the caller's
+            result = candidates[0].run(problem, *args)
+            self.last_decision = Decision(candidates[0].name, passed_over)
+            return result
+        failures = dict(passed_over)
+        for p in candidates:
             try:
                 result = p.run(problem, *args)
             except LibraryError as exc:
-                passed_over[p.name] = f"failed: {exc}"
+                failures[p.name] = f"failed: {exc}"
                 warnings.warn(f"{self.name}: path '{p.name}' failed, trying the next path: {exc}",
                               FallbackWarning, stacklevel=3)
                 continue
-            self.last_decision = Decision(p.name, passed_over)
+            self.last_decision = Decision(p.name, failures)
             return result
-        self.last_decision = None
-        reasons = "; ".join(f"{n}: {r}" for n, r in passed_over.items())
-        raise NoPathError(f"{self.name}: no path can compute {problem.describe()} ({reasons})")
+        reasons = "; ".join(f"{n}: {r}" for n, r in failures.items())
+        raise NoPathError(f"{self.name}: no path could compute {problem.describe()} ({reasons})")
 
-    def _run_forced(self, problem: Any, path: str, where: str, args: tuple) -> Any:
+    def _forced(self, problem: Any, path: str, where: str) -> Path:
         if path not in self.paths:
             raise ValueError(f"{self.name}: unknown path {path!r}; expected 'auto' or one of {list(self.paths)}")
         p = self.paths[path]
@@ -105,9 +126,7 @@ class Op:
                                else "move them to the host with cupy.asnumpy(...) or use a GPU path"))
         if reason := p.missing() or p.supports(problem):
             raise PathUnavailableError(f"{self.name}: path '{path}' cannot run {problem.describe()}: {reason}")
-        result = p.run(problem, *args)
-        self.last_decision = Decision(p.name)
-        return result
+        return p
 
     def availability(self) -> list[dict[str, str]]:
         return [{"path": p.name, "kind": p.kind, "device": p.device,

@@ -171,7 +171,7 @@ def test_stream_context_is_honoured(rng):
             y = linear(x, w, b, "gelu", path=path)
             s.synchronize()
             assert rel_error(y, expected) <= tolerance("fp16")
-    assert (libnn.runtime.device.current_device_id(), s.ptr) in {k[2:] for k in libnn.backends.cublaslt._plans._items}
+    assert s.ptr in {key[-1] for key in libnn.backends.cublaslt._plans._items}  # a plan per stream
 
 
 def test_torch_tensors_are_taken_without_a_copy(rng):

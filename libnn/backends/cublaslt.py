@@ -78,27 +78,30 @@ class GemmPlan:
     chosen: int = 0                     # index into candidates; 0 is the heuristic's first choice
     plan_seconds: float = 0.0
 
-    def run(self, x, w, b, y) -> None:
+    def run(self, x, w, b, y, stream_ptr: int) -> None:
         from nvmath.bindings import cublasLt
 
         m = self.matmul
         if b is not None and b.data.ptr != self._bias_ptr:
             m.mm_desc_ifc.bias_pointer = self._bias_ptr = b.data.ptr
-        space = workspace(m.workspace.size)
+        space = workspace(self._workspace_bytes, self._device_id, stream_ptr)
         try:
-            cublasLt.matmul(m.handle, m.mm_desc, m.alpha.ctypes.data, w.data.ptr, m.a_layout_ptr, x.data.ptr,
-                            m.b_layout_ptr, m.beta.ctypes.data, y.data.ptr, m.c_layout_ptr, y.data.ptr,
-                            m.d_layout_ptr, self._algo.ctypes.data, space.data.ptr, m.workspace.size,
-                            current_stream().ptr)
+            cublasLt.matmul(m.handle, m.mm_desc, self._alpha, w.data.ptr, m.a_layout_ptr, x.data.ptr,
+                            m.b_layout_ptr, self._beta, y.data.ptr, m.c_layout_ptr, y.data.ptr, m.d_layout_ptr,
+                            self._algo, space.data.ptr, self._workspace_bytes, stream_ptr)
         except cublasLt.cuBLASLtError as exc:
             raise LibraryError(f"cuBLASLt matmul failed for {self.problem.describe()}: {exc}") from exc
 
     def choose(self, index: int) -> None:
         """Run candidate `index` from now on."""
         self.chosen = index
-        self._algo = self.matmul.algorithm_object_to_buffer[self.candidates[index].algorithm]["algo"]
+        self._algo = self.matmul.algorithm_object_to_buffer[self.candidates[index].algorithm]["algo"].ctypes.data
 
     def __post_init__(self) -> None:
+        # host pointers the matmul call needs, read once: numpy's .ctypes costs microseconds per access
+        self._alpha, self._beta = self.matmul.alpha.ctypes.data, self.matmul.beta.ctypes.data
+        self._workspace_bytes = self.matmul.workspace.size
+        self._device_id = int(self.problem.device.split(":")[1])
         self._bias_ptr = None
         self.choose(self.chosen)
 
@@ -106,9 +109,10 @@ class GemmPlan:
         """Time every candidate on these operands (median of `runs`, CUDA events) and keep the fastest."""
         from libnn.bench.harness import time_gpu
 
+        stream_ptr = current_stream().ptr
         for c in self.candidates:
             self.choose(c.index)
-            c.time_ms = time_gpu(lambda _: self.run(x, w, b, y), [None], warmup=2, runs=runs).median_ms
+            c.time_ms = time_gpu(lambda _: self.run(x, w, b, y, stream_ptr), [None], warmup=2, runs=runs).median_ms
         self.choose(min(range(len(self.candidates)), key=lambda i: self.candidates[i].time_ms))
 
 
@@ -136,9 +140,10 @@ def _build(problem, x, w, b, y) -> GemmPlan:
     return plan
 
 
-def plan_for(problem, x, w, b, y) -> GemmPlan:
-    key = (problem, tuple(_alignment(a) for a in (x, w, b, y) if a is not None), current_device_id(),
-           current_stream().ptr)
+def plan_for(problem, x, w, b, y, stream_ptr: int) -> GemmPlan:
+    """The plan for `problem` with these operands' alignment on the given stream (the device is in
+    the problem)."""
+    key = (problem, _alignment(x), _alignment(w), b is not None and _alignment(b), stream_ptr)
     return _plans.get(key, lambda: _build(problem, x, w, b, y))
 
 
@@ -146,6 +151,7 @@ def linear(problem, x, w, b):
     """y = act(x @ w.T + b) on cuBLASLt; x (M, K), w (N, K), b (N,) C-contiguous CuPy arrays."""
     import cupy
 
-    y = cupy.empty((problem.M, problem.N), x.dtype)
-    plan_for(problem, x, w, b, y).run(x, w, b, y)
+    y = cupy.empty((problem.M, problem.N), x.dtype)  # pool memory: always 256-byte aligned
+    stream_ptr = current_stream().ptr
+    plan_for(problem, x, w, b, y, stream_ptr).run(x, w, b, y, stream_ptr)
     return y

@@ -106,10 +106,11 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
         graph.build_operation_graph()
         graph.create_execution_plans(_heur_modes(("A", "FALLBACK")))
         graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+        index = _build_first_plan(graph)
     except _library_errors() as exc:
         raise LibraryError(f"cuDNN cannot run {description}: {_first_line(exc)}") from exc
-    built = Graph(graph, "built", time.perf_counter() - start, _selected_name(graph), graph.get_workspace_size())
+    built = Graph(graph, "built", time.perf_counter() - start, graph.get_plan_name_at_index(index),
+                  graph.get_workspace_size())
     if use_disk_cache:
         stored.parent.mkdir(parents=True, exist_ok=True)
         tmp = stored.with_suffix(".tmp")
@@ -118,11 +119,19 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
     return built
 
 
-def _selected_name(graph: Any) -> str:
-    try:
-        return str(graph.selected_engine)
-    except Exception:  # informational only
-        return "?"
+def _build_first_plan(graph: Any) -> int:
+    """Build the heuristics' plans in rank order until one builds (what the HEURISTICS_CHOICE
+    policy does), and return its index, so that the plan libnn runs can be named."""
+    import cudnn
+
+    errors = []
+    for index in range(graph.get_execution_plan_count()):
+        try:
+            graph.build_plan_at_index(index)
+            return index
+        except (*_library_errors(), NotImplementedError) as exc:
+            errors.append(f"[{index}] {_first_line(exc)}")
+    raise cudnn.cudnnGraphNotSupportedError("no plan could be built: " + "; ".join(errors))
 
 
 @dataclass

@@ -11,8 +11,7 @@ from libnn.errors import LibnnError
 
 
 def is_cupy(a: Any) -> bool:
-    module = type(a).__module__
-    return module.startswith("cupy") and hasattr(a, "device")
+    return type(a).__module__.startswith("cupy") and hasattr(a, "device")
 
 
 def _dlpack_on_cuda(a: Any) -> bool | None:
@@ -54,17 +53,19 @@ def array_module(a: Any):
     return np
 
 
+def place(a: Any) -> str:
+    """'cpu' or 'gpu:N'."""
+    return f"gpu:{a.data.device_id}" if is_cupy(a) else "cpu"
+
+
 def device_of(arrays: dict[str, Any], op: str) -> str:
     """'cpu' or 'gpu:N' for a set of named arrays (None entries skipped); all must agree."""
-    places = {}
-    for name, a in arrays.items():
-        if a is not None:
-            places[name] = f"gpu:{a.device.id}" if is_cupy(a) else "cpu"
-    distinct = set(places.values())
-    if len(distinct) > 1:
+    places = {name: place(a) for name, a in arrays.items() if a is not None}
+    first = next(iter(places.values()))
+    if any(p != first for p in places.values()):
         listing = ", ".join(f"{n} on {p}" for n, p in places.items())
         raise LibnnError(f"{op}: all arrays must be on one device, got {listing}")
-    return distinct.pop()
+    return first
 
 
 def contiguous(a: Any):

@@ -38,13 +38,14 @@ def cudnn_handle():
 _workspaces: dict[tuple[int, int], object] = {}
 
 
-def workspace(nbytes: int):
-    """A scratch buffer of at least `nbytes` for the current device and stream, shared by every plan
-    that runs there: work on one stream is ordered, so plans never use it at the same time. It grows
-    to the largest request and is never shrunk."""
+def workspace(nbytes: int, device_id: int | None = None, stream_ptr: int | None = None):
+    """A scratch buffer of at least `nbytes` for the device and stream (default: the current ones),
+    shared by every plan that runs there: work on one stream is ordered, so plans never use it at
+    the same time. It grows to the largest request and is never shrunk."""
     import cupy
 
-    key = (current_device_id(), current_stream().ptr)
+    key = (current_device_id() if device_id is None else device_id,
+           current_stream().ptr if stream_ptr is None else stream_ptr)
     buffer = _workspaces.get(key)
     if buffer is None or buffer.nbytes < nbytes:
         buffer = _workspaces[key] = cupy.empty(max(nbytes, 256), cupy.uint8)
