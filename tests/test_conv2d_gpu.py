@@ -164,3 +164,16 @@ def test_max_pool_propagates_nan():
     x[0, 1, 1, 0] = np.nan
     y = max_pool2d(gpu(x), 2).get()
     assert np.isnan(y[0, 0, 0, 0]) and np.isfinite(y.ravel()[1:]).all()
+
+
+@pytest.mark.parametrize("fold_bn", [True, False])
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_fused_conv_model_on_gpu_matches_reference(rng, fold_bn, dtype):
+    from test_nn_conv import layer_by_layer, model
+
+    host = model(fold_bn)
+    gpu_model = model(fold_bn, dtype=dtype, device="gpu")
+    gpu_model.load_state_dict({k: v.astype(dtypes.parse(dtype)) for k, v in host.state_dict().items()})
+    x = rng.standard_normal((4, 16, 16, 3))
+    y = gpu_model(gpu(x.astype(dtypes.parse(dtype))))
+    assert rel_error(y, layer_by_layer(host, x)) <= tolerance(dtype)

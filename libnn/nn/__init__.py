@@ -1,6 +1,10 @@
 """Layers for inference, in the PyTorch style: parameters by name, state_dict keys PyTorch uses."""
 
+from libnn.nn.conv import (GELU, AvgPool2d, BatchNorm2d, Conv2d, Conv2dBNAct, MaxPool2d, ReLU, ReLU6,
+                           SiLU)
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
+from libnn.nn.sequential import Sequential
 
-__all__ = ["Module", "Linear"]
+__all__ = ["Module", "Linear", "Conv2d", "BatchNorm2d", "Conv2dBNAct", "ReLU", "ReLU6", "GELU", "SiLU",
+           "MaxPool2d", "AvgPool2d", "Sequential"]

@@ -88,6 +88,11 @@ def _like(value: Any, like: Any) -> Any:
     return value.astype(like.dtype, copy=False)
 
 
+def full(shape: tuple[int, ...], value: float, dtype: Any, device: str) -> Any:
+    values = np.full(shape, value, dtypes.parse(dtype))
+    return _moved(values, device) if device != "cpu" else values
+
+
 def init_uniform(shape: tuple[int, ...], bound: float, dtype: Any, device: str, seed: int | None) -> Any:
     """PyTorch's default init for linear and conv layers: U(-bound, bound)."""
     values = np.random.default_rng(seed).uniform(-bound, bound, shape).astype(dtypes.parse(dtype))

@@ -1,0 +1,151 @@
+"""Convolution, batch norm, activations and pooling layers, and the conv→BN→activation fusion that
+`Sequential` applies on its own.
+
+Weights are stored in PyTorch's layout and names (Conv2d.weight is (K, C/groups, R, S); BatchNorm2d
+has weight, bias, running_mean, running_var), so a PyTorch state_dict loads as it is. A layer computes
+in its `layout` ("NHWC" by default: the layout cuDNN's fused engines and our kernels are fastest in);
+the weight is converted to that layout once and the conversion cached until the weight changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from libnn.nn.module import Module, full, init_uniform
+from libnn.ops import activations
+from libnn.ops.conv2d import conv2d, fold_batchnorm
+from libnn.ops.pool2d import avg_pool2d, max_pool2d
+from libnn.runtime.arrays import array_module
+
+
+class Conv2d(Module):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: Any = 1,
+                 padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
+                 activation: str | None = None, *, layout: str = "NHWC", dtype: Any = "fp32", device: str = "cpu",
+                 path: str = "auto", seed: int | None = None):
+        super().__init__()
+        r, s = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (r, s)
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        self.activation, self.layout, self.path = activation, layout, path
+        bound = 1 / math.sqrt(in_channels // groups * r * s)
+        self.register_parameter("weight", init_uniform((out_channels, in_channels // groups, r, s), bound, dtype,
+                                                       device, seed))
+        self.register_parameter("bias", init_uniform((out_channels,), bound, dtype, device,
+                                                     None if seed is None else seed + 1) if bias else None)
+        self._converted: tuple[int, Any] | None = None
+
+    def filters(self) -> Any:
+        """The weight in the filter layout of `self.layout` (KRSC for NHWC), converted once."""
+        if self.layout == "NCHW":
+            return self.weight
+        if self._converted is None or self._converted[0] is not self.weight:
+            xp = array_module(self.weight)
+            self._converted = (self.weight, xp.ascontiguousarray(self.weight.transpose(0, 2, 3, 1)))
+        return self._converted[1]
+
+    def forward(self, x: Any, bn: Any = None, activation: str | None = None) -> Any:
+        return conv2d(x, self.filters(), self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation,
+                      groups=self.groups, bn=bn, activation=activation or self.activation, layout=self.layout,
+                      path=self.path)
+
+
+class BatchNorm2d(Module):
+    """Batch norm in inference: y = (x - running_mean) / sqrt(running_var + eps) * weight + bias."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, *, layout: str = "NHWC", dtype: Any = "fp32",
+                 device: str = "cpu"):
+        super().__init__()
+        self.num_features, self.eps, self.layout = num_features, eps, layout
+        for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            self.register_parameter(name, full((num_features,), value, dtype, device))
+
+    def folded(self) -> tuple[Any, Any]:
+        """(scale, shift) of the affine map this layer computes."""
+        return fold_batchnorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+
+    def forward(self, x: Any) -> Any:
+        scale, shift = self.folded()
+        shape = (1, 1, 1, -1) if self.layout == "NHWC" else (1, -1, 1, 1)
+        return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
+
+
+class Activation(Module):
+    """An element-wise activation by name; ReLU, ReLU6, GELU (tanh) and SiLU are its instances."""
+
+    name: str | None = None
+
+    def forward(self, x: Any) -> Any:
+        return activations.apply(x, self.name).astype(x.dtype)
+
+
+class ReLU(Activation):
+    name = "relu"
+
+
+class ReLU6(Activation):
+    name = "relu6"
+
+
+class GELU(Activation):
+    name = "gelu"
+
+
+class SiLU(Activation):
+    name = "silu"
+
+
+class MaxPool2d(Module):
+    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, *, layout: str = "NHWC",
+                 path: str = "auto"):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding, self.layout, self.path = kernel_size, stride, padding, layout, path
+
+    def forward(self, x: Any) -> Any:
+        return max_pool2d(x, self.kernel_size, self.stride, self.padding, layout=self.layout, path=self.path)
+
+
+class AvgPool2d(MaxPool2d):
+    def forward(self, x: Any) -> Any:
+        return avg_pool2d(x, self.kernel_size, self.stride, self.padding, layout=self.layout, path=self.path)
+
+
+class Conv2dBNAct(Module):
+    """conv → batch norm → activation as one op: BN folded into the conv's weight and bias (the
+    default), or kept as the graph's per-channel epilogue (`fold=False`). Formed by Sequential."""
+
+    def __init__(self, conv: Conv2d, bn: BatchNorm2d, activation: str | None, fold: bool = True):
+        super().__init__()
+        self.conv, self.bn, self.activation, self.fold = conv, bn, activation, fold
+        self._folded: Conv2d | None = None
+
+    def describe(self) -> str:
+        how = "BN folded into the weights" if self.fold else "BN as the epilogue"
+        return f"Conv2d+BatchNorm2d{'+' + self.activation if self.activation else ''} fused ({how})"
+
+    def forward(self, x: Any) -> Any:
+        if not self.fold:
+            return self.conv(x, bn=self.bn.folded(), activation=self.activation)
+        return self._folded_conv()(x, activation=self.activation)
+
+    def _folded_conv(self) -> Conv2d:
+        """A Conv2d with w' = w · scale and b' = b · scale + shift, computed in fp32 (fp64 for fp64
+        layers) and rounded once to the layer's dtype."""
+        c = self.conv
+        if self._folded is None:
+            scale, shift = self.bn.folded()
+            xp = array_module(c.weight)
+            compute = xp.float64 if c.weight.dtype == xp.float64 else xp.float32
+            w = (c.weight.astype(compute) * scale.reshape(-1, 1, 1, 1)).astype(c.weight.dtype)
+            b = shift if c.bias is None else c.bias.astype(compute) * scale + shift
+            folded = Conv2d.__new__(Conv2d)
+            folded.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_parameters", "_children")})
+            Module.__init__(folded)
+            folded.register_parameter("weight", w)
+            folded.register_parameter("bias", b.astype(c.weight.dtype))
+            folded._converted = None
+            self._folded = folded
+        return self._folded

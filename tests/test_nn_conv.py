@@ -1,0 +1,57 @@
+"""Conv layers and Sequential's fusion: the fused model computes what the layers compute one by one."""
+
+import numpy as np
+import pytest
+
+from libnn import nn
+from conftest import rel_error
+
+
+def model(fold_bn=True, dtype="fp64", device="cpu", layout="NHWC"):
+    kw = dict(dtype=dtype, device=device, layout=layout)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, seed=0, **kw), nn.BatchNorm2d(8, **kw), nn.ReLU6(),
+                      nn.MaxPool2d(2, layout=layout), nn.Conv2d(8, 6, 3, stride=2, seed=3, **kw), nn.SiLU(),
+                      nn.Conv2d(6, 6, 3, padding=1, groups=6, seed=5, **kw), nn.BatchNorm2d(6, **kw),
+                      fold_bn=fold_bn)
+    rng = np.random.default_rng(9)
+    for bn in (m[1], m[7]):  # non-trivial statistics
+        bn.load_state_dict({k: rng.uniform(0.5, 1.5, bn.num_features).astype(v.dtype) if "var" in k or k == "weight"
+                            else rng.normal(size=bn.num_features).astype(v.dtype) for k, v in bn.state_dict().items()})
+    return m
+
+
+def layer_by_layer(m, x):
+    for _, layer in m._children.items():
+        x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("fold_bn", [True, False])
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_fused_sequential_matches_layer_by_layer(rng, fold_bn, layout):
+    m = model(fold_bn, layout=layout)
+    x = rng.standard_normal((2, 12, 12, 3) if layout == "NHWC" else (2, 3, 12, 12))
+    assert [names for names, _ in m.fused()] == ["0+1+2", "3", "4+5", "6+7"]
+    assert rel_error(m(x), layer_by_layer(m, x)) <= 1e-12
+
+
+def test_state_dict_keeps_pytorch_names_and_reload_refuses_stale_fusion(rng):
+    m = model()
+    assert "1.running_var" in m.state_dict() and "6.weight" in m.state_dict()
+    x = rng.standard_normal((1, 8, 8, 3))
+    before = m(x)
+    state = {k: v * 1.5 for k, v in m.state_dict().items()}
+    m.load_state_dict(state)
+    assert rel_error(m(x), layer_by_layer(m, x)) <= 1e-12 and rel_error(m(x), before) > 1e-3
+
+
+def test_describe_says_what_was_fused():
+    lines = model().describe()
+    assert lines[0] == "0+1+2: Conv2d+BatchNorm2d+relu6 fused (BN folded into the weights)"
+    assert "Conv2d+silu fused" in lines[2]
+
+
+def test_conv_layer_weight_is_pytorch_layout_and_nhwc_copy_is_cached():
+    conv = nn.Conv2d(4, 8, (3, 5), groups=2, seed=1)
+    assert conv.weight.shape == (8, 2, 3, 5)
+    assert conv.filters().shape == (8, 3, 5, 2) and conv.filters() is conv.filters()
