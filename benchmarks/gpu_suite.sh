@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU job in one call: environment report and demo, the full test suite (GPU tests
 # included), the benchmarks and plan inspection, with logs under $OUT (default ./gpu-out): at most
-# 8 files (info, pytest, bench_linear, bench_conv with their JSON, plans).
+# 8 files: info, pytest, plans, one text log per benchmark, and results.tgz with the benchmarks' JSON
+# and the FFT heat map.
 #
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
 #
@@ -37,7 +38,9 @@ fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   run bench_linear python3 -m libnn bench linear --json "$OUT/bench_linear.json"
   run bench_conv python3 -m libnn bench conv --json "$OUT/bench_conv.json"
+  run bench_fftconv python3 -m libnn bench fftconv --json "$OUT/bench_fftconv.json"
   run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
   run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time
 fi
+( cd "$OUT" && compgen -G "*.json" >/dev/null && tar czf results.tgz *.json *.png 2>/dev/null; rm -f "$OUT"/*.json "$OUT"/*.png )
 exit $status

@@ -100,9 +100,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_demo)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv"], help="the op to benchmark")
+    s.add_argument("op", choices=["linear", "conv", "fftconv"], help="the op to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
-    s.add_argument("--json", metavar="FILE", help="also write every result to FILE")
+    s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fftconv: and a heat map PNG beside it)")
     s.set_defaults(func=_bench)
 
     s = sub.add_parser("plans", help="the plans a library's heuristics offer for one problem (GPU only)",

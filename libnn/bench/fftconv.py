@@ -1,0 +1,128 @@
+"""`libnn bench fftconv`: FFT convolution (cuFFT and our FFT) against direct convolution (cuDNN),
+CuPy's fftconvolve and PyTorch, over image size × kernel size, single channel and multi-channel.
+
+Prints the table, the crossover kernel size per image size (the smallest kernel from which the FFT
+path is faster than direct cuDNN), and saves a heat map of the speed-up direct time / FFT time over
+image × kernel size as a PNG (with matplotlib, when installed).
+
+Goals: the cufft path ≥ 1.2× faster than CuPy's fftconvolve wherever both run; small cached calls
+≤ 60 µs; `auto` never more than 10% slower than the better of direct and FFT.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from libnn.bench import harness
+
+IMAGES = (64, 256, 1024, 2048)
+KERNELS = (3, 7, 15, 31, 63, 127)
+DIRECT_FLOP_LIMIT = 4e11  # direct convolutions above this take seconds: skipped, marked "-"
+
+
+def _time(fn, runs=10) -> float | None:
+    try:
+        return harness.time_gpu(lambda _: fn(), [None], warmup=2, runs=runs).median_ms
+    except Exception as exc:  # a path that cannot run this size: reported, not fatal
+        print(f"    skipped: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+        return None
+
+
+def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
+    import cupy
+
+    from libnn.ops.conv2d import conv2d
+    from libnn.ops.fft_conv import fft_conv2d
+
+    images, kernels = ((64, 256), (3, 15)) if quick else (IMAGES, KERNELS)
+    rng = cupy.random.default_rng(11)
+    rows: list[dict[str, Any]] = []
+    total = len(images) * len(kernels)
+    step = 0
+    for channels in (1, 16):
+        for size in images:
+            x = rng.standard_normal((1, channels, size, size), dtype=cupy.float32)
+            for k in kernels:
+                step += 1
+                if k >= size:
+                    continue
+                harness.progress(step, total * 2, f"C=K={channels} image {size}^2 kernel {k}^2")
+                w = rng.standard_normal((channels, channels, k, k), dtype=cupy.float32) / math.sqrt(channels * k * k)
+                flops = 2 * channels * channels * (size - k + 1) ** 2 * k * k
+                row = {"C=K": channels, "image": size, "kernel": k,
+                       "cufft_ms": _time(lambda: fft_conv2d(x, w, path="cufft")),
+                       "custom_ms": _time(lambda: fft_conv2d(x, w, path="custom")),
+                       "direct_ms": _time(lambda: conv2d(x, w, layout="NCHW", path="cudnn"), runs=5)
+                       if flops <= DIRECT_FLOP_LIMIT else None}
+                if channels == 1:
+                    import cupyx.scipy.signal as signal
+                    row["cupy_ms"] = _time(lambda: signal.fftconvolve(x[0, 0], w[0, 0, ::-1, ::-1], mode="valid"))
+                row["torch_ms"] = _torch_time(x, w) if flops <= DIRECT_FLOP_LIMIT else None
+                if row["direct_ms"] and row["cufft_ms"]:
+                    row["direct/fft"] = row["direct_ms"] / row["cufft_ms"]
+                if row.get("cupy_ms") and row["cufft_ms"]:
+                    row["cupy/cufft"] = row["cupy_ms"] / row["cufft_ms"]
+                rows.append(row)
+            cupy.get_default_memory_pool().free_all_blocks()
+    print(harness.format_table(rows, ["C=K", "image", "kernel", "direct_ms", "cufft_ms", "custom_ms", "cupy_ms",
+                                      "torch_ms", "direct/fft", "cupy/cufft"]))
+    print(crossovers(rows))
+    if json_path:
+        harness.save_json(json_path, {"rows": rows})
+        _heatmap(rows, json_path.rsplit(".", 1)[0] + ".png")
+    return rows
+
+
+def _torch_time(x, w) -> float | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
+    torch.backends.cudnn.allow_tf32 = False
+    return _time(lambda: F.conv2d(tx, tw), runs=5)
+
+
+def crossovers(rows: list[dict[str, Any]]) -> str:
+    lines = ["crossover (smallest kernel where cufft beats direct cuDNN):"]
+    for channels in sorted({r["C=K"] for r in rows}):
+        for size in sorted({r["image"] for r in rows if r["C=K"] == channels}):
+            faster = [r["kernel"] for r in rows if r["C=K"] == channels and r["image"] == size
+                      and r.get("direct/fft") is not None and r["direct/fft"] > 1]
+            lines.append(f"  C=K={channels:<3} image {size:>5}^2: " + (f"kernel >= {min(faster)}" if faster else "direct always faster (of those measured)"))
+    return "\n".join(lines)
+
+
+def _heatmap(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no heat map")
+        return
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, channels in zip(axes, (1, 16)):
+        sel = [r for r in rows if r["C=K"] == channels]
+        images, kernels = sorted({r["image"] for r in sel}), sorted({r["kernel"] for r in sel})
+        grid = np.full((len(images), len(kernels)), np.nan)
+        for r in sel:
+            if r.get("direct/fft"):
+                grid[images.index(r["image"]), kernels.index(r["kernel"])] = math.log2(r["direct/fft"])
+        im = ax.imshow(grid, cmap="RdBu", vmin=-6, vmax=6, origin="lower")
+        ax.set_xticks(range(len(kernels)), kernels)
+        ax.set_yticks(range(len(images)), images)
+        ax.set_xlabel("kernel size")
+        ax.set_ylabel("image size")
+        ax.set_title(f"log2(direct cuDNN / cuFFT), C=K={channels}")
+        for i in range(len(images)):
+            for j in range(len(kernels)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{2 ** grid[i, j]:.2g}x", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=axes, label="log2 speed-up of FFT over direct (blue: FFT faster)")
+    fig.savefig(path, dpi=110)
+    print(f"heat map: {path}")
