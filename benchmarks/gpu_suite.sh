@@ -42,5 +42,5 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
   run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
   run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time
 fi
-( cd "$OUT" && compgen -G "*.json" >/dev/null && tar czf results.tgz *.json *.png 2>/dev/null; rm -f "$OUT"/*.json "$OUT"/*.png )
+( cd "$OUT" && results=$(ls *.json *.png 2>/dev/null) && [ -n "$results" ] && tar czf results.tgz $results && rm -f $results )
 exit $status
