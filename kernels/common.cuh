@@ -1,7 +1,7 @@
 /*
-libnn's shared device code for kernels/*.cu: storage types, fp16/bf16 conversions and the tensor-core
-primitives as inline PTX (so that no CUDA toolkit header is needed and NVRTC from any wheel compiles
-the kernels), dtype traits, and the activation every fused epilogue applies.
+libnn's shared device code for the kernel files in kernels/: storage types, fp16/bf16 conversions and the
+tensor-core and copy primitives as inline PTX (so that no CUDA toolkit header is needed and NVRTC from
+any wheel compiles the kernels), dtype traits, and the activation every fused epilogue applies.
 
 Activation codes (libnn/ops/activations.py KERNEL_CODES): 0 none, 1 relu, 2 relu6, 3 gelu (tanh
 approximation), 4 silu. NaN propagates through each of them.
@@ -19,6 +19,7 @@ struct alignas(16) u32x4 { u32 a, b, c, d; };
 struct alignas(16) f32x4 { float x, y, z, w; };
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
@@ -32,15 +33,28 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) {
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u16 h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
+// x / y with at most 2 ulp error over the full range, inline (IEEE '/' calls a slow-path subroutine,
+// which would make the callers keep registers on the stack)
+__device__ __forceinline__ float fdiv_full(float a, float b) {
+    float d; asm("div.full.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d;
+}
+// bytes of dynamic shared memory this launch was given
+__device__ __forceinline__ u32 dyn_smem_bytes() {
+    u32 r; asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r)); return r;
+}
 // 32-bit shared-window address, what cp.async / ldmatrix take
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-// 16-byte global->shared async copy; src_bytes = 0 zero-fills the destination without reading src
+// 16-byte global->shared async copy; src_bytes = 0 zero-fills the destination without reading src.
+// .cg caches in L2 only; .ca also in L1 (the im2col rows of neighbouring (r, s) overlap)
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
@@ -63,34 +77,53 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, const u32* b) {
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ float u32_as_f32(u32 u) {
+    float f; asm("mov.b32 %0, %1;" : "=f"(f) : "r"(u)); return f;
+}
+// NaN-propagating max: NaN if either input is NaN (packed: per half)
+__device__ __forceinline__ u32 max_nan_f16x2(u32 a, u32 b) {
+    u32 d; asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
+}
+__device__ __forceinline__ u32 max_nan_bf16x2(u32 a, u32 b) {
+    u32 d; asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
+}
+__device__ __forceinline__ u32 max_nan_f32(u32 a, u32 b) {   // on the bits of two floats
+    u32 d; asm("max.NaN.f32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d;
+}
 
-// dtype traits: storage type + conversions to/from the fp32 compute type
+// dtype traits: storage type, conversions to/from the fp32 compute type, V = elements per 16 bytes,
+// vmax = NaN-propagating max of two 32-bit words of packed elements, NINF = a word of packed -inf
 struct dt_f32 {
     typedef float T;
-    enum { bf16 = 0 };
+    enum { bf16 = 0, V = 4 };
+    static constexpr u32 NINF = 0xff800000u;
     static __device__ __forceinline__ float ld(T v) { return v; }
     static __device__ __forceinline__ T st(float v) { return v; }
+    static __device__ __forceinline__ u32 vmax(u32 a, u32 b) { return max_nan_f32(a, b); }
 };
 struct dt_f16 {
     typedef u16 T;
-    enum { bf16 = 0 };
+    enum { bf16 = 0, V = 8 };
+    static constexpr u32 NINF = 0xfc00fc00u;
     static __device__ __forceinline__ float ld(T v) { return f16_to_f32(v); }
     static __device__ __forceinline__ T st(float v) { return f32_to_f16(v); }
+    static __device__ __forceinline__ u32 vmax(u32 a, u32 b) { return max_nan_f16x2(a, b); }
 };
 struct dt_bf16 {
     typedef u16 T;
-    enum { bf16 = 1 };
+    enum { bf16 = 1, V = 8 };
+    static constexpr u32 NINF = 0xff80ff80u;
     static __device__ __forceinline__ float ld(T v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ T st(float v) { return f32_to_bf16(v); }
+    static __device__ __forceinline__ u32 vmax(u32 a, u32 b) { return max_nan_bf16x2(a, b); }
 };
-
 
 __device__ __forceinline__ float apply_act(float v, int act) {
     // comparisons written so that NaN falls through unchanged (fmaxf would turn it into 0)
     if (act == 1) return v < 0.f ? 0.f : v;
     if (act == 2) return v < 0.f ? 0.f : (v > 6.f ? 6.f : v);
     if (act == 3) return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    if (act == 4) return v / (1.f + expf(-v));
+    if (act == 4) return fdiv_full(v, 1.f + expf(-v));
     return v;
 }
 

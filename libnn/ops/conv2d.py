@@ -290,16 +290,17 @@ def custom_version(problem: ConvProblem) -> str:
 
 def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, int]:
     """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table."""
-    pixels = p.N * p.P * p.Q
+    images = min(p.N, 65535)  # the grid-stride kernels spread images over a grid dimension
     if version == "conv2_depthwise":
         vector = 4 if p.dtype == "fp32" else 8
         groups_per_pixel = -(-min(p.C, 128) // vector)
-        return (min(-(-pixels // (256 // groups_per_pixel)), _MAX_BLOCKS), -(-p.C // 128)), 256, (p.R * p.S + 2) * 512
+        blocks = min(-(-p.P * p.Q // (256 // groups_per_pixel)), _MAX_BLOCKS)
+        return (blocks, -(-p.C // 128), images), 256, (p.R * p.S + 2) * 512
     if version == "conv3_igemm":
-        return (-(-pixels // 128), -(-p.K // 64)), 128, 49152
+        return (-(-p.N * p.P * p.Q // 128), -(-p.K // 64)), 128, 49152
     if version == "conv4_igemm":
-        return (-(-pixels // 128), -(-p.K // 128)), 256, 0
-    return (min(-(-pixels * p.K // 256), _MAX_BLOCKS),), 256, 0
+        return (-(-p.N * p.P * p.Q // 128), -(-p.K // 128)), 256, 0
+    return (min(-(-p.P * p.Q * p.K // 256), _MAX_BLOCKS), images), 256, 0
 
 
 def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None):

@@ -118,11 +118,11 @@ def launch_pool(problem: PoolProblem, x):
     vectorized = p.mode == "max" and p.layout == "NHWC"
     name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
     lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
-    threads = p.N * p.P * p.Q * -(-p.C // lanes)
+    threads_per_image = p.P * p.Q * -(-p.C // lanes)
     kernel = kernels.function("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}")
     ints = [p.N, p.H, p.W, p.C, p.P, p.Q, *p.kernel, *p.stride, *p.padding, int(p.count_include_pad)]
     strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.C, p.P, p.Q)]
-    kernel((min(-(-threads // 256), 65535 * 8),), (256,),
+    kernel((min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
            (x, y, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))
     return y
 
