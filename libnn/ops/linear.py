@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.ops import activations
 from libnn.registry import Op
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, place
 from libnn.runtime.cache import PlanCache
 
-ACTIVATIONS = (None, "relu", "gelu")
+ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues offer (a subset of activations.ACTIVATIONS)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
 op = Op("linear")
@@ -70,8 +71,7 @@ def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
         if a is not None and a.dtype != x.dtype:
             raise TypeError(f"linear: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    activations.check("linear", activation, ACTIVATIONS)
     device = device_of({"x": x, "w": w, "b": b}, "linear")
     return LinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                          has_bias=b is not None, activation=activation, allow_tf32=bool(allow_tf32),
@@ -108,16 +108,6 @@ def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, allo
     return y if x.ndim == 2 else y.reshape(*x.shape[:-1], problem.N)
 
 
-def apply_activation(v, activation: str | None):
-    """The activations in float arithmetic of whichever array module `v` belongs to; NaN propagates."""
-    xp = array_module(v)
-    if activation == "relu":
-        return xp.where(v < 0, 0, v)  # where(), not maximum(): keep NaN as NaN
-    if activation == "gelu":
-        return 0.5 * v * (1 + xp.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
-    return v
-
-
 def _degenerate(problem: LinearProblem, x, b):
     """The result when M, N or K is 0 (no GEMM to run), else None."""
     xp = array_module(x)
@@ -125,7 +115,7 @@ def _degenerate(problem: LinearProblem, x, b):
         return xp.empty((problem.M, problem.N), x.dtype)
     if problem.K == 0:  # an empty sum: every output is act(bias)
         bias = xp.zeros(problem.N, xp.float64 if xp is np else xp.float32) if b is None else b.astype(xp.float32)
-        return apply_activation(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
+        return activations.apply(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
     return None
 
 
@@ -154,13 +144,12 @@ def _reference(problem: LinearProblem, x, w, b):
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if b is not None:
         y += b.astype(np.float64)
-    return apply_activation(y, problem.activation).astype(x.dtype)
+    return activations.apply(y, problem.activation).astype(x.dtype)
 
 
 # --- custom path: kernels/gemm.cu -------------------------------------------------------------------
 # The numbered versions of kernels/gemm.cu per dtype, slowest first; the last one is the custom path.
 _VERSIONS = {"fp32": ("v1", "v2"), "fp16": ("v1", "v3"), "bf16": ("v1", "v3")}
-_ACTIVATION_CODES = {None: 0, "relu": 1, "gelu": 2}
 
 
 @dataclass(frozen=True)
@@ -206,7 +195,7 @@ def launch_custom_version(version: str, x, w, b, activation: str | None):
         x_rows, y_rows = (x, y) if rows == M else (x[m0:m0 + rows], y[m0:m0 + rows])
         grid = (-(-N // launch.tile_n), -(-rows // launch.tile_m), 1)
         kernel(grid, launch.block, (x_rows, w, bias, y_rows, np.int32(rows), np.int32(N), np.int32(K),
-                                    np.int32(_ACTIVATION_CODES[activation])), shared_mem=launch.dynamic_smem)
+                                    np.int32(activations.KERNEL_CODES[activation])), shared_mem=launch.dynamic_smem)
     return y
 
 

@@ -1,0 +1,489 @@
+/*
+Kernels for a linear layer's forward pass, y = act(x @ w.T + b), in the style of llm.c dev/cuda.
+
+    x    (M, K) row-major, row stride exactly K
+    w    (N, K) row-major, row stride exactly K   (nn.Linear weight layout: both operands K-contiguous, "TN")
+    bias (N,)   or a null pointer (no bias)
+    y    (M, N) row-major, row stride exactly N
+
+    y[m,n] = act( sum_k x[m,k]*w[n,k] + bias[n] )
+
+Accumulation is always fp32; bias and activation are applied in fp32 and the result is rounded to the
+output dtype once. act (runtime int) is libnn's activation code (kernels/common.cuh): 0 none, 1 relu,
+2 relu6, 3 gelu, tanh approximation 0.5*v*(1+tanh(sqrt(2/pi)*(v+0.044715*v^3))) (what cuBLASLt's GELU
+epilogue computes), 4 silu.
+M, N, K may be any positive ints: all edges are bounds-checked or zero-filled, nothing outside the tensors
+is read or written. fp16/bf16 are passed as raw 16-bit storage (unsigned short).
+
+It includes no CUDA toolkit header (only libnn's kernels/common.cuh) so that NVRTC from any pip wheel
+compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are inline PTX. It needs sm_80
+or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with -Xptxas=-v -I kernels/ -arch=sm_XX.
+
+Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via torch in brackets):
+
+1) gemm1_naive_{f32,f16,bf16}                                               ~0.5 TFLOP/s
+   One thread per output element, a plain dot product over K. The obviously-correct baseline; slow
+   (w rows are read strided across the warp). No alignment requirement.
+
+2) gemm2_tiled_f32                                              ~38.7 TFLOP/s  [cuBLAS fp32 50.6]
+   SIMT fp32 (plain FFMA, no tf32). 128x128 block tile, BK=16, 256 threads, 8x8 outputs per thread
+   held as two 4x4 quads 64 rows/cols apart (so a warp's float4 shared loads are conflict-free and
+   mostly broadcast). Tiles are staged K-major ("transposed") in shared memory, rows padded to 132
+   floats to spread the transposing stores over the banks (2-way conflicts remain, on 16 stores per
+   thread per tile); double-buffered shared memory plus a register prefetch of the next tile, one
+   barrier per k-tile; 2 blocks/SM (registers capped at 128). Global loads are float4 when K%4==0 and
+   x,w are 16-byte aligned, otherwise guarded scalar loads (~33 TFLOP/s, measured with BK=8) -- the
+   kernel checks this itself (uniform branch), the launcher does nothing.
+
+3) gemm3_mma_{f16,bf16}                              ~350-362 TFLOP/s  [cuBLASLt bf16 ~735, i.e. ~49%]
+   Tensor cores through mma.sync.m16n8k16 (fp32 accumulate), fed by ldmatrix.x4 from shared memory.
+   Default tile 128x256x32, 8 warps as 2(M) x 4(N), 64x64 per warp (128 fp32 accumulators per thread),
+   4-stage cp.async (16-byte, .cg, zero-fill for out-of-range rows / k) pipeline, one barrier per
+   k-tile. ldmatrix fragments are double-buffered across k16 steps and across k-tiles (the barrier for
+   tile kt+1 is taken before the last k16 step of tile kt, as in CUTLASS's multistage mainloop).
+   Shared rows are BK*2 = 64 bytes; 16-byte chunks are XOR-swizzled (chunk ^ ((row>>1)&3); for BK=64,
+   chunk ^ (row&7)) so both the cp.async stores and every 8-row ldmatrix phase hit 8 distinct 16-byte
+   bank groups. Blocks are rasterized in groups of 8 M-tiles (the kernel remaps blockIdx itself) so the
+   blocks in flight share their A rows and B columns in L2.
+   Also measured: 8192^3 ~450 TFLOP/s (cuBLAS 781), 2048^3 ~243 (440), 1024^3 ~42 (102). Other
+   tiles (128x128 4 warps, 256x128, BK=64, 3/5 stages) were all within +-5% at 4096^3 and 8192^3.
+   Alignment: the 16-byte cp.async path is used only when K%8==0 and x,w are 16-byte aligned; otherwise
+   the same pipeline is filled with guarded scalar loads, synchronously: correct for any K but only
+   ~77 TFLOP/s at 4096x4096x4095 -- for large unaligned problems a launcher does better to copy x and w
+   into K-padded (multiple of 8, zero-filled) buffers and run the aligned path. The kernel picks the
+   path itself.
+
+Compile-time tuning knobs (defaults are what the LAUNCH table assumes; leave them alone in the library):
+-DGEMM3_BM/BN/BK/WM/WN/STAGES (BK 32 or 64), -DGEMM2_BK (8 or 16), -DGEMM2_MINB (blocks/SM bound).
+
+LAUNCH (all kernels take the same parameters, no extra ones):
+    (const T* x, const T* w, const T* bias_or_null, T* y, int M, int N, int K, int act)
+    T = float (f32) or unsigned short (f16/bf16 bits)
+
+    kernel              block        grid                              dynamic smem   notes
+    gemm1_naive_*       (32, 8, 1)   (ceil(N/32),  ceil(M/8),   1)     0              M <= 524280 (grid.y <= 65535)
+    gemm2_tiled_f32     (256, 1, 1)  (ceil(N/128), ceil(M/128), 1)     0              33792 B static smem
+    gemm3_mma_f16/bf16  (256, 1, 1)  (ceil(N/256), ceil(M/128), 1)     98304          > 48 KB: set the kernel's
+                                                                                      max dynamic smem attribute
+                                                                                      (cudaFuncAttributeMaxDynamic-
+                                                                                      SharedMemorySize / CuPy
+                                                                                      max_dynamic_shared_size_bytes)
+                                                                                      to 98304 before launching
+    General form for gemm3: block = 32*WM*WN, grid = (ceil(N/BN), ceil(M/BM)), smem = STAGES*(BM+BN)*BK*2.
+    gemm2/gemm3: M <= 65535*128 (grid.y). No alignment precondition for any kernel: y stores are
+    vectorized only where the address allows it, x/w vector loads are chosen in-kernel as described
+    above. y must not alias x, w or bias.
+*/
+
+#include "common.cuh"
+
+namespace gk {
+
+using namespace libnn;
+
+// ---------------------------------------------------------------------------------------------------
+// The one epilogue every kernel uses: bias + activation in fp32, round once, bounds-checked store of
+// y[m,n] (and y[m,n+1] when pair). A pair goes out as one 2-element store when its address allows.
+template <class DT>
+__device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T* bias, int M, int N,
+                                         int m, int n, float v0, float v1, bool pair, int act) {
+    typedef typename DT::T T;
+    struct alignas(2 * sizeof(T)) T2 { T a, b; };
+    if (m >= M || n >= N) return;
+    const bool two = pair && n + 1 < N;
+    if (bias) {
+        v0 += DT::ld(bias[n]);
+        if (two) v1 += DT::ld(bias[n + 1]);
+    }
+    T* p = y + ((i64)m * N + n);
+    const T o0 = DT::st(apply_act(v0, act));
+    if (!two) { p[0] = o0; return; }
+    const T o1 = DT::st(apply_act(v1, act));
+    if (((u64)p & (2 * sizeof(T) - 1)) == 0) {
+        T2 t; t.a = o0; t.b = o1;
+        *reinterpret_cast<T2*>(p) = t;
+    } else {
+        p[0] = o0; p[1] = o1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 1) naive
+template <class DT>
+__device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
+                                           const typename DT::T* __restrict__ bias, typename DT::T* __restrict__ y,
+                                           int M, int N, int K, int act) {
+    const int n = blockIdx.x * blockDim.x + threadIdx.x;
+    const int m = blockIdx.y * blockDim.y + threadIdx.y;
+    if (m >= M || n >= N) return;
+    const typename DT::T* xr = x + (i64)m * K;
+    const typename DT::T* wr = w + (i64)n * K;
+    float acc = 0.f;
+    for (int k = 0; k < K; k++) acc += DT::ld(xr[k]) * DT::ld(wr[k]);
+    epilogue<DT>(y, bias, M, N, m, n, acc, 0.f, false, act);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 2) tiled SIMT fp32
+#define G2_BM 128
+#define G2_BN 128
+#ifndef GEMM2_BK
+#define GEMM2_BK 16   // measured on H100: 16 beats 8 by ~7% (fewer barriers per FFMA)
+#endif
+#ifndef GEMM2_MINB
+#define GEMM2_MINB 2   // 2 blocks/SM: caps registers at 128
+#endif
+#define G2_BK GEMM2_BK
+#define G2_LD (128 + 4)   // pad: a warp's transposing stores (rows x k-quads) spread over the banks
+
+struct alignas(16) g2_smem {
+    float A[2][G2_BK][G2_LD];
+    float B[2][G2_BK][G2_LD];
+};
+
+template <bool AL>
+__device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const float* __restrict__ w,
+                                           const float* __restrict__ bias, float* __restrict__ y,
+                                           int M, int N, int K, int act, g2_smem& sm) {
+    static_assert(G2_BK == 8 || G2_BK == 16, "GEMM2_BK must be 8 or 16");
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // a warp covers 4 (rows) x 8 (cols) threads: per k it reads 8 distinct A float4s and 16 B float4s
+    const int ty = (warp >> 1) * 4 + (lane >> 3);   // 0..15
+    const int tx = (warp & 1) * 8 + (lane & 7);     // 0..15
+    const int m0 = blockIdx.y * G2_BM, n0 = blockIdx.x * G2_BN;
+
+    // loader: LPR threads share a tile row, each takes 4 consecutive k; NP passes cover the 128 rows
+    constexpr int LPR = G2_BK / 4, RPP = 256 / LPR, NP = 128 / RPP;
+    const int lr = tid / LPR, lk = (tid % LPR) * 4;
+    bool xok[NP], wok[NP];
+    const float* xp[NP];
+    const float* wp[NP];
+#pragma unroll
+    for (int p = 0; p < NP; p++) {
+        xok[p] = m0 + lr + p * RPP < M;
+        wok[p] = n0 + lr + p * RPP < N;
+        xp[p] = x + (xok[p] ? (i64)(m0 + lr + p * RPP) * K : 0);
+        wp[p] = w + (wok[p] ? (i64)(n0 + lr + p * RPP) * K : 0);
+    }
+
+    float ra[NP][4], rb[NP][4];
+    auto gload = [&](int k0) {
+        const int k = k0 + lk;
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            if constexpr (AL) {   // K % 4 == 0: a quad is entirely inside or outside K
+                f32x4 va = {0.f, 0.f, 0.f, 0.f}, vb = {0.f, 0.f, 0.f, 0.f};
+                if (xok[p] && k < K) va = *reinterpret_cast<const f32x4*>(xp[p] + k);
+                if (wok[p] && k < K) vb = *reinterpret_cast<const f32x4*>(wp[p] + k);
+                ra[p][0] = va.x; ra[p][1] = va.y; ra[p][2] = va.z; ra[p][3] = va.w;
+                rb[p][0] = vb.x; rb[p][1] = vb.y; rb[p][2] = vb.z; rb[p][3] = vb.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    ra[p][i] = (xok[p] && k + i < K) ? xp[p][k + i] : 0.f;
+                    rb[p][i] = (wok[p] && k + i < K) ? wp[p][k + i] : 0.f;
+                }
+            }
+        }
+    };
+    auto sstore = [&](int buf) {
+#pragma unroll
+        for (int p = 0; p < NP; p++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                sm.A[buf][lk + i][lr + p * RPP] = ra[p][i];
+                sm.B[buf][lk + i][lr + p * RPP] = rb[p][i];
+            }
+    };
+
+    float acc[8][8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
+
+    const int KT = (K + G2_BK - 1) / G2_BK;
+    gload(0);
+    sstore(0);
+    __syncthreads();
+    for (int kt = 0; kt < KT; kt++) {
+        const int buf = kt & 1;
+        if (kt + 1 < KT) gload((kt + 1) * G2_BK);   // in flight while we compute
+#pragma unroll
+        for (int k = 0; k < G2_BK; k++) {
+            const f32x4 a0 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][ty * 4]);
+            const f32x4 a1 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][64 + ty * 4]);
+            const f32x4 b0 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][tx * 4]);
+            const f32x4 b1 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][64 + tx * 4]);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[i][j] += a[i] * b[j];
+        }
+        // the other buffer was last read in iteration kt-1, which ended with a barrier
+        if (kt + 1 < KT) sstore(buf ^ 1);
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int m = m0 + (i >> 2) * 64 + ty * 4 + (i & 3);
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            const int n = n0 + (j >> 2) * 64 + tx * 4 + (j & 3);
+            epilogue<dt_f32>(y, bias, M, N, m, n, acc[i][j], acc[i][j + 1], true, act);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// 3) tensor cores: mma.sync m16n8k16 + ldmatrix + multi-stage cp.async
+#ifndef GEMM3_BM
+#define GEMM3_BM 128
+#endif
+#ifndef GEMM3_BN
+#define GEMM3_BN 256
+#endif
+#ifndef GEMM3_BK
+#define GEMM3_BK 32
+#endif
+#ifndef GEMM3_WM
+#define GEMM3_WM 2
+#endif
+#ifndef GEMM3_WN
+#define GEMM3_WN 4
+#endif
+#ifndef GEMM3_STAGES
+#define GEMM3_STAGES 4
+#endif
+#define GEMM3_THREADS (32 * GEMM3_WM * GEMM3_WN)
+#define GEMM3_GROUP_M 8
+
+// 16-byte chunk c of smem row r (rows are BK*2 bytes). Only r&7 matters, and every row a thread touches
+// differs from its first one by a multiple of 8, so each thread's swizzle term is a constant.
+template <int CH>
+__device__ __forceinline__ int swz(int r, int c) {
+    static_assert(CH == 4 || CH == 8, "BK must be 32 or 64");
+    if constexpr (CH == 8) return c ^ (r & 7);
+    else return c ^ ((r >> 1) & 3);   // 64-byte rows: two rows share a 128-byte line
+}
+
+extern __shared__ u32x4 dsmem[];   // u32x4: 16-byte aligned, as cp.async needs
+
+template <class DT, int BM, int BN, int BK, int WM, int WN, int STAGES, bool AL>
+__device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16* __restrict__ w,
+                                           const u16* __restrict__ bias, u16* __restrict__ y,
+                                           int M, int N, int K, int act) {
+    constexpr int NT = 32 * WM * WN;
+    constexpr int WTM = BM / WM, WTN = BN / WN;    // warp tile
+    constexpr int MI = WTM / 16, NI = WTN / 8;     // mma tiles per warp
+    constexpr int CH = BK / 8;                     // 16-byte chunks per smem row
+    constexpr int KS = BK / 16;                    // k16 steps per k-tile
+    constexpr int RS = NT / CH;                    // loader row step
+    constexpr int A_IT = BM * CH / NT, B_IT = BN * CH / NT;
+    static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
+    static_assert(NT % CH == 0 && RS % 8 == 0 && BM % RS == 0 && BN % RS == 0, "loader shape");
+    static_assert(A_IT >= 1 && B_IT >= 1, "loader shape");
+
+    u16* sA = reinterpret_cast<u16*>(dsmem);      // [STAGES][BM][BK]
+    u16* sB = sA + STAGES * BM * BK;               // [STAGES][BN][BK]
+    const u32 sA_u = smem_addr(sA), sB_u = smem_addr(sB);
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp / WN, wn = warp % WN;
+
+    // grouped rasterization: consecutive blocks walk GROUP_M M-tiles before moving to the next N-tile
+    int tm, tn;
+    {
+        const int gx = gridDim.x, gy = gridDim.y;
+        const int bid = blockIdx.y * gx + blockIdx.x;
+        const int per = GEMM3_GROUP_M * gx;
+        const int fm = (bid / per) * GEMM3_GROUP_M;
+        const int gs = imin(gy - fm, GEMM3_GROUP_M);
+        const int r = bid % per;
+        tm = fm + r % gs;
+        tn = r / gs;
+    }
+    const int m0 = tm * BM, n0 = tn * BN;
+
+    // loader: thread owns chunk column lc of rows lr0 + i*RS
+    const int lr0 = tid / CH, lc = tid % CH;
+    const int lsw = swz<CH>(lr0, lc);
+    const u32 a_dst0 = (u32)((lr0 * BK + lsw * 8) * 2);   // byte offset within a stage
+
+    auto load_tile = [&](int stage, int kt) {
+        const int k = kt * BK + lc * 8;
+        if constexpr (AL) {   // K % 8 == 0: a chunk is entirely inside or outside K
+            const bool kok = k < K;
+#pragma unroll
+            for (int i = 0; i < A_IT; i++) {
+                const int gm = m0 + lr0 + i * RS;
+                const bool ok = kok && gm < M;
+                const u16* src = ok ? x + ((i64)gm * K + k) : x;
+                cp_async16(sA_u + (u32)(stage * BM * BK * 2) + a_dst0 + (u32)(i * RS * BK * 2), src, ok ? 16 : 0);
+            }
+#pragma unroll
+            for (int i = 0; i < B_IT; i++) {
+                const int gn = n0 + lr0 + i * RS;
+                const bool ok = kok && gn < N;
+                const u16* src = ok ? w + ((i64)gn * K + k) : w;
+                cp_async16(sB_u + (u32)(stage * BN * BK * 2) + a_dst0 + (u32)(i * RS * BK * 2), src, ok ? 16 : 0);
+            }
+        } else {
+            // Rows not 16-byte aligned: guarded scalar loads, synchronous. (Issuing them after the
+            // first k16 step's mmas instead was measured: no gain, +15 registers.)
+            auto gather = [&](const u16* base, int rows, int g) {
+                u32 p[4] = {0u, 0u, 0u, 0u};
+                if (g < rows) {
+                    const u16* src = base + (i64)g * K;
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        if (k + e < K) p[e >> 1] |= (u32)src[k + e] << ((e & 1) * 16);
+                }
+                u32x4 v; v.a = p[0]; v.b = p[1]; v.c = p[2]; v.d = p[3];
+                return v;
+            };
+            u32x4 va[A_IT], vb[B_IT];
+#pragma unroll
+            for (int i = 0; i < A_IT; i++) va[i] = gather(x, M, m0 + lr0 + i * RS);
+#pragma unroll
+            for (int i = 0; i < B_IT; i++) vb[i] = gather(w, N, n0 + lr0 + i * RS);
+            char* a_st = reinterpret_cast<char*>(sA) + stage * BM * BK * 2 + a_dst0;
+            char* b_st = reinterpret_cast<char*>(sB) + stage * BN * BK * 2 + a_dst0;
+#pragma unroll
+            for (int i = 0; i < A_IT; i++) *reinterpret_cast<u32x4*>(a_st + i * RS * BK * 2) = va[i];
+#pragma unroll
+            for (int i = 0; i < B_IT; i++) *reinterpret_cast<u32x4*>(b_st + i * RS * BK * 2) = vb[i];
+        }
+    };
+
+    // ldmatrix.x4 source rows. A (16x16 per mma): lanes 0-15 -> rows 0-15 at k 0-7, lanes 16-31 -> rows
+    // 0-15 at k 8-15, giving a0..a3 in mma order. B (two n8 tiles x k16): lanes 0-7 n 0-7/k 0-7 (b0 of
+    // tile 0), 8-15 n 0-7/k 8-15 (b1 of tile 0), 16-23 n 8-15/k 0-7, 24-31 n 8-15/k 8-15.
+    const int a_row = wm * WTM + (lane & 15);
+    const int a_hc = lane >> 4;
+    const int b_row = wn * WTN + ((lane >> 4) << 3) + (lane & 7);
+    const int b_hc = (lane >> 3) & 1;
+    u32 a_off[KS], b_off[KS];
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        a_off[kk] = (u32)((a_row * BK + swz<CH>(a_row, kk * 2 + a_hc) * 8) * 2);
+        b_off[kk] = (u32)((b_row * BK + swz<CH>(b_row, kk * 2 + b_hc) * 8) * 2);
+    }
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
+
+    const int KT = (K + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();
+    }
+
+    // Fragments are double-buffered across k16 steps, and across k-tiles too: the barrier for tile kt+1
+    // is taken before the last k16 step of tile kt, so the first ldmatrix of kt+1 overlaps its mmas.
+    u32 af[2][MI][4], bf[2][NI][2];
+    auto load_frags = [&](int buf, int stage, int kk) {
+        const u32 sa = sA_u + (u32)(stage * BM * BK * 2) + a_off[kk];
+        const u32 sb = sB_u + (u32)(stage * BN * BK * 2) + b_off[kk];
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+            ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3], sa + (u32)(i * 16 * BK * 2));
+#pragma unroll
+        for (int j = 0; j < NI / 2; j++)
+            ldsm_x4(bf[buf][2 * j][0], bf[buf][2 * j][1], bf[buf][2 * j + 1][0], bf[buf][2 * j + 1][1],
+                    sb + (u32)(j * 16 * BK * 2));
+    };
+    static_assert(KS % 2 == 0, "tile kt+1 starts in fragment buffer 0");
+
+    cp_async_wait<STAGES - 2>();   // tile 0 landed (this thread's copies) ...
+    __syncthreads();               // ... and everyone's
+    load_frags(0, 0, 0);
+
+    int rs = 0, ws = STAGES - 1;   // stage being read, stage being refilled
+    for (int kt = 0; kt < KT; kt++) {
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            if (kk == 0) {
+                // stage ws was last read (by ldmatrix) before the previous barrier: safe to refill
+                if (kt + STAGES - 1 < KT) load_tile(ws, kt + STAGES - 1);
+                cp_async_commit();   // always commit, so the group count stays in step
+                ws = (ws + 1 == STAGES) ? 0 : ws + 1;
+            }
+            if (kk + 1 < KS) {
+                load_frags((kk + 1) & 1, rs, kk + 1);
+            } else {
+                cp_async_wait<STAGES - 2>();   // tile kt+1 landed for this thread ...
+                __syncthreads();               // ... for all, and all are done reading stage rs's fragments
+                rs = (rs + 1 == STAGES) ? 0 : rs + 1;
+                if (kt + 1 < KT) load_frags(0, rs, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+#pragma unroll
+                for (int j = 0; j < NI; j++) mma16816<DT::bf16 != 0>(acc[i][j], af[kk & 1][i], bf[kk & 1][j]);
+        }
+    }
+    cp_async_wait<0>();   // only empty groups remain; no copy outlives the block
+
+    // C fragment: c0,c1 at (row g, cols 2t,2t+1), c2,c3 at row g+8
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MI; i++) {
+        const int m = m0 + wm * WTM + i * 16 + g;
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int n = n0 + wn * WTN + j * 8 + t * 2;
+            epilogue<DT>(y, bias, M, N, m, n, acc[i][j][0], acc[i][j][1], true, act);
+            epilogue<DT>(y, bias, M, N, m + 8, n, acc[i][j][2], acc[i][j][3], true, act);
+        }
+    }
+}
+
+template <class DT>
+__device__ __forceinline__ void gemm3_entry(const u16* __restrict__ x, const u16* __restrict__ w,
+                                            const u16* __restrict__ bias, u16* __restrict__ y,
+                                            int M, int N, int K, int act) {
+    const bool al = (K & 7) == 0 && (((u64)x | (u64)w) & 15) == 0;
+    if (al)
+        gemm3_body<DT, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, true>(x, w, bias, y, M, N, K, act);
+    else
+        gemm3_body<DT, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, false>(x, w, bias, y, M, N, K, act);
+}
+
+}  // namespace gk
+
+// ---------------------------------------------------------------------------------------------------
+// exported kernels (extern "C": the launcher looks them up by these names)
+#define GEMM_PARAMS(T) const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, \
+                       T* __restrict__ y, int M, int N, int K, int act
+
+#define GEMM1(name, DT)                                                                   \
+    extern "C" __global__ void name(GEMM_PARAMS(gk::DT::T)) {                             \
+        gk::gemm1_body<gk::DT>(x, w, bias, y, M, N, K, act);                              \
+    }
+GEMM1(gemm1_naive_f32, dt_f32)
+GEMM1(gemm1_naive_f16, dt_f16)
+GEMM1(gemm1_naive_bf16, dt_bf16)
+
+extern "C" __global__ void __launch_bounds__(256, GEMM2_MINB) gemm2_tiled_f32(GEMM_PARAMS(float)) {
+    __shared__ gk::g2_smem sm;
+    const bool al = (K & 3) == 0 && ((((gk::u64)x) | ((gk::u64)w)) & 15) == 0;
+    if (al) gk::gemm2_body<true>(x, w, bias, y, M, N, K, act, sm);
+    else gk::gemm2_body<false>(x, w, bias, y, M, N, K, act, sm);
+}
+
+#define GEMM3(name, DT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMM3_THREADS, 1) name(GEMM_PARAMS(gk::u16)) { \
+        gk::gemm3_entry<gk::DT>(x, w, bias, y, M, N, K, act);                             \
+    }
+GEMM3(gemm3_mma_f16, dt_f16)
+GEMM3(gemm3_mma_bf16, dt_bf16)
