@@ -129,8 +129,8 @@ def _library_versions() -> dict[str, str]:
 
     def cufft():
         from nvmath.bindings import cufft as nvmath_cufft
-        v = nvmath_cufft.get_version()
-        return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+        v = nvmath_cufft.get_version()  # major * 1000 + minor * 10 (+ patch), like CUDA's own
+        return f"{v // 1000}.{v % 1000 // 10}.{v % 10}"
 
     def nvrtc():
         from libnn.runtime import kernels
