@@ -1,6 +1,7 @@
 """`libnn bench conv`: fused cuDNN graphs vs unfused vs our kernels vs PyTorch, and pooling.
 
-Paths per case: cudnn (one fused graph conv→BN→act), cudnn unfused (cuDNN conv, then BN and the
+Paths per case (BN statistics pre-folded to per-channel fp32 scale and shift, as a layer holds them):
+cudnn (one fused graph conv→mul→add→act), cudnn unfused (cuDNN conv, then BN and the
 activation as separate element-wise kernels, as an unfused framework runs them), cudnn+epilogue (cuDNN
 conv, then our one fused epilogue kernel), folded BN (BN folded into w and b ahead of time, graph
 conv→bias→act), custom (kernels/conv2d.cu), and PyTorch eager (conv2d, batch_norm, relu in
@@ -95,11 +96,12 @@ def _paths(case: Case, x, w, bn) -> dict[str, Callable[[Any], Any]]:
         apply_epilogue_kernel(bn_only, y, scale, shift)
         return apply_epilogue_kernel(relu_only, y, None, None)
 
-    paths = {"cudnn": lambda _: conv2d(x, w, bn=bn, activation="relu", **common, path="cudnn"),
+    folded = (scale, shift)  # what a layer computes once and passes on every call
+    paths = {"cudnn": lambda _: conv2d(x, w, bn=folded, activation="relu", **common, path="cudnn"),
              "cudnn unfused": unfused,
-             "cudnn+epilogue": lambda _: conv2d(x, w, bn=bn, activation="relu", **common, path="cudnn+epilogue"),
+             "cudnn+epilogue": lambda _: conv2d(x, w, bn=folded, activation="relu", **common, path="cudnn+epilogue"),
              "folded BN": lambda _: conv2d(x, w_folded, b_folded, activation="relu", **common, path="cudnn"),
-             "custom": lambda _: conv2d(x, w, bn=bn, activation="relu", **common, path="custom")}
+             "custom": lambda _: conv2d(x, w, bn=folded, activation="relu", **common, path="custom")}
     try:
         import torch
         import torch.nn.functional as F

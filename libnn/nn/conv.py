@@ -121,6 +121,7 @@ class Conv2dBNAct(Module):
         super().__init__()
         self.conv, self.bn, self.activation, self.fold = conv, bn, activation, fold
         self._folded: Conv2d | None = None
+        self._epilogue: tuple[Any, Any] | None = None
 
     def describe(self) -> str:
         how = "BN folded into the weights" if self.fold else "BN as the epilogue"
@@ -128,7 +129,9 @@ class Conv2dBNAct(Module):
 
     def forward(self, x: Any) -> Any:
         if not self.fold:
-            return self.conv(x, bn=self.bn.folded(), activation=self.activation)
+            if self._epilogue is None:  # computed once: Sequential builds a new one when parameters change
+                self._epilogue = self.bn.folded()
+            return self.conv(x, bn=self._epilogue, activation=self.activation)
         return self._folded_conv()(x, activation=self.activation)
 
     def _folded_conv(self) -> Conv2d:
