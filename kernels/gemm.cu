@@ -96,9 +96,9 @@ __device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T
         if (two) v1 += DT::ld(bias[n + 1]);
     }
     T* p = y + ((i64)m * N + n);
-    const T o0 = DT::st(apply_act(v0, act));
+    const T o0 = DT::st(apply_act<ACT_LINEAR>(v0, act));
     if (!two) { p[0] = o0; return; }
-    const T o1 = DT::st(apply_act(v1, act));
+    const T o1 = DT::st(apply_act<ACT_LINEAR>(v1, act));
     if (((u64)p & (2 * sizeof(T) - 1)) == 0) {
         T2 t; t.a = o0; t.b = o1;
         *reinterpret_cast<T2*>(p) = t;

@@ -55,3 +55,26 @@ def test_conv_layer_weight_is_pytorch_layout_and_nhwc_copy_is_cached():
     conv = nn.Conv2d(4, 8, (3, 5), groups=2, seed=1)
     assert conv.weight.shape == (8, 2, 3, 5)
     assert conv.filters().shape == (8, 3, 5, 2) and conv.filters() is conv.filters()
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_conv_layer_fft_algo_matches_direct(rng, layout):
+    kw = dict(layout=layout, dtype="fp64", seed=4)
+    direct = nn.Conv2d(3, 5, 7, padding=3, algo="direct", **kw)
+    fft = nn.Conv2d(3, 5, 7, padding=3, algo="fft", **kw)
+    x = rng.standard_normal((2, 20, 20, 3) if layout == "NHWC" else (2, 3, 20, 20))
+    bn = (rng.uniform(0.5, 2, 5), rng.normal(size=5))
+    assert fft.uses_fft(x) and not direct.uses_fft(x)
+    assert rel_error(fft(x, bn=bn, activation="silu"), direct(x, bn=bn, activation="silu")) <= 1e-12
+
+
+def test_auto_algo_follows_the_measured_crossover():
+    from libnn.nn.conv import prefers_fft
+
+    assert prefers_fft(1, 2048, 31) and not prefers_fft(1, 2048, 7)
+    assert not prefers_fft(16, 64, 63) and prefers_fft(16, 1024, 31)
+    big, small = nn.Conv2d(1, 1, 63, seed=0), nn.Conv2d(1, 1, 3, seed=0)
+    assert big.uses_fft(np.ones((1, 256, 256, 1))) and big.uses_fft(np.ones((1, 70, 70, 1)))
+    assert not small.uses_fft(np.ones((1, 2048, 2048, 1)))
+    with pytest.raises(ValueError, match="algo='fft' needs stride 1"):
+        nn.Conv2d(1, 1, 3, stride=2, algo="fft")

@@ -32,6 +32,7 @@ def _time(fn, runs=10) -> float | None:
 def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
     import cupy
 
+    from libnn.nn.conv import Conv2d
     from libnn.ops.conv2d import conv2d
     from libnn.ops.fft_conv import fft_conv2d
 
@@ -59,15 +60,21 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
                     import cupyx.scipy.signal as signal
                     row["cupy_ms"] = _time(lambda: signal.fftconvolve(x[0, 0], w[0, 0, ::-1, ::-1], mode="valid"))
                 row["torch_ms"] = _torch_time(x, w) if flops <= DIRECT_FLOP_LIMIT else None
+                layer = Conv2d(channels, channels, k, layout="NCHW", device="gpu", algo="auto", seed=0)
+                layer.load_state_dict({"weight": w, "bias": cupy.zeros(channels, cupy.float32)})
+                row["auto"] = "fft" if layer.uses_fft(x) else "direct"
                 if row["direct_ms"] and row["cufft_ms"]:
                     row["direct/fft"] = row["direct_ms"] / row["cufft_ms"]
+                    chosen = row["cufft_ms"] if row["auto"] == "fft" else row["direct_ms"]
+                    row["auto/best"] = chosen / min(row["direct_ms"], row["cufft_ms"])
                 if row.get("cupy_ms") and row["cufft_ms"]:
                     row["cupy/cufft"] = row["cupy_ms"] / row["cufft_ms"]
                 rows.append(row)
             cupy.get_default_memory_pool().free_all_blocks()
     print(harness.format_table(rows, ["C=K", "image", "kernel", "direct_ms", "cufft_ms", "custom_ms", "cupy_ms",
-                                      "torch_ms", "direct/fft", "cupy/cufft"]))
+                                      "torch_ms", "direct/fft", "cupy/cufft", "auto", "auto/best"]))
     print(crossovers(rows))
+    print(_goals(rows))
     if json_path:
         harness.save_json(json_path, {"rows": rows})
         _heatmap(rows, json_path.rsplit(".", 1)[0] + ".png")
@@ -83,6 +90,23 @@ def _torch_time(x, w) -> float | None:
     tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
     torch.backends.cudnn.allow_tf32 = False
     return _time(lambda: F.conv2d(tx, tw), runs=5)
+
+
+def _goals(rows: list[dict[str, Any]]) -> str:
+    vs_cupy = [r["cupy/cufft"] for r in rows if r.get("cupy/cufft")]
+    auto = [r["auto/best"] for r in rows if r.get("auto/best")]
+    small = [r["cufft_ms"] for r in rows if r["image"] <= 256 and r["kernel"] <= 7 and r.get("cufft_ms")]
+    lines = ["goals:"]
+    if vs_cupy:
+        lines.append(f"  cufft path vs CuPy fftconvolve: worst {min(vs_cupy):.2f}x, best {max(vs_cupy):.2f}x "
+                     f"(goal >= 1.2x everywhere: {'met' if min(vs_cupy) >= 1.2 else 'MISSED'})")
+    if small:
+        lines.append(f"  small cached calls (image <= 256, kernel <= 7): up to {max(small) * 1e3:.0f} us "
+                     f"(goal <= 60 us: {'met' if max(small) <= 0.06 else 'MISSED'})")
+    if auto:
+        lines.append(f"  auto vs the better of direct and FFT: worst {100 * (max(auto) - 1):.0f}% slower "
+                     f"(goal <= 10%: {'met' if max(auto) <= 1.1 else 'MISSED'})")
+    return "\n".join(lines)
 
 
 def crossovers(rows: list[dict[str, Any]]) -> str:

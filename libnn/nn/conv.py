@@ -21,12 +21,36 @@ from libnn.ops.pool2d import avg_pool2d, max_pool2d
 from libnn.runtime.arrays import array_module
 
 
+# The smallest kernel size from which FFT convolution beat direct cuDNN convolution, by image size
+# (rows of (image size, kernel size)), as `libnn bench fftconv` measured on the H100 (fp32, stride 1).
+FFT_CROSSOVER = {"single channel": ((64, 63), (256, 31), (1024, 15), (2048, 15)),
+                 "multi channel": ((256, 15), (1024, 15), (2048, 15))}
+ALGOS = ("auto", "direct", "fft")
+
+
+def prefers_fft(channels: int, size: int, kernel: int) -> bool:
+    """Whether FFT convolution is expected to be faster than direct, from FFT_CROSSOVER: the row of
+    the largest measured image size not above `size` (none: direct)."""
+    rows = [k for s, k in FFT_CROSSOVER["single channel" if channels == 1 else "multi channel"] if s <= size]
+    return bool(rows) and kernel >= rows[-1]
+
+
 class Conv2d(Module):
+    """`algo`: "direct" (conv2d's paths), "fft" (fft_conv2d; stride 1, dilation 1, groups 1 only) or
+    "auto" (FFT where FFT_CROSSOVER says it is faster, direct otherwise)."""
+
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: Any = 1,
                  padding: Any = 0, dilation: Any = 1, groups: int = 1, bias: bool = True,
                  activation: str | None = None, *, layout: str = "NHWC", dtype: Any = "fp32", device: str = "cpu",
-                 path: str = "auto", seed: int | None = None):
+                 path: str = "auto", algo: str = "auto", seed: int | None = None):
         super().__init__()
+        if algo not in ALGOS:
+            raise ValueError(f"Conv2d: algo must be one of {ALGOS}, got {algo!r}")
+        fft_able = stride in (1, (1, 1)) and dilation in (1, (1, 1)) and groups == 1
+        if algo == "fft" and not fft_able:
+            raise ValueError("Conv2d: algo='fft' needs stride 1, dilation 1 and groups 1 "
+                             f"(got stride={stride}, dilation={dilation}, groups={groups}); use algo='direct'")
+        self.algo, self._fft_able = algo, fft_able
         r, s = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (r, s)
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
@@ -47,10 +71,34 @@ class Conv2d(Module):
             self._converted = (self.weight, xp.ascontiguousarray(self.weight.transpose(0, 2, 3, 1)))
         return self._converted[1]
 
+    def uses_fft(self, x: Any) -> bool:
+        if self.algo != "auto":
+            return self.algo == "fft"
+        h, w = (x.shape[1], x.shape[2]) if self.layout == "NHWC" else (x.shape[2], x.shape[3])
+        return self._fft_able and prefers_fft(self.in_channels, min(h, w), min(self.kernel_size))
+
     def forward(self, x: Any, bn: Any = None, activation: str | None = None) -> Any:
+        activation = activation or self.activation
+        if self.uses_fft(x):
+            return self._fft_forward(x, bn, activation)
         return conv2d(x, self.filters(), self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation,
-                      groups=self.groups, bn=bn, activation=activation or self.activation, layout=self.layout,
-                      path=self.path)
+                      groups=self.groups, bn=bn, activation=activation, layout=self.layout, path=self.path)
+
+    def _fft_forward(self, x: Any, bn: Any, activation: str | None) -> Any:
+        """fft_conv2d works in NCHW; the epilogue (BN as scale/shift, activation) follows in fp32."""
+        from libnn.ops.fft_conv import fft_conv2d
+
+        xp = array_module(x)
+        nchw = x if self.layout == "NCHW" else xp.ascontiguousarray(x.transpose(0, 3, 1, 2))
+        y = fft_conv2d(nchw, self.weight, self.bias, padding=self.padding,
+                       path="auto" if self.path == "auto" else self.path)
+        if bn is not None or activation:
+            compute = y.astype(xp.float32 if xp is not np or y.dtype != np.float64 else np.float64)
+            if bn is not None:
+                scale, shift = bn if len(bn) == 2 else fold_batchnorm(*bn)
+                compute = compute * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+            y = activations.apply(compute, activation).astype(y.dtype)
+        return y if self.layout == "NCHW" else xp.ascontiguousarray(y.transpose(0, 2, 3, 1))
 
 
 class BatchNorm2d(Module):
