@@ -71,7 +71,7 @@ def test_conv_layer_fft_algo_matches_direct(rng, layout):
 def test_auto_algo_follows_the_measured_crossover():
     from libnn.nn.conv import prefers_fft
 
-    assert prefers_fft(1, 2048, 31) and not prefers_fft(1, 2048, 7)
+    assert prefers_fft(1, 2048, 31) and not prefers_fft(1, 1000, 7) and not prefers_fft(1, 256, 15)
     assert not prefers_fft(16, 64, 63) and prefers_fft(16, 1024, 31)
     big, small = nn.Conv2d(1, 1, 63, seed=0), nn.Conv2d(1, 1, 3, seed=0)
     assert big.uses_fft(np.ones((1, 256, 256, 1))) and big.uses_fft(np.ones((1, 70, 70, 1)))
