@@ -87,7 +87,12 @@ def test_conv_path_matches_reference(rng, path, dtype, layout, shape):
     except libnn.LibraryError as exc:
         pytest.skip(f"the library declined this case (auto falls back): {exc}")
     assert y.shape == expected.shape and y.dtype == x.dtype
-    assert rel_error(y, expected) <= tolerance(dtype), activation
+    if (path, dtype) == ("cudnn", "fp32") and activation in ("gelu", "silu"):
+        # cuDNN's pointwise GELU and swish evaluate tanh and exp approximately (like cuBLASLt's GELU,
+        # tests/test_linear_gpu.py): a relative bound alone fails whenever the outputs happen to be tiny
+        assert rel_error(y, expected) <= tolerance(dtype) or np.abs(y.get() - expected).max() <= 1e-5, activation
+    else:
+        assert rel_error(y, expected) <= tolerance(dtype), activation
 
 
 @pytest.mark.usefixtures("poisoned_gpu_memory")
