@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from libnn.errors import LibraryError
@@ -54,7 +54,6 @@ class Graph:
     build_seconds: float
     plan_name: str
     workspace_bytes: int
-    notes: dict[str, Any] = field(default_factory=dict)
 
     def execute(self, buffers: dict[int, Any]) -> None:
         """Run on the current stream; `buffers` maps tensor UIDs to CuPy arrays."""
@@ -174,7 +173,6 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
                     on_plan: Callable[[PlanInfo], None] | None = None) -> list[PlanInfo]:
     """Every plan each heuristics mode offers for the graph, built one by one; with `time_plans`,
     each one's median time on `buffers`."""
-    import cudnn
 
     from libnn.bench.harness import time_gpu
 

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from libnn import dtypes
-from libnn.runtime.arrays import array_module, as_array, is_cupy
+from libnn.runtime.arrays import as_array, is_cupy
 
 
 class Module:

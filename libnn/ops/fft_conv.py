@@ -26,7 +26,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of
+from libnn.runtime.arrays import as_array, device_of
 
 MODES = ("valid", "same", "full")
 MAX_FFT_BYTES_FRACTION = 0.8  # refuse transforms whose buffers would exceed this share of free memory
