@@ -26,7 +26,8 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of
+from libnn.runtime.arrays import array_module, as_array, device_of, signature
+from libnn.runtime.cache import PlanCache
 
 LAYOUTS = ("NHWC", "NCHW")
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -178,10 +179,24 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
     dtype, layout and device."""
     x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
     b = None if b is None else as_array(b, "conv2d", "b")
-    problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
+    key = (signature(x), signature(w), signature(b), None if bn is None else len(bn), _hashable(stride),
+           _hashable(padding), _hashable(dilation), groups, activation, layout, allow_tf32, path)
+
+    def plan_call():  # the checks and the path choice, once per signature (as for linear)
+        problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
+        return problem, op.resolve(problem, path)
+
+    problem, resolved = _calls.get(key, plan_call)
     scale, shift = _epilogue_vectors(bn, b, problem.K, x)
     xp = array_module(x)
-    return op.dispatch(problem, path, xp.ascontiguousarray(x), xp.ascontiguousarray(w), scale, shift)
+    return op.run(resolved, problem, xp.ascontiguousarray(x), xp.ascontiguousarray(w), scale, shift)
+
+
+_calls: PlanCache = PlanCache("conv2d calls", maxsize=4096)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def output_shape(problem: ConvProblem) -> tuple[int, int, int, int]:

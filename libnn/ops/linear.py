@@ -24,7 +24,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, place
+from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature
 from libnn.runtime.cache import PlanCache
 
 ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues offer (a subset of activations.ACTIVATIONS)
@@ -84,17 +84,13 @@ def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
 _calls: PlanCache = PlanCache("linear calls", maxsize=4096)
 
 
-def _signature(a: Any) -> tuple | None:
-    return None if a is None else (type(a), a.shape, a.dtype, place(a))
-
-
 def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, allow_tf32: bool = False,
            path: str = "auto") -> Any:
     """act(x @ w.T + b) for x (..., K), w (N, K), b (N,) or None; returns (..., N) in x's dtype, on
     x's device. `path` is "auto" or one of `libnn.paths("linear")`."""
     x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
     b = None if b is None else as_array(b, "linear", "b")
-    key = (_signature(x), _signature(w), _signature(b), activation, allow_tf32, path)
+    key = (signature(x), signature(w), signature(b), activation, allow_tf32, path)
 
     def plan_call():
         problem = _check(x, w, b, activation, allow_tf32)

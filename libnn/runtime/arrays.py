@@ -58,6 +58,11 @@ def place(a: Any) -> str:
     return f"gpu:{a.data.device_id}" if is_cupy(a) else "cpu"
 
 
+def signature(a: Any) -> tuple | None:
+    """What an op's checks depend on: type, shape, dtype and device (None for a missing argument)."""
+    return None if a is None else (type(a), a.shape, a.dtype, place(a))
+
+
 def device_of(arrays: dict[str, Any], op: str) -> str:
     """'cpu' or 'gpu:N' for a set of named arrays (None entries skipped); all must agree."""
     places = {name: place(a) for name, a in arrays.items() if a is not None}
