@@ -52,6 +52,18 @@ class Module:
             owner, name = self._owner_of(key)
             owner.register_parameter(name, value)
 
+    def load(self, path: Any) -> "Module":
+        """Load a .safetensors or .npz file (see libnn.nn.weights); on any error the model is unchanged."""
+        from libnn.nn import weights
+
+        self.load_state_dict(weights.read(path))
+        return self
+
+    def save(self, path: Any) -> None:
+        from libnn.nn import weights
+
+        weights.write(path, self.state_dict())
+
     def _owner_of(self, key: str) -> tuple["Module", str]:
         *path, name = key.split(".")
         module = self
