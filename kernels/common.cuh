@@ -118,6 +118,23 @@ struct dt_bf16 {
     static __device__ __forceinline__ u32 vmax(u32 a, u32 b) { return max_nan_bf16x2(a, b); }
 };
 
+// (p, q, ch) of output element `idx` of one image of a P x Q x CH output: ch fastest when the output is
+// channels-last (consecutive threads then write consecutive channels), q fastest otherwise.
+__device__ __forceinline__ void unflatten_pqc(int idx, int P, int Q, int CH, bool ch_fastest, int& p, int& q,
+                                              int& ch) {
+    if (ch_fastest) {
+        const int pq = idx / CH;
+        ch = idx - pq * CH;
+        p = pq / Q;
+        q = pq - p * Q;
+    } else {
+        const int cp = idx / Q;
+        q = idx - cp * Q;
+        ch = cp / P;
+        p = cp - ch * P;
+    }
+}
+
 // ACTS is a bit mask of the codes a kernel compiles (bit i: code i). The epilogue is inlined for every
 // accumulator a thread holds, so a GEMM with 128 accumulators per thread that compiled all five slowed
 // from 353 to 241 TFLOP/s on the H100 (4096^3 bf16): kernels compile only the codes their op offers.

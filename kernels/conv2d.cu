@@ -205,17 +205,7 @@ __device__ __forceinline__ void conv1_body(const typename DT::T* __restrict__ x,
     for (int n = blockIdx.y; n < s.N; n += gridDim.y) {
         for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < PQK; idx += gridDim.x * blockDim.x) {
             int p, q, k;
-            if (kfast) {
-                const int pq = idx / s.K;
-                k = idx - pq * s.K;
-                p = pq / s.Q;
-                q = pq - p * s.Q;
-            } else {
-                const int kp = idx / s.Q;
-                q = idx - kp * s.Q;
-                k = kp / s.P;
-                p = kp - k * s.P;
-            }
+            unflatten_pqc(idx, s.P, s.Q, s.K, kfast, p, q, k);
             const int ih0 = p * s.sh - s.ph, iw0 = q * s.sw - s.pw;
             const T* xn = x + ((i64)n * s.sxn + (i64)((k / Kg) * Cg) * s.sxc);
             const T* wk = w + (i64)k * s.R * s.S * Cg;

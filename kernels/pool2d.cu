@@ -94,17 +94,7 @@ __device__ __forceinline__ void pool1_body(const typename DT::T* __restrict__ x,
     for (int n = blockIdx.y; n < s.N; n += gridDim.y) {
         for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < PQC; idx += gridDim.x * blockDim.x) {
             int p, q, c;
-            if (cfast) {
-                const int pq = idx / s.C;
-                c = idx - pq * s.C;
-                p = pq / s.Q;
-                q = pq - p * s.Q;
-            } else {
-                const int cp = idx / s.Q;
-                q = idx - cp * s.Q;
-                c = cp / s.P;
-                p = cp - c * s.P;
-            }
+            unflatten_pqc(idx, s.P, s.Q, s.C, cfast, p, q, c);
             const Window wd = window(s, p, q);
             const T* xc = x + ((i64)n * s.sxn + (i64)c * s.sxc);
             float out;
