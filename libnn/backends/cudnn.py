@@ -85,6 +85,16 @@ def _heur_modes(names: tuple[str, ...]):
     return [getattr(cudnn.heur_mode, n) for n in names]
 
 
+def _planned(builder: Callable[[Any], Any], handle: Any, modes: tuple[str, ...]) -> Any:
+    """The graph `builder` makes, validated and lowered, with the execution plans of the heuristics
+    `modes` (not built yet)."""
+    graph = builder(handle)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans(_heur_modes(modes))
+    return graph
+
+
 def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_cache: bool) -> Graph:
     import cudnn
 
@@ -100,10 +110,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
         except _library_errors():
             stored.unlink(missing_ok=True)  # a stale or foreign plan: rebuild below
     try:
-        graph = builder(handle)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans(_heur_modes(("A", "FALLBACK")))
+        graph = _planned(builder, handle, ("A", "FALLBACK"))
         graph.check_support()
         index = _build_first_plan(graph)
     except _library_errors() as exc:
@@ -179,11 +186,8 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
     handle = cudnn_handle()
     found = []
     for mode in modes:
-        graph = builder(handle)
         try:
-            graph.validate()
-            graph.build_operation_graph()
-            graph.create_execution_plans(_heur_modes((mode,)))
+            graph = _planned(builder, handle, (mode,))
         except _library_errors() as exc:
             found.append(PlanInfo(mode, -1, "-", None, {}, [], None, False, _first_line(exc)))
             continue
