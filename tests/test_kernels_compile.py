@@ -61,3 +61,12 @@ ptxas info    : Used 168 registers, used 1 barriers, 16384 bytes smem, 400 bytes
     (r,) = kernels.parse_ptxas_report(log)
     assert (r.kernel, r.arch, r.registers, r.shared_bytes, r.stack_bytes, r.spill_store_bytes,
             r.spill_load_bytes) == ("gemm3", "sm_90", 168, 16384, 16, 8, 4)
+
+
+def test_an_empty_compile_log_leaves_the_interpreter_intact(tmp_path):
+    """NVRTC writes its log into our buffer; an empty log (one NUL byte) once went into CPython's
+    shared b" " object and broke every later b" " in the process."""
+    source = tmp_path / "quiet.cu"
+    source.write_text('extern "C" __global__ void k(float* a) { a[0] = 1.0f; }\n')
+    kernels.compile_file(source, "sm_90", options=(), use_disk_cache=False)
+    assert b" " == bytes([32]) and b" ".decode() == " "

@@ -140,9 +140,12 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
         opts = [f"-arch={arch}".encode(), f"-I{path.parent}".encode(), *(o.encode() for o in options)]
         (compile_err,) = nvrtc.nvrtcCompileProgram(program, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(program)
-        log = b" " * size
+        # NVRTC writes into the buffer it is given: it must be a fresh bytearray. A bytes object such
+        # as b" " * size is immutable and, at size 1 (an empty log), CPython's shared one-byte b" ":
+        # writing into it corrupted every b" " of the process (torch and numpy then failed to parse).
+        log = bytearray(size)
         nvrtc.nvrtcGetProgramLog(program, log)
-        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        log_text = bytes(log).rstrip(b"\0 ").decode(errors="replace")
         if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise KernelCompileError(f"compiling kernels/{path.name} for {arch} failed at "
                                      f"{_first_error_location(log_text)}\n{log_text}")
@@ -150,10 +153,10 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
                         (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         err, size = get_size(program)
         _check(err, "output size query")
-        binary = b" " * size
+        binary = bytearray(size)
         (err,) = get(program, binary)
         _check(err, "output fetch")
-        return CompiledFile(path, arch, options, binary, log_text)
+        return CompiledFile(path, arch, options, bytes(binary), log_text)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
 
