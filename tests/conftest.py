@@ -11,14 +11,6 @@ import pytest
 from libnn import dtypes
 from libnn.runtime.device import gpu_missing
 
-if not gpu_missing():
-    # On the H100 image, torch imported late in a pytest session (after other tests ran) failed
-    # inside its own custom-op registration ("annotate(strtag)"), while every standalone order of
-    # imports worked; importing it first, when present, keeps the interop tests meaningful.
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        pass
 
 
 @pytest.fixture(autouse=True, scope="session")
