@@ -53,7 +53,20 @@ def test_gpu_path_matches_reference(rng, path, dtype, shape, epilogue):
         # test): a relative bound alone fails whenever the outputs happen to be tiny
         assert rel_error(y, expected) <= tolerance(dtype) or np.abs(y.get() - expected).max() <= CUBLASLT_GELU_ABS_ERROR
     else:
-        assert rel_error(y, expected) <= tolerance(dtype)
+        assert rel_error(y, expected) <= tolerance(dtype) or conditioned_error(y, expected, x, w, b) <= tolerance(dtype)
+
+
+def conditioned_error(y, expected, x, w, b) -> float:
+    """‖y − expected‖ / ‖|x|·|w|ᵀ + |b|‖: the error relative to the size of the terms summed (the
+    activations change it by at most their slope, ≤ 1.13), the bound a correctly rounded dot product
+    meets. It differs from rel_error only when the terms cancel (seen: a 1×1×1 fp32 case whose output,
+    0.0021, was 1e-3 of its terms, at 1.3e-5 relative error)."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    scale = np.abs(x64) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
+    got = y.get().astype(np.float64)
+    if not np.isfinite(got).all():
+        return np.inf
+    return float(np.linalg.norm(got - expected) / max(np.linalg.norm(scale), 1e-300))
 
 
 # Measured on the H100 (cuBLASLt 13.1): 5.2e-6 at v = -1.52 over 4097 points in [-6, 6].
