@@ -1,8 +1,9 @@
 """Ops: one module per op, each holding its signature, shape checks and paths side by side."""
 
+from libnn.ops.attention import attention
 from libnn.ops.conv2d import conv2d
 from libnn.ops.fft_conv import fft_conv1d, fft_conv2d
 from libnn.ops.linear import linear
 from libnn.ops.pool2d import avg_pool2d, max_pool2d
 
-__all__ = ["linear", "conv2d", "max_pool2d", "avg_pool2d", "fft_conv2d", "fft_conv1d"]
+__all__ = ["attention", "linear", "conv2d", "max_pool2d", "avg_pool2d", "fft_conv2d", "fft_conv1d"]

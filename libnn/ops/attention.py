@@ -1,0 +1,393 @@
+"""attention: o = softmax(scale · q kᵀ + bias, masked) v, scaled dot-product attention for inference.
+
+Shapes for layout="BHSD": q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), o (B, Hq, Sq, D); for
+layout="BSHD" the middle two dimensions are swapped: q (B, Sq, Hq, D)... Hq must be a multiple of Hkv
+(Hq = Hkv: multi-head; Hkv = 1: multi-query; else grouped-query, query head h reading kv head
+h // (Hq / Hkv)). Any strides are taken as they are, as long as the last dimension is contiguous, so
+the q, k and v views of one packed QKV projection run without a copy. o is a new array, contiguous in
+`layout`.
+
+Masks and their alignment, for row i of batch b with Lq = seq_lens_q[b] (default Sq) and
+Lk = seq_lens_kv[b] (default Skv): key j is allowed when j < Lk and
+- causal=False:                     always;
+- causal=True or "top_left":        j <= i (PyTorch's is_causal);
+- causal="bottom_right":            j <= i + Lk - Lq (the last query sees every key: decode, chunked prefill).
+`bias` is added to the scores; its shape broadcasts to (B, Hq, Sq, Skv) with size-1 batch/head/query
+dimensions (a key-padding bias (B, 1, 1, Skv), a relative-position bias (1, Hq, Sq, Skv)), in q's
+dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed come out as zeros on
+every path, never NaN.
+
+Paths, in `auto` order:
+- cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs.
+- custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 (online
+              softmax, the S×S scores never stored) and a plain fp32 kernel for the rest.
+- unfused:    the textbook three passes: Q·Kᵀ on cuBLAS, our masked softmax kernel, P·V on cuBLAS;
+              S×S scores in memory. Kept as the benchmark's middle rung.
+- reference:  NumPy in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.registry import Op
+from libnn.runtime.arrays import array_module, as_array, device_of, is_cupy
+from libnn.runtime.cache import PlanCache
+
+LAYOUTS = ("BHSD", "BSHD")
+CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
+CUDNN_DTYPES = ("fp16", "bf16")
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+
+op = Op("attention")
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Everything that decides how an attention call runs; also the cuDNN graph's cache key."""
+    B: int
+    Hq: int
+    Hkv: int
+    Sq: int
+    Skv: int
+    D: int
+    dtype: str
+    layout: str
+    q_strides: tuple[int, int, int, int]   # element strides in (B, H, S, D) order
+    k_strides: tuple[int, int, int, int]
+    v_strides: tuple[int, int, int, int]
+    scale: float
+    causal: str | None                      # None, "top_left" or "bottom_right"
+    has_seq_lens_q: bool
+    has_seq_lens_kv: bool
+    bias_shape: tuple[int, int, int, int] | None
+    aligned: bool                           # every pointer and row stride a multiple of 16 bytes
+    device: str
+
+    def describe(self) -> str:
+        masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
+                                        "padding" if self.has_seq_lens_q or self.has_seq_lens_kv else None,
+                                        f"bias {self.bias_shape}" if self.bias_shape else None])) or "no mask"
+        heads = f"Hq={self.Hq}" + (f" Hkv={self.Hkv}" if self.Hkv != self.Hq else "")
+        return (f"attention B={self.B} {heads} Sq={self.Sq} Skv={self.Skv} D={self.D} {self.dtype} "
+                f"{self.layout} ({masks})")
+
+    @property
+    def flops(self) -> int:
+        """4·B·Hq·Sq·Skv·D, halved under a causal mask (the two GEMMs, as FlashAttention counts them)."""
+        full = 4 * self.B * self.Hq * self.Sq * self.Skv * self.D
+        return full // 2 if self.causal else full
+
+    @property
+    def o_strides(self) -> tuple[int, int, int, int]:
+        """o is contiguous in `layout`; its element strides in (B, H, S, D) order."""
+        H, S, D = self.Hq, self.Sq, self.D
+        return (H * S * D, S * D, D, 1) if self.layout == "BHSD" else (S * H * D, D, H * D, 1)
+
+
+def _bhsd(a, layout: str):
+    """The (B, H, S, D) view of an array in `layout` (no copy)."""
+    return a if layout == "BHSD" else a.transpose(0, 2, 1, 3)
+
+
+def _element_strides(a) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def _seq_lens(lens, name: str, B: int, S: int, like):
+    """Validated int32 sequence lengths on `like`'s device, or None. Device arrays are checked with
+    one reduction (a synchronisation), host sequences on the host before their upload."""
+    if lens is None:
+        return None
+    if is_cupy(lens) and not is_cupy(like):
+        raise TypeError(f"attention: {name} is on the GPU but q is a host array; pass both on one device")
+    lens = as_array(np.asarray(lens) if isinstance(lens, (list, tuple)) else lens, "attention", name)
+    if lens.ndim != 1 or lens.shape[0] != B:
+        raise ValueError(f"attention: {name} must have shape ({B},), one length per batch entry, "
+                         f"got {tuple(lens.shape)}")
+    if lens.dtype.kind not in "iu":
+        raise TypeError(f"attention: {name} must hold integers, got dtype {lens.dtype}")
+    if B:
+        lo, hi = (int(v) for v in array_module(lens).stack([lens.min(), lens.max()]).tolist())
+        if lo < 0 or hi > S:
+            raise ValueError(f"attention: {name} must lie in [0, {S}] (the padded sequence length), "
+                             f"got values from {lo} to {hi}")
+    if is_cupy(like):
+        import cupy
+        return cupy.asarray(lens, dtype=cupy.int32)
+    return lens.astype(np.int32, copy=False)
+
+
+def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> AttentionProblem:
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    dims = "(B, H, S, D)" if layout == "BHSD" else "(B, S, H, D)"
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 4:
+            raise ValueError(f"attention: {name} must be 4-D {dims} for layout {layout}, got shape {tuple(a.shape)}")
+    if q.dtype.kind != "f" and dtypes.short_name(q.dtype) != "bf16":
+        raise TypeError(f"attention: q must be a floating-point array (fp16, bf16, fp32, fp64), got {q.dtype}")
+    for name, a in (("k", k), ("v", v), ("bias", bias)):
+        if a is not None and a.dtype != q.dtype:
+            raise TypeError(f"attention: {name} has dtype {dtypes.short_name(a.dtype)} but q has "
+                            f"{dtypes.short_name(q.dtype)}; cast them to one dtype")
+    if causal not in CAUSAL:
+        raise ValueError(f"attention: causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+    qv, kv, vv = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
+    B, Hq, Sq, D = qv.shape
+    Bk, Hkv, Skv, Dk = kv.shape
+    if Dk != D or vv.shape[3] != D:
+        raise ValueError(f"attention: q, k and v must share the head dimension D; got q {D}, k {Dk}, v {vv.shape[3]}")
+    if Bk != B or vv.shape[0] != B:
+        raise ValueError(f"attention: q, k and v must share the batch size; got q {B}, k {Bk}, v {vv.shape[0]}")
+    if tuple(vv.shape) != tuple(kv.shape):
+        raise ValueError(f"attention: k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"attention: q's {Hq} heads must be a multiple of k/v's {Hkv} heads (MHA, GQA or MQA)")
+    bias_shape = None
+    if bias is not None:
+        full = (B, Hq, Sq, Skv)
+        if bias.ndim != 4 or any(n not in (1, f) for n, f in zip(bias.shape[:3], full[:3])) or bias.shape[3] != Skv:
+            raise ValueError(f"attention: bias must have shape (B, Hq, Sq, Skv) = {full}, each of the first "
+                             f"three dimensions possibly 1 (broadcast), got {tuple(bias.shape)}")
+        bias_shape = tuple(int(n) for n in bias.shape)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"attention: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    device = device_of({"q": q, "k": k, "v": v, "bias": bias}, "attention")
+    arrays = [a for a in (qv, kv, vv, bias) if a is not None]
+    aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _element_strides(a)[:-1])
+                  for a in arrays)
+    return AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
+                            _element_strides(qv), _element_strides(kv), _element_strides(vv),
+                            float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
+                            has_lens_q, has_lens_kv, bias_shape, aligned, device)
+
+
+def _pointer(a) -> int:
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
+def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool | str = False,
+              seq_lens_q: Sequence[int] | Any = None, seq_lens_kv: Sequence[int] | Any = None,
+              attn_bias: Any = None, layout: str = "BHSD", path: str = "auto") -> Any:
+    """Scaled dot-product attention; see the module docstring for shapes, masks and paths. `scale`
+    defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
+    q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
+    key = (*(_call_signature(a) for a in (q, k, v, bias)), scale, causal, layout, seq_lens_q is None,
+           seq_lens_kv is None, path)
+
+    def plan_call():  # the checks and the path choice, once per signature (as for linear and conv2d)
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+                raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
+                                 f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
+        problem = _check(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
+        return problem, op.resolve(problem, path)
+
+    problem, resolved = _calls.get(key, plan_call)
+    lens_q = _seq_lens(seq_lens_q, "seq_lens_q", problem.B, problem.Sq, q)
+    lens_kv = _seq_lens(seq_lens_kv, "seq_lens_kv", problem.B, problem.Skv, q)
+    return op.run(resolved, problem, q, k, v, lens_q, lens_kv, bias)
+
+
+_calls: PlanCache = PlanCache("attention calls", maxsize=4096)
+
+
+def _call_signature(a) -> tuple | None:
+    """What the checks depend on: the array's type, shape, strides, dtype, device and alignment."""
+    if a is None:
+        return None
+    where = f"gpu:{a.data.device_id}" if is_cupy(a) else "cpu"
+    return type(a), a.shape, a.strides, a.dtype, where, _pointer(a) % 16
+
+
+def _output(problem: AttentionProblem, like):
+    """A new o in `layout`, and its (B, H, S, D) view."""
+    xp = array_module(like)
+    p = problem
+    shape = (p.B, p.Hq, p.Sq, p.D) if p.layout == "BHSD" else (p.B, p.Sq, p.Hq, p.D)
+    o = xp.empty(shape, like.dtype)
+    return o, _bhsd(o, p.layout)
+
+
+def _gpu_support(problem: AttentionProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+# --- cudnn path -------------------------------------------------------------------------------------
+def _cudnn_support(problem: AttentionProblem) -> str | None:
+    if problem.dtype not in CUDNN_DTYPES:
+        return f"cuDNN's fused attention takes fp16 and bf16, not {problem.dtype}"
+    if problem.D % 8:
+        return f"cuDNN's fused attention needs a head dimension that is a multiple of 8, got D={problem.D}"
+    if not problem.aligned:
+        return "cuDNN's fused attention needs 16-byte aligned pointers and strides"
+    if min(problem.B, problem.Hq, problem.Sq, problem.Skv, problem.D) == 0:
+        return "an empty problem (a zero dimension)"
+    return None
+
+
+_UID_Q, _UID_K, _UID_V, _UID_BIAS, _UID_LENS_Q, _UID_LENS_KV, _UID_O = range(1, 8)
+
+
+def _graph_builder(problem: AttentionProblem):
+    """q, k, v [, bias, sequence lengths] → sdpa → o, one node per line."""
+    def build(handle):
+        import cudnn
+
+        from libnn.backends.cudnn import data_type
+
+        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        q = g.tensor(dim=[p.B, p.Hq, p.Sq, p.D], stride=list(p.q_strides), data_type=io, uid=_UID_Q)
+        k = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.k_strides), data_type=io, uid=_UID_K)
+        v = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.v_strides), data_type=io, uid=_UID_V)
+        bias = lens_q = lens_kv = None
+        if p.bias_shape:
+            bias = g.tensor(dim=list(p.bias_shape), stride=_contiguous_strides(p.bias_shape), data_type=io,
+                            uid=_UID_BIAS)
+        padded = p.has_seq_lens_q or p.has_seq_lens_kv
+        if padded:  # cuDNN's padding mask takes both lengths; a missing one is passed as full
+            lens_q = g.tensor(dim=[p.B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
+                              uid=_UID_LENS_Q)
+            lens_kv = g.tensor(dim=[p.B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
+                               uid=_UID_LENS_KV)
+        masks = {}
+        if p.causal:
+            masks = dict(diagonal_band_right_bound=0,
+                         diagonal_alignment=(cudnn.diagonal_alignment.TOP_LEFT if p.causal == "top_left"
+                                             else cudnn.diagonal_alignment.BOTTOM_RIGHT))
+        o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
+                      seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks)
+        o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(_UID_O)
+        return g
+    return build
+
+
+def _contiguous_strides(shape: Sequence[int]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return strides
+
+
+_full_lengths: dict[tuple[int, int, int], Any] = {}
+
+
+def _full(B: int, S: int):
+    """Device int32 array of B copies of S, made once (the length cuDNN needs for an unpadded side)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), B, S)
+    if key not in _full_lengths:
+        _full_lengths[key] = cupy.full(B, S, cupy.int32)
+    return _full_lengths[key]
+
+
+def _zero_padded_rows(o, lens_q, Sq: int) -> None:
+    """Rows past each batch entry's query length are zeros (cuDNN leaves them undefined)."""
+    import cupy
+
+    valid = cupy.arange(Sq, dtype=cupy.int32)[None, None, :, None] < lens_q[:, None, None, None]
+    cupy.copyto(o, 0, where=~valid)
+
+
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support)
+def _cudnn(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+    from libnn.backends import cudnn as cudnn_backend
+
+    p = problem
+    o, o_bhsd = _output(p, q)
+    graph = cudnn_backend.graph_for(p, _graph_builder(p), p.describe())
+    buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: o}
+    if bias is not None:
+        buffers[_UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()
+    if p.has_seq_lens_q or p.has_seq_lens_kv:
+        buffers[_UID_LENS_Q] = lens_q if lens_q is not None else _full(p.B, p.Sq)
+        buffers[_UID_LENS_KV] = lens_kv if lens_kv is not None else _full(p.B, p.Skv)
+    graph.execute(buffers)
+    if lens_q is not None:
+        _zero_padded_rows(o_bhsd, lens_q, p.Sq)
+    return o
+
+
+# --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
+def _custom_support(problem: AttentionProblem) -> str | None:
+    from libnn.ops.attention_kernels import flash_supports
+
+    return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
+
+
+def _run_kernels(launcher, problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+    p = problem
+    o, o_bhsd = _output(p, q)
+    if o.size:
+        launcher(_bhsd(q, p.layout), _bhsd(k, p.layout), _bhsd(v, p.layout), o_bhsd, scale=p.scale,
+                 causal=p.causal, seq_lens_q=lens_q, seq_lens_kv=lens_kv,
+                 bias=None if bias is None else _broadcast_bias(bias, p))
+    return o
+
+
+def _broadcast_bias(bias, problem: AttentionProblem):
+    """bias as a (B, Hq, Sq, Skv) view, broadcast dimensions with stride 0."""
+    xp = array_module(bias)
+    return xp.broadcast_to(bias, (problem.B, problem.Hq, problem.Sq, problem.Skv))
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_custom_support)
+def _custom(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+    from libnn.ops.attention_kernels import flash_attention
+
+    return _run_kernels(flash_attention, problem, q, k, v, lens_q, lens_kv, bias)
+
+
+@op.path("unfused", kind="custom", device="gpu", supports=_custom_support)
+def _unfused(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+    from libnn.ops.attention_kernels import unfused_attention
+
+    return _run_kernels(unfused_attention, problem, q, k, v, lens_q, lens_kv, bias)
+
+
+# --- reference --------------------------------------------------------------------------------------
+def allowed_keys(Sq: int, Skv: int, causal: str | None, lens_q, lens_kv, B: int) -> np.ndarray:
+    """(B, 1, Sq, Skv) booleans: which key each query row may attend to (rows past Lq: none)."""
+    Lq = np.full(B, Sq) if lens_q is None else np.asarray(lens_q).astype(np.int64)
+    Lk = np.full(B, Skv) if lens_kv is None else np.asarray(lens_kv).astype(np.int64)
+    i = np.arange(Sq)[None, :, None]
+    j = np.arange(Skv)[None, None, :]
+    allowed = (j < Lk[:, None, None]) & (i < Lq[:, None, None])
+    if causal == "top_left":
+        allowed &= j <= i
+    elif causal == "bottom_right":
+        allowed &= j <= i + (Lk - Lq)[:, None, None]
+    return allowed[:, None]
+
+
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+    p = problem
+    group = p.Hq // p.Hkv
+    q64 = _bhsd(q, p.layout).astype(np.float64)
+    k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)
+    v64 = np.repeat(_bhsd(v, p.layout).astype(np.float64), group, axis=1)
+    scores = np.einsum("bhid,bhjd->bhij", q64, k64) * p.scale
+    if bias is not None:
+        scores = scores + bias.astype(np.float64)
+    scores = np.where(allowed_keys(p.Sq, p.Skv, p.causal, lens_q, lens_kv, p.B), scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    empty = row_max == -np.inf  # no key allowed (or all at -inf): the row is zeros
+    weights = np.exp(scores - np.where(empty, 0.0, row_max))
+    weights /= np.where(empty, 1.0, weights.sum(axis=-1, keepdims=True))
+    o = np.where(empty, 0.0, np.einsum("bhij,bhjd->bhid", weights, v64))
+    if p.layout == "BSHD":
+        o = o.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(o).astype(q.dtype)
