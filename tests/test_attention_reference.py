@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 import pytest
+from conftest import random_normal, rel_error
 
 from libnn.ops.attention import attention
-from conftest import random_normal, rel_error
 
 
 def looped(q, k, v, scale, causal=None, lens_q=None, lens_kv=None, bias=None):
@@ -96,24 +96,24 @@ def test_attention_strided_views_of_packed_qkv(rng):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(k=np.zeros((1, 2, 5, 4))), "share the head dimension"),
-    (dict(k=np.zeros((1, 3, 5, 8)), v=np.zeros((1, 3, 5, 8))), "multiple of k/v's 3 heads"),
-    (dict(v=np.zeros((1, 2, 6, 8))), "k and v must have the same shape"),
-    (dict(q=np.zeros((1, 4, 5))), "q must be 4-D"),
-    (dict(k=np.zeros((1, 2, 5, 8), np.float32)), "k has dtype fp32 but q has fp64"),
-    (dict(layout="SBHD"), "layout must be one of"),
-    (dict(causal="left"), "causal must be"),
-    (dict(seq_lens_q=[1, 2]), r"seq_lens_q must have shape \(1,\)"),
-    (dict(seq_lens_kv=[6]), r"seq_lens_kv must lie in \[0, 5\]"),
-    (dict(seq_lens_q=[-1]), r"seq_lens_q must lie in \[0, 5\]"),
-    (dict(seq_lens_q=[1.5]), "must hold integers"),
-    (dict(attn_bias=np.zeros((1, 4, 5, 4))), "bias must have shape"),
-    (dict(attn_bias=np.zeros((2, 4, 5, 5))), "bias must have shape"),
-    (dict(attn_bias=np.zeros((1, 1, 1, 5), np.float32)), "bias has dtype fp32"),
-    (dict(scale=float("nan")), "scale must be a finite number"),
+    ({"k": np.zeros((1, 2, 5, 4))}, "share the head dimension"),
+    ({"k": np.zeros((1, 3, 5, 8)), "v": np.zeros((1, 3, 5, 8))}, "multiple of k/v's 3 heads"),
+    ({"v": np.zeros((1, 2, 6, 8))}, "k and v must have the same shape"),
+    ({"q": np.zeros((1, 4, 5))}, "q must be 4-D"),
+    ({"k": np.zeros((1, 2, 5, 8), np.float32)}, "k has dtype fp32 but q has fp64"),
+    ({"layout": "SBHD"}, "layout must be one of"),
+    ({"causal": "left"}, "causal must be"),
+    ({"seq_lens_q": [1, 2]}, r"seq_lens_q must have shape \(1,\)"),
+    ({"seq_lens_kv": [6]}, r"seq_lens_kv must lie in \[0, 5\]"),
+    ({"seq_lens_q": [-1]}, r"seq_lens_q must lie in \[0, 5\]"),
+    ({"seq_lens_q": [1.5]}, "must hold integers"),
+    ({"attn_bias": np.zeros((1, 4, 5, 4))}, "bias must have shape"),
+    ({"attn_bias": np.zeros((2, 4, 5, 5))}, "bias must have shape"),
+    ({"attn_bias": np.zeros((1, 1, 1, 5), np.float32)}, "bias has dtype fp32"),
+    ({"scale": float("nan")}, "scale must be a finite number"),
 ])
 def test_attention_rejects_bad_arguments(kwargs, message):
-    args = dict(q=np.ones((1, 4, 5, 8)), k=np.ones((1, 2, 5, 8)), v=np.ones((1, 2, 5, 8)))
+    args = {"q": np.ones((1, 4, 5, 8)), "k": np.ones((1, 2, 5, 8)), "v": np.ones((1, 2, 5, 8))}
     args.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=message):
         attention(args.pop("q"), args.pop("k"), args.pop("v"), path="reference", **args)

@@ -29,8 +29,9 @@ Paths, in `auto` order:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -262,9 +263,9 @@ def _graph_builder(problem: AttentionProblem):
                                uid=_UID_LENS_KV)
         masks = {}
         if p.causal:
-            masks = dict(diagonal_band_right_bound=0,
-                         diagonal_alignment=(cudnn.diagonal_alignment.TOP_LEFT if p.causal == "top_left"
-                                             else cudnn.diagonal_alignment.BOTTOM_RIGHT))
+            masks = {"diagonal_band_right_bound": 0,
+                         "diagonal_alignment": (cudnn.diagonal_alignment.TOP_LEFT if p.causal == "top_left"
+                                             else cudnn.diagonal_alignment.BOTTOM_RIGHT)}
         o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
                       seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks)
         o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(_UID_O)
