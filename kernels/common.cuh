@@ -4,7 +4,7 @@ tensor-core and copy primitives as inline PTX (so that no CUDA toolkit header is
 any wheel compiles the kernels), dtype traits, and the activation every fused epilogue applies.
 
 Activation codes (libnn/ops/activations.py KERNEL_CODES): 0 none, 1 relu, 2 relu6, 3 gelu (tanh
-approximation), 4 silu. NaN propagates through each of them.
+approximation), 4 silu, 5 gelu_erf (exact erf GELU). NaN propagates through each of them.
 */
 #pragma once
 
@@ -138,7 +138,7 @@ __device__ __forceinline__ void unflatten_pqc(int idx, int P, int Q, int CH, boo
 // ACTS is a bit mask of the codes a kernel compiles (bit i: code i). The epilogue is inlined for every
 // accumulator a thread holds, so a GEMM with 128 accumulators per thread that compiled all five slowed
 // from 353 to 241 TFLOP/s on the H100 (4096^3 bf16): kernels compile only the codes their op offers.
-enum : unsigned { ACT_ALL = 0x1f, ACT_LINEAR = (1u << 0) | (1u << 1) | (1u << 3) };
+enum : unsigned { ACT_ALL = 0x3f, ACT_CONV = 0x1f, ACT_LINEAR = (1u << 0) | (1u << 1) | (1u << 3) };
 
 template <unsigned ACTS = ACT_ALL>
 __device__ __forceinline__ float apply_act(float v, int act) {
@@ -147,6 +147,7 @@ __device__ __forceinline__ float apply_act(float v, int act) {
     if ((ACTS & 4u) && act == 2) return v < 0.f ? 0.f : (v > 6.f ? 6.f : v);
     if ((ACTS & 8u) && act == 3) return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
     if ((ACTS & 16u) && act == 4) return fdiv_full(v, 1.f + expf(-v));
+    if ((ACTS & 32u) && act == 5) return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
     return v;
 }
 

@@ -151,7 +151,7 @@ struct Shape {
 // ---------------------------------------------------------------------------------------------------
 // The one epilogue every kernel uses: act(fmaf(acc, scale, shift)) in fp32, then one rounding.
 __device__ __forceinline__ float epi(float acc, float sc, float sh, int act) {
-    return apply_act(fmaf(acc, sc, sh), act);
+    return apply_act<ACT_CONV>(fmaf(acc, sc, sh), act);
 }
 __device__ __forceinline__ float epi_k(float acc, const float* scale, const float* shift, int k, int act) {
     return epi(acc, scale ? scale[k] : 1.f, shift ? shift[k] : 0.f, act);

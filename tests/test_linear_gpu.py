@@ -40,7 +40,8 @@ def to_gpu(*arrays):
 @pytest.mark.parametrize("path", ["cublaslt", "custom"])
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("epilogue", [(False, None), (True, None), (True, "relu"), (True, "gelu"), (False, "gelu")],
+@pytest.mark.parametrize("epilogue", [(False, None), (True, None), (True, "relu"), (True, "gelu"), (False, "gelu"),
+                                      (True, "gelu_erf")],
                          ids=lambda e: "+".join(filter(None, ["bias" if e[0] else None, e[1]])) or "plain")
 def test_gpu_path_matches_reference(rng, path, dtype, shape, epilogue):
     bias, activation = epilogue

@@ -23,6 +23,8 @@ def oracle(x, w, b, activation):
                 v = max(v, 0.0)
             elif activation == "gelu":
                 v = 0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
+            elif activation == "gelu_erf":
+                v = 0.5 * v * (1 + math.erf(v / math.sqrt(2)))
             out[m, n] = v
     return out.reshape(*x.shape[:-1], w.shape[0])
 
@@ -31,7 +33,7 @@ DTYPES = ["fp64", "fp32", "fp16"] + (["bf16"] if dtypes.bfloat16 is not None els
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_erf"])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 7), (2, 13, 1), (11, 2, 17)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_reference_matches_loop_oracle(rng, dtype, activation, shape, bias):

@@ -1,5 +1,7 @@
 """Layers: parameters by PyTorch's names, loading that checks before it changes anything."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -35,3 +37,18 @@ def test_failed_load_changes_nothing(rng):
 def test_to_dtype_casts_every_parameter():
     layer = nn.Linear(3, 2, seed=0).to("fp16")
     assert layer.weight.dtype == np.float16 and layer.bias.dtype == np.float16
+
+
+def test_gelu_is_exact_by_default_like_pytorch_and_fuses_only_where_supported(rng):
+    from libnn.nn import GELU, Conv2d, Linear, Sequential
+
+    x = random_normal(rng, (4, 8), "fp64")
+    assert GELU().name == "gelu_erf" and GELU(approximate="tanh").name == "gelu"
+    exact = 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    assert rel_error(GELU()(x), exact) < 1e-15
+    with pytest.raises(ValueError, match="approximate must be"):
+        GELU(approximate="fast")
+    mlp = Sequential(Linear(8, 8, dtype="fp64"), GELU())
+    assert mlp.describe() == ["0+1: Linear+gelu_erf fused (activation in the epilogue)"]
+    conv = Sequential(Conv2d(3, 4, 3, dtype="fp64"), GELU())  # conv kernels compile no erf GELU
+    assert [names for names, _ in conv.fused()] == ["0", "1"]

@@ -122,7 +122,7 @@ class BatchNorm2d(Module):
 
 
 class Activation(Module):
-    """An element-wise activation by name; ReLU, ReLU6, GELU (tanh) and SiLU are its instances."""
+    """An element-wise activation by name; ReLU, ReLU6, GELU and SiLU are its instances."""
 
     name: str | None = None
 
@@ -139,7 +139,14 @@ class ReLU6(Activation):
 
 
 class GELU(Activation):
-    name = "gelu"
+    """PyTorch's nn.GELU: exact (erf) by default, the tanh approximation with approximate="tanh"."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+        self.name = "gelu_erf" if approximate == "none" else "gelu"
 
 
 class SiLU(Activation):

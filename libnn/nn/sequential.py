@@ -87,6 +87,7 @@ class Sequential(Module):
 
 
 def _fusable(layer: Module, activation: str) -> bool:
-    from libnn.ops.linear import ACTIVATIONS
+    from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
+    from libnn.ops.linear import ACTIVATIONS as LINEAR_ACTIVATIONS
 
-    return not isinstance(layer, Linear) or activation in ACTIVATIONS
+    return activation in (LINEAR_ACTIVATIONS if isinstance(layer, Linear) else CONV_ACTIVATIONS)

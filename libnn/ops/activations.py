@@ -1,18 +1,21 @@
 """The activations libnn fuses into epilogues, in the array arithmetic of NumPy or CuPy.
 
-These are the definitions every path is tested against. GELU is the tanh approximation everywhere
-in libnn (cuBLASLt's epilogue offers no other); NaN propagates through every activation.
+These are the definitions every path is tested against. "gelu" is the tanh approximation (the GELU
+cuBLASLt's and cuDNN's epilogues compute); "gelu_erf" is the exact 0.5·v·(1 + erf(v/√2)) that
+PyTorch's nn.GELU() and BERT use. NaN propagates through every activation.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from libnn.runtime.arrays import array_module
 
-ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")
+ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu", "gelu_erf")
 # The integer each kernel's `act` argument takes (kernels/*.cu share the numbering).
-KERNEL_CODES = {None: 0, "relu": 1, "relu6": 2, "gelu": 3, "silu": 4}
+KERNEL_CODES = {None: 0, "relu": 1, "relu6": 2, "gelu": 3, "silu": 4, "gelu_erf": 5}
 
 
 def apply(v, activation: str | None):
@@ -25,7 +28,18 @@ def apply(v, activation: str | None):
         return 0.5 * v * (1 + xp.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3)))
     if activation == "silu":
         return v / (1 + xp.exp(-v))
+    if activation == "gelu_erf":
+        return 0.5 * v * (1 + _erf(v / math.sqrt(2)))
     return v
+
+
+def _erf(v):
+    """erf elementwise: CuPy's for device arrays; for NumPy (which has none) math.erf per element."""
+    xp = array_module(v)
+    if xp is not np:
+        import cupyx.scipy.special
+        return cupyx.scipy.special.erf(v)
+    return np.vectorize(math.erf, otypes=[np.float64])(v).astype(v.dtype, copy=False) if v.size else v
 
 
 def check(op: str, activation: str | None, supported: tuple = ACTIVATIONS) -> None:

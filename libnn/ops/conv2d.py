@@ -30,6 +30,7 @@ from libnn.runtime.arrays import array_module, as_array, device_of, signature
 from libnn.runtime.cache import PlanCache
 
 LAYOUTS = ("NHWC", "NCHW")
+ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
 op = Op("conv2d")
@@ -143,7 +144,7 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
         if a is not None and a.dtype != x.dtype:
             raise TypeError(f"conv2d: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
-    activations.check("conv2d", activation)
+    activations.check("conv2d", activation, ACTIVATIONS)
     if int(groups) != groups or groups < 1:
         raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
     stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)

@@ -1,8 +1,11 @@
 """linear: y = act(x @ w.T + b), the fully connected layer as one GEMM with a fused epilogue.
 
 x is (..., K), w is (N, K) (PyTorch's (out_features, in_features)), b is (N,) or None.
-Activations: None, "relu", and "gelu", which on every path is the tanh approximation
-0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³))) because that is the GELU cuBLASLt's epilogue computes.
+Activations: None, "relu", "gelu", the tanh approximation 0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³)))
+that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's nn.GELU() and BERT.
+The first three are fused into the GEMM's epilogue; cuBLASLt has no erf GELU, and compiling one into
+gemm.cu's epilogue costs the main loop registers, so on the GPU "gelu_erf" is a second, memory-bound
+pass (kernels/epilogue.cu) after the GEMM with its bias.
 
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - cublaslt:  cuBLASLt through nvmath-python, bias and activation fused in its epilogue.
@@ -27,7 +30,8 @@ from libnn.registry import Op
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature
 from libnn.runtime.cache import PlanCache
 
-ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues offer (a subset of activations.ACTIVATIONS)
+ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
+FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues and gemm.cu's compile
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
 op = Op("linear")
@@ -125,14 +129,32 @@ def _gpu_support(problem: LinearProblem) -> str | None:
 def _cublaslt(problem: LinearProblem, x, w, b):
     from libnn.backends import cublaslt
 
-    degenerate = _degenerate(problem, x, b)
-    return degenerate if degenerate is not None else cublaslt.linear(problem, x, w, b)
+    return _gemm_then_activation(cublaslt.linear, problem, x, w, b)
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
 def _custom(problem: LinearProblem, x, w, b):
+    return _gemm_then_activation(launch_custom, problem, x, w, b)
+
+
+def _gemm_then_activation(gemm, problem: LinearProblem, x, w, b):
+    """`gemm` with the activation in its epilogue, or, for one it has no epilogue for, followed by an
+    element-wise pass of kernels/epilogue.cu."""
     degenerate = _degenerate(problem, x, b)
-    return degenerate if degenerate is not None else launch_custom(problem, x, w, b)
+    if degenerate is not None:
+        return degenerate
+    if problem.activation in FUSED_ACTIVATIONS:
+        return gemm(problem, x, w, b)
+    from dataclasses import replace
+
+    from libnn.runtime import kernels
+
+    y = gemm(replace(problem, activation=None), x, w, b)
+    kernel = kernels.function("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
+    null = np.uint64(0)
+    kernel((min(-(-y.size // 256), 65535 * 8),), (256,), (y, null, null, np.int64(y.size), np.int32(1),
+                                                         np.int64(1), np.int32(activations.KERNEL_CODES[problem.activation])))
+    return y
 
 
 @op.path("reference", kind="reference", device="cpu")
