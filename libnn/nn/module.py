@@ -78,6 +78,25 @@ class Module:
             owner.register_parameter(name, _moved(value, target))
         return self
 
+    def use_path(self, path: str) -> "Module":
+        """Force `path` ("auto", "cudnn", "custom", "reference", ...) on every layer that takes one."""
+        for module in self.modules():
+            if hasattr(module, "path"):
+                module.path = path
+        return self
+
+    def modules(self) -> Iterator["Module"]:
+        """This module and every module below it."""
+        yield self
+        for child in self._children.values():
+            yield from child.modules()
+
+    def graphed(self, *, warmup: int = 2):
+        """This model as one CUDA graph per input signature (see libnn.nn.graphs)."""
+        from libnn.nn.graphs import GraphedModule
+
+        return GraphedModule(self, warmup=warmup)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 

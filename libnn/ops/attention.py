@@ -39,6 +39,7 @@ from libnn import dtypes
 from libnn.registry import Op
 from libnn.runtime.arrays import array_module, as_array, device_of, is_cupy
 from libnn.runtime.cache import PlanCache
+from libnn.runtime.stream import capturing
 
 LAYOUTS = ("BHSD", "BSHD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -102,7 +103,8 @@ def _element_strides(a) -> tuple[int, ...]:
 
 def _seq_lens(lens, name: str, B: int, S: int, like):
     """Validated int32 sequence lengths on `like`'s device, or None. Device arrays are checked with
-    one reduction (a synchronisation), host sequences on the host before their upload."""
+    one reduction (a synchronisation, skipped while a CUDA graph is captured), host sequences on the host
+    before their upload."""
     if lens is None:
         return None
     if is_cupy(lens) and not is_cupy(like):
@@ -113,7 +115,7 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
                          f"got {tuple(lens.shape)}")
     if lens.dtype.kind not in "iu":
         raise TypeError(f"attention: {name} must hold integers, got dtype {lens.dtype}")
-    if B:
+    if B and not (is_cupy(lens) and capturing()):  # a graph capture cannot read GPU values
         lo, hi = (int(v) for v in array_module(lens).stack([lens.min(), lens.max()]).tolist())
         if lo < 0 or hi > S:
             raise ValueError(f"attention: {name} must lie in [0, {S}] (the padded sequence length), "

@@ -35,3 +35,10 @@ def stream(s: Any) -> Iterator[Any]:
 def current_stream():
     import cupy
     return cupy.cuda.get_current_stream()
+
+
+def capturing() -> bool:
+    """True while the current stream is being captured into a CUDA graph: host synchronisations (a
+    check that reads a GPU value) are illegal then, so ops skip them."""
+    stream = current_stream()
+    return stream.ptr != 0 and stream.is_capturing()
