@@ -80,12 +80,9 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
                modes: tuple[str, ...] = ("A", "B", "FALLBACK"), progress: bool = False) -> PlanReport:
     """Every plan cuDNN's heuristics modes offer for the fused conv graph, each built (and with
     `time`, timed); marks each mode's first choice, the fastest, and the plan libnn runs."""
-    import sys
-
     import cupy
 
     from libnn import dtypes
-    from libnn.backends import cudnn
     from libnn.ops.conv2d import _check, _graph_builder, conv2d, output_shape
 
     dt = dtypes.parse(dtype)
@@ -101,16 +98,57 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
     if bn:
         buffers.update({3: vectors[0], 4: vectors[1]})
 
+    def run_libnn():  # what libnn runs, from its own cache
+        conv2d(x, wt, bn=vectors, stride=stride, padding=padding, dilation=dilation, groups=groups,
+               activation=activation, layout=layout, path="cudnn")
+
+    return _cudnn_report(problem, _graph_builder(problem), buffers, run_libnn, modes, time, progress)
+
+
+def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_kv: int | None = None,
+                    dtype: str = "bf16", causal: bool = False, layout: str = "BHSD", time: bool = False,
+                    modes: tuple[str, ...] = ("A", "B", "FALLBACK"), progress: bool = False) -> PlanReport:
+    """Every plan cuDNN's heuristics offer for the fused attention (SDPA) graph; as conv_plans."""
+    import cupy
+
+    from libnn import dtypes
+    from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, _check, _graph_builder, attention
+
+    dt = dtypes.parse(dtype)
+    rng = cupy.random.default_rng(0)
+    s_kv, h_kv = s_kv or s, h_kv or h
+
+    def tensor(heads, seq):
+        shape = (b, heads, seq, d) if layout == "BHSD" else (b, seq, heads, d)
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
+
+    q, k, v = tensor(h, s), tensor(h_kv, s_kv), tensor(h_kv, s_kv)
+    problem = _check(q, k, v, None, None, causal, layout, False, False)
+    buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: cupy.empty_like(q)}
+
+    def run_libnn():
+        attention(q, k, v, causal=causal, layout=layout, path="cudnn")
+
+    return _cudnn_report(problem, _graph_builder(problem), buffers, run_libnn, modes, time, progress)
+
+
+def _cudnn_report(problem: Any, builder: Any, buffers: dict[int, Any], run_libnn: Any, modes: tuple[str, ...],
+                  time: bool, progress: bool) -> PlanReport:
+    """The plans of `builder`'s graph per heuristics mode, each built (and timed), with marks for each
+    mode's first choice, the fastest, and the plan libnn runs (after `run_libnn()` fills its cache)."""
+    import sys
+
+    from libnn.backends import cudnn
+
     def report(info):
         if progress:
             print(f"  mode {info.mode} plan {info.index}: {info.name} "
                   f"{'%.4f ms' % info.time_ms if info.time_ms else ('built' if info.built else 'not built')}",
                   file=sys.stderr, flush=True)
 
-    plans = cudnn.enumerate_plans(_graph_builder(problem), buffers, modes, time_plans=time, on_plan=report)
-    conv2d(x, wt, bn=vectors, stride=stride, padding=padding, dilation=dilation, groups=groups,
-           activation=activation, layout=layout, path="cudnn")  # what libnn runs, from its own cache
-    ran = cudnn.graph_for(problem, _graph_builder(problem), problem.describe())
+    plans = cudnn.enumerate_plans(builder, buffers, modes, time_plans=time, on_plan=report)
+    run_libnn()
+    ran = cudnn.graph_for(problem, builder, problem.describe())
     timed = [p for p in plans if p.time_ms is not None]
     fastest = min(timed, key=lambda p: p.time_ms) if timed else None
     rows = []

@@ -382,7 +382,7 @@ def _reference(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
     q64 = _bhsd(q, p.layout).astype(np.float64)
     k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)
     v64 = np.repeat(_bhsd(v, p.layout).astype(np.float64), group, axis=1)
-    scores = np.einsum("bhid,bhjd->bhij", q64, k64) * p.scale
+    scores = (q64 @ k64.swapaxes(-1, -2)) * p.scale  # matmul, not einsum: BLAS keeps S=4096 fast
     if bias is not None:
         scores = scores + bias.astype(np.float64)
     scores = np.where(allowed_keys(p.Sq, p.Skv, p.causal, lens_q, lens_kv, p.B), scores, -np.inf)
@@ -390,7 +390,7 @@ def _reference(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
     empty = row_max == -np.inf  # no key allowed (or all at -inf): the row is zeros
     weights = np.exp(scores - np.where(empty, 0.0, row_max))
     weights /= np.where(empty, 1.0, weights.sum(axis=-1, keepdims=True))
-    o = np.where(empty, 0.0, np.einsum("bhij,bhjd->bhid", weights, v64))
+    o = np.where(empty, 0.0, weights @ v64)
     if p.layout == "BSHD":
         o = o.transpose(0, 2, 1, 3)
     return np.ascontiguousarray(o).astype(q.dtype)
