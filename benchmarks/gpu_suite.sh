@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU job in one call: environment report and demo, the full test suite (GPU tests
-# included), the benchmarks and plan inspection, with logs under $OUT (default ./gpu-out): at most
-# 8 files: info, pytest, plans, one text log per benchmark, and results.tgz with the benchmarks' JSON
-# and the FFT heat map.
+# included), the benchmarks, plan inspection and the seed CNN, with logs under $OUT (default
+# ./gpu-out), at most 8 files: info.txt, pytest.txt, bench.txt (every benchmark's table, in order),
+# plans.txt, and results.tgz with the benchmarks' JSON and the FFT heat map.
 #
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
+#   BENCH="attention models" bash benchmarks/gpu_suite.sh bench     # a subset of the benchmarks
 #
 # On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
 # are installed into /tmp/site first and libnn runs from this working tree.
@@ -36,11 +37,13 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  run bench_linear python3 -m libnn bench linear --json "$OUT/bench_linear.json"
-  run bench_conv python3 -m libnn bench conv --json "$OUT/bench_conv.json"
-  run bench_fftconv python3 -m libnn bench fftconv --json "$OUT/bench_fftconv.json"
+  for op in ${BENCH:-linear conv fftconv attention models}; do
+    run bench python3 -m libnn bench "$op" --json "$OUT/bench_$op.json"
+  done
+  run info python3 -m libnn run cnn
   run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
   run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time
+  run plans python3 -m libnn plans attention --b 4 --h 16 --s 4096 --d 128 --dtype bf16 --time
 fi
 ( cd "$OUT" && results=$(ls *.json *.png 2>/dev/null) && [ -n "$results" ] && tar czf results.tgz $results && rm -f $results )
 exit $status
