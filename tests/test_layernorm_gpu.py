@@ -1,0 +1,190 @@
+"""layer_norm on the GPU: every path and every kernel version against the float64 reference over a
+sweep of shapes and dtypes, outputs poisoned; rows with a large mean offset; misaligned rows; the
+cuDNN graph reused across calls and eps values; the visible fallback when cuDNN declines."""
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.nn.norm import LayerNorm
+from libnn.ops import layernorm
+from libnn.ops.layernorm import layer_norm
+from conftest import random_normal, rel_error
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1), (3, 7), (17, 384), (128, 768), (5, 1023), (2, 3, 4096), (1, 12289),
+          (4, 20000),     # beyond the fp32 register kernels: ln3_loop for fp32
+          (2, 40000),     # beyond every register kernel: ln3_loop for all dtypes
+          (300000, 8)]    # more rows than the grid has blocks: the grid-stride loops
+DTYPES = ["fp16", "bf16", "fp32"]
+PATHS = ["cudnn", "custom"]
+
+
+def tolerance(dtype):
+    return dtypes.TOLERANCE[dtype]
+
+
+def gpu(a):
+    import cupy
+    return None if a is None else cupy.asarray(a)
+
+
+def make(rng, shape, dtype, offset=0.0, affine="weight+bias"):
+    N = shape[-1]
+    x = (rng.standard_normal(shape) * 2 + offset).astype(dtypes.parse(dtype))
+    weight = random_normal(rng, (N,), dtype) if "weight" in affine else None
+    bias = random_normal(rng, (N,), dtype) if "bias" in affine else None
+    return x, weight, bias
+
+
+def reference(x, weight, bias, eps=1e-5):
+    as64 = (lambda a: None if a is None else a.astype(np.float64))
+    return layer_norm(as64(x), as64(weight), as64(bias), eps=eps, path="reference")
+
+
+def run(path, x, weight, bias, eps=1e-5):
+    try:
+        return layer_norm(gpu(x), gpu(weight), gpu(bias), eps=eps, path=path)
+    except libnn.LibraryError as exc:
+        pytest.skip(f"the library declined this case (auto falls back): {exc}")
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_path_matches_reference(rng, path, dtype, shape):
+    affine = ["weight+bias", "weight", "bias", "none"][rng.integers(4)]
+    x, weight, bias = make(rng, shape, dtype, affine=affine)
+    y = run(path, x, weight, bias)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_error(y, reference(x, weight, bias)) <= tolerance(dtype), affine
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 768), (5, 1023), (3, 4096), (2, 40000)], ids=lambda s: "x".join(map(str, s)))
+def test_large_mean_offset_does_not_cancel(rng, path, dtype, shape):
+    """x = 100 + 2·N(0, 1): E[x²] − E[x]² in fp32 would keep two digits of the variance."""
+    x, weight, bias = make(rng, shape, dtype, offset=100.0)
+    y = run(path, x, weight, bias)
+    assert rel_error(y, reference(x, weight, bias)) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_kernel_version_matches_reference(rng, dtype, shape):
+    x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
+    xg, wg, bg = gpu(x).reshape(-1, shape[-1]), gpu(weight), gpu(bias)
+    problem = layernorm._check(xg, wg, bg, 1e-5)
+    expected = reference(x, weight, bias).reshape(-1, shape[-1])
+    for version in layernorm.custom_versions(problem, layernorm._aligned(problem, xg, wg, bg)):
+        y = layernorm.launch_custom(problem, xg, wg, bg, version)
+        assert rel_error(y, expected) <= tolerance(dtype), version
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 256), (4, 1024), (3, 2048), (2, 8192)], ids=lambda s: "x".join(map(str, s)))
+def test_misaligned_rows_take_the_element_wise_kernels(rng, dtype, shape):
+    """x one element past a 16-byte boundary: N % V == 0, but no 16-byte access is allowed. custom
+    reads it element-wise; cuDNN (whose graphs declare 16-byte alignment) refuses it clearly."""
+    import cupy
+
+    x, weight, bias = make(rng, shape, dtype)
+    storage = cupy.empty(x.size + 1, x.dtype)
+    storage[1:] = gpu(x).ravel()
+    xg = storage[1:].reshape(shape)
+    assert xg.flags.c_contiguous and xg.data.ptr % 16 != 0
+    expected = reference(x, weight, bias)
+    problem = layernorm._check(xg, gpu(weight), gpu(bias), 1e-5)
+    assert "ln2_block" not in layernorm.custom_versions(problem, aligned=False)
+    assert layernorm.custom_version(problem, aligned=False) == ("ln1_warp" if shape[-1] <= 1024 else "ln3_loop")
+    assert rel_error(layer_norm(xg, gpu(weight), gpu(bias), path="custom"), expected) <= tolerance(dtype)
+    with pytest.raises(libnn.LibraryError, match="cuDNN needs 16-byte aligned buffers; x is not"):
+        layer_norm(xg, gpu(weight), gpu(bias), path="cudnn")
+    y = layer_norm(xg, gpu(weight), gpu(bias))
+    assert libnn.get_op("layer_norm").last_decision.path == "custom"
+    assert rel_error(y, expected) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_single_feature_normalizes_to_the_bias(rng, path, dtype):
+    """N = 1: x − mean is 0, so y = bias; exactly so in our kernels (x − x[0] is an exact 0)."""
+    x, weight, bias = make(rng, (6, 1), dtype, offset=100.0)
+    y = run(path, x, weight, bias)
+    expected = np.broadcast_to(bias, (6, 1))
+    if path == "custom":
+        np.testing.assert_array_equal(y.get(), expected)
+    else:
+        assert rel_error(y, expected) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_input_gives_an_empty_output(path):
+    y = run(path, np.ones((0, 16), np.float16), np.ones(16, np.float16), None)
+    assert y.shape == (0, 16)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_auto_picks_a_path_and_says_which(rng, dtype):
+    x, weight, bias = make(rng, (8, 768), dtype)
+    y = layer_norm(gpu(x), gpu(weight), gpu(bias))
+    assert libnn.get_op("layer_norm").last_decision.path in PATHS
+    assert rel_error(y, reference(x, weight, bias)) <= tolerance(dtype)
+
+
+def test_cached_calls_reuse_the_graph_for_any_eps(rng):
+    """eps is a pass-by-value input, not part of the graph: a new eps builds nothing and is honoured."""
+    x, weight, bias = make(rng, (4, 96), "fp16")
+    run("cudnn", x, weight, bias, eps=1e-5)
+    graphs, calls = libnn.cache_info()["cudnn graphs"], libnn.cache_info()["layer_norm calls"]
+    builds, call_hits = graphs.builds, calls.hits
+    y = run("cudnn", x, weight, bias, eps=1e-5)
+    assert graphs.builds == builds and calls.hits == call_hits + 1
+    y_eps = run("cudnn", x, weight, bias, eps=4.0)
+    assert graphs.builds == builds
+    assert rel_error(y, reference(x, weight, bias)) <= tolerance("fp16")
+    assert rel_error(y_eps, reference(x, weight, bias, eps=4.0)) <= tolerance("fp16")
+    assert rel_error(y_eps, y.get()) > 10 * tolerance("fp16")  # eps = 4 (var is about 4) really changed y
+
+
+def test_library_failure_under_auto_falls_back_visibly(rng, monkeypatch):
+    """auto tries custom first; a library failure there (simulated: an NVRTC error) warns and runs
+    cudnn. A cuDNN refusal on the forced path surfaces with cuDNN's words."""
+    from libnn.backends import cudnn as backend
+
+    def fail(*args, **kwargs):
+        raise libnn.LibraryError("NVRTC could not load layernorm.cu (simulated)")
+
+    monkeypatch.setattr(layernorm, "launch_custom", fail)
+    x, weight, bias = make(rng, (3, 64), "bf16")
+    with pytest.warns(libnn.FallbackWarning, match="path 'custom' failed.*simulated"):
+        y = layer_norm(gpu(x), gpu(weight), gpu(bias))
+    assert libnn.get_op("layer_norm").last_decision.path == "cudnn"
+    assert rel_error(y, reference(x, weight, bias)) <= tolerance("bf16")
+
+    def refuse(*args, **kwargs):
+        raise libnn.LibraryError("cuDNN cannot run this: no engine supports this graph (simulated)")
+
+    monkeypatch.setattr(backend, "graph_for", refuse)
+    with pytest.raises(libnn.LibraryError, match="no engine supports"):
+        layer_norm(gpu(x), gpu(weight), gpu(bias), path="cudnn")
+
+
+def test_layer_on_gpu_matches_reference(rng):
+    host = LayerNorm(384, eps=1e-12)
+    host.load_state_dict({"weight": random_normal(rng, (384,), "fp32"), "bias": random_normal(rng, (384,), "fp32")})
+    layer = LayerNorm(384, eps=1e-12, dtype="fp16", device="gpu")
+    layer.load_state_dict(host.state_dict())
+    x = random_normal(rng, (2, 7, 384), "fp16")
+    y = layer(gpu(x))
+    assert y.shape == x.shape and y.dtype == np.float16
+    assert rel_error(y, reference(x, layer.weight.get(), layer.bias.get(), eps=1e-12)) <= tolerance("fp16")

@@ -1,0 +1,155 @@
+"""layer_norm on the CPU: the reference against a row-by-row oracle, its numerics under a large mean
+offset, the N = 1 and empty cases, the errors bad input gets, and the LayerNorm layer."""
+
+import math
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.nn.norm import LayerNorm
+from libnn.ops.layernorm import layer_norm
+from conftest import random_normal, rel_error
+
+
+def row_oracle(x, weight, bias, eps):
+    """Row by row with math.fsum (exactly rounded sums): independent of the reference's NumPy means."""
+    rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    N = rows.shape[1]
+    out = np.empty_like(rows)
+    for r, row in enumerate(rows):
+        mean = math.fsum(row) / N
+        var = math.fsum((v - mean) ** 2 for v in row) / N
+        out[r] = [(v - mean) / math.sqrt(var + eps) for v in row]
+    if weight is not None:
+        out *= weight
+    if bias is not None:
+        out += bias
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 16), (4, 129), (6,)], ids=str)
+@pytest.mark.parametrize("affine", ["weight+bias", "weight", "bias", "none"])
+def test_reference_matches_row_oracle(rng, shape, affine):
+    x = random_normal(rng, shape, "fp64", 3.0) + rng.uniform(-5, 5)
+    N = shape[-1]
+    weight = random_normal(rng, (N,), "fp64") if "weight" in affine else None
+    bias = random_normal(rng, (N,), "fp64") if "bias" in affine else None
+    y = layer_norm(x, weight, bias, eps=1e-3)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_error(y, row_oracle(x, weight, bias, 1e-3)) <= 1e-12
+    assert libnn.get_op("layer_norm").last_decision.path == "reference"
+
+
+def test_reference_is_not_fooled_by_a_large_mean_offset(rng):
+    """A mean 1e4 times the spread: (x - mean)² is taken after the mean, so the variance keeps its digits."""
+    x = random_normal(rng, (8, 300), "fp64") + 1e4
+    w, b = random_normal(rng, (300,), "fp64"), random_normal(rng, (300,), "fp64")
+    assert rel_error(layer_norm(x, w, b), row_oracle(x, w, b, 1e-5)) <= 1e-10
+    assert rel_error(layer_norm(x, w, b), layer_norm(x - 1e4, w, b)) <= 1e-10
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"] + (["bf16"] if dtypes.bfloat16 is not None else []))
+def test_reference_rounds_once_to_the_input_dtype(rng, dtype):
+    x = random_normal(rng, (5, 33), dtype) + 100
+    w, b = random_normal(rng, (33,), dtype), random_normal(rng, (33,), dtype)
+    y = layer_norm(x, w, b)
+    expected = layer_norm(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    assert y.dtype == x.dtype and rel_error(y, expected.astype(y.dtype)) == 0
+
+
+def test_a_single_feature_normalizes_to_the_bias(rng):
+    """N = 1: x - mean is 0 exactly, so y = bias whatever x and the weight are (and 0 without bias)."""
+    x = random_normal(rng, (5, 1), "fp32", 100.0)
+    w, b = random_normal(rng, (1,), "fp32"), random_normal(rng, (1,), "fp32")
+    np.testing.assert_array_equal(layer_norm(x, w, b), np.broadcast_to(b, (5, 1)))
+    np.testing.assert_array_equal(layer_norm(x, w), np.zeros((5, 1), np.float32))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (3, 0)], ids=str)
+def test_empty_input_gives_an_empty_output(shape):
+    N = shape[-1]
+    y = layer_norm(np.ones(shape, np.float32), np.ones(N, np.float32), np.zeros(N, np.float32))
+    assert y.shape == shape and y.dtype == np.float32
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(weight=np.ones(7)), ValueError,
+     r"weight must have shape \(8,\) to match x's last dimension \(x is \(3, 8\)\), got \(7,\)"),
+    (dict(bias=np.ones((1, 8))), ValueError, r"bias must have shape \(8,\) to match x's last dimension"),
+    (dict(weight=np.ones(8, np.float32)), TypeError, r"weight has dtype fp32 but x has fp64; cast them to one dtype"),
+    (dict(bias=np.ones(8, np.float16)), TypeError, r"bias has dtype fp16 but x has fp64"),
+    (dict(eps=0.0), ValueError, r"eps must be a finite number > 0, got 0.0"),
+    (dict(eps=-1e-5), ValueError, r"eps must be a finite number > 0, got -1e-05"),
+    (dict(eps=float("nan")), ValueError, r"eps must be a finite number > 0, got nan"),
+    (dict(eps="1e-5"), ValueError, r"eps must be a finite number > 0, got '1e-5'"),
+    (dict(x=np.float64(3.0)), ValueError, r"x must have at least 1 dimension \(\.\.\., N\), got a 0-d array"),
+    (dict(x=np.ones((3, 8), np.int32)), TypeError, r"x must be a floating-point array .* got int32"),
+    (dict(x=[[1.0, 2.0]]), TypeError, r"x must be an array"),
+    (dict(path="cudnn"), TypeError, r"path 'cudnn' runs on the GPU, but the arrays are host \(NumPy\) arrays"),
+    (dict(path="custom"), TypeError, r"path 'custom' runs on the GPU.*cupy.asarray"),
+    (dict(path="triton"), ValueError,
+     r"unknown path 'triton'; expected 'auto' or one of \['cudnn', 'custom', 'reference'\]"),
+])
+def test_bad_input_gets_a_clear_error(kwargs, error, message):
+    args = dict(x=np.ones((3, 8)))
+    args.update(kwargs)
+    with pytest.raises(error, match="layer_norm: " + message):
+        layer_norm(args.pop("x"), **args)
+
+
+def test_auto_tries_cudnn_then_custom_then_reference():
+    assert list(libnn.get_op("layer_norm").paths) == ["cudnn", "custom", "reference"]
+
+
+# --- the layer ----------------------------------------------------------------------------------------
+def test_layer_has_pytorch_parameters_and_initial_values():
+    layer = LayerNorm(6)
+    state = layer.state_dict()
+    assert set(state) == {"weight", "bias"}
+    assert state["weight"].shape == (6,) and state["bias"].shape == (6,)
+    np.testing.assert_array_equal(layer.weight, np.ones(6, np.float32))
+    np.testing.assert_array_equal(layer.bias, np.zeros(6, np.float32))
+    assert set(LayerNorm((6,), bias=False).state_dict()) == {"weight"}
+    assert LayerNorm(6, elementwise_affine=False).state_dict() == {}
+
+
+def test_layer_computes_layer_norm_with_its_parameters(rng):
+    layer = LayerNorm(12, eps=1e-3, dtype="fp64")
+    layer.load_state_dict({"weight": random_normal(rng, (12,), "fp64"), "bias": random_normal(rng, (12,), "fp64")})
+    x = random_normal(rng, (2, 3, 12), "fp64")
+    assert rel_error(layer(x), row_oracle(x, layer.weight, layer.bias, 1e-3)) <= 1e-12
+    plain = LayerNorm(12, elementwise_affine=False, dtype="fp64")
+    assert rel_error(plain(x), row_oracle(x, None, None, 1e-5)) <= 1e-12
+
+
+def test_layer_state_dict_round_trips_and_checks_shapes(rng):
+    a, b = LayerNorm(4), LayerNorm(4)
+    a.load_state_dict({"weight": random_normal(rng, (4,), "fp32"), "bias": random_normal(rng, (4,), "fp32")})
+    b.load_state_dict(a.state_dict())
+    np.testing.assert_array_equal(a.weight, b.weight)
+    np.testing.assert_array_equal(a.bias, b.bias)
+    with pytest.raises(ValueError, match=r"weight has shape \(5,\), the layer expects \(4,\)"):
+        b.load_state_dict({"weight": np.ones(5, np.float32), "bias": np.zeros(4, np.float32)})
+
+
+def test_layer_to_dtype_casts_its_parameters():
+    layer = LayerNorm(3).to("fp16")
+    assert layer.weight.dtype == np.float16 and layer.bias.dtype == np.float16
+
+
+@pytest.mark.parametrize("normalized_shape", [(2, 3), (), 0, "8"])
+def test_layer_rejects_what_it_cannot_normalize(normalized_shape):
+    with pytest.raises(ValueError, match=r"LayerNorm: normalized_shape must be N or \(N,\) with N >= 1"):
+        LayerNorm(normalized_shape)
+
+
+def test_layer_rejects_eps_not_above_zero():
+    with pytest.raises(ValueError, match=r"LayerNorm: eps must be > 0, got 0"):
+        LayerNorm(4, eps=0)
+
+
+def test_layer_repr_names_its_configuration():
+    assert repr(LayerNorm(768, eps=1e-12, bias=False, path="custom")) == (
+        "LayerNorm((768,), eps=1e-12, elementwise_affine=True, bias=False, path='custom')")
