@@ -2,9 +2,13 @@
 
 from libnn.nn.conv import (GELU, AvgPool2d, BatchNorm2d, Conv2d, Conv2dBNAct, MaxPool2d, ReLU, ReLU6,
                            SiLU)
+from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
+from libnn.nn.norm import LayerNorm
 from libnn.nn.sequential import Sequential
+from libnn.nn.transformer import MultiheadAttention, TransformerEncoderLayer
 
 __all__ = ["Module", "Linear", "Conv2d", "BatchNorm2d", "Conv2dBNAct", "ReLU", "ReLU6", "GELU", "SiLU",
-           "MaxPool2d", "AvgPool2d", "Sequential"]
+           "MaxPool2d", "AvgPool2d", "Sequential", "LayerNorm", "MultiheadAttention", "TransformerEncoderLayer",
+           "GraphedModule"]
