@@ -32,6 +32,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run(batch=args.batch, path=args.path)
 
 
+def _run(args: argparse.Namespace) -> int:
+    from libnn.models.run_cnn import run
+
+    return run(batch=args.batch, path=args.path, dtype=args.dtype)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from libnn.runtime.device import gpu_missing
 
@@ -98,6 +104,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=int, default=64, help="rows of input (default 64)")
     s.add_argument("--path", default="auto", help="force a path for every layer (default auto)")
     s.set_defaults(func=_demo)
+
+    s = sub.add_parser("run", help="a shipped model on its held-out data: accuracy and latency, on the GPU "
+                       "if there is one, else on the NumPy reference path")
+    s.add_argument("model", choices=["cnn"], help="cnn: SeedCNN, a small digit classifier (libnn.models.seed_cnn)")
+    s.add_argument("--batch", type=int, default=64, help="images per batch (default 64)")
+    s.add_argument("--path", default="auto", choices=["auto", "custom", "reference"],
+                   help="force a path for every op (default auto)")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="default fp32")
+    s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
     s.add_argument("op", choices=["linear", "conv", "fftconv"], help="the op to benchmark")

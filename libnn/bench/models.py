@@ -68,7 +68,7 @@ def _torch_model(case: Case):
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[case.dtype]
     if case.model == "seed CNN":
-        from libnn.models.seed_cnn import torch_model
+        from libnn.models.train_seed_cnn import torch_model
 
         model = torch_model().cuda().eval().to(dtype).to(memory_format=torch.channels_last)
         x = torch.randn(case.batch, 1, 28, 28, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)

@@ -1,5 +1,6 @@
 """Layers for inference, in the PyTorch style: parameters by name, state_dict keys PyTorch uses."""
 
+from libnn.nn.basic import Dropout, Embedding, Flatten, LogSoftmax, Softmax
 from libnn.nn.conv import (GELU, AvgPool2d, BatchNorm2d, Conv2d, Conv2dBNAct, MaxPool2d, ReLU, ReLU6,
                            SiLU)
 from libnn.nn.graphs import GraphedModule
@@ -11,4 +12,4 @@ from libnn.nn.transformer import MultiheadAttention, TransformerEncoderLayer
 
 __all__ = ["Module", "Linear", "Conv2d", "BatchNorm2d", "Conv2dBNAct", "ReLU", "ReLU6", "GELU", "SiLU",
            "MaxPool2d", "AvgPool2d", "Sequential", "LayerNorm", "MultiheadAttention", "TransformerEncoderLayer",
-           "GraphedModule"]
+           "GraphedModule", "Flatten", "Dropout", "Softmax", "LogSoftmax", "Embedding"]

@@ -1,0 +1,469 @@
+"""BERT encoders from Hugging Face checkpoints: a directory with config.json and model.safetensors
+(or a sharded model.safetensors.index.json), read without PyTorch or transformers.
+
+    model = BertEncoder.from_pretrained("all-MiniLM-L6-v2/", dtype="fp16", device="gpu")
+    out = model(input_ids, attention_mask)        # ids from any tokenizer, NumPy or CuPy
+    out.last_hidden_state, out.pooled, out.pooler_output
+
+The module tree carries Hugging Face's key names (embeddings.word_embeddings, encoder.layer.{i}.
+attention.self.query, ..., pooler.dense), so a checkpoint loads through Module.load_state_dict: every
+key and shape is checked before anything changes. A "bert." prefix (BertFor... checkpoints) is
+stripped; the task heads those checkpoints carry (cls.*, classifier.*, qa_outputs.*) and the
+position_ids buffer are set aside and listed in `load_report`; old checkpoints' LayerNorm.gamma/beta
+are read as weight/bias. Anything else that does not match is an error naming the keys.
+
+What runs, per layer (see `describe()`): q, k and v in ONE GEMM on a packed (3H, H) weight, bias in
+its epilogue, and attention on strided views of its output; the other three GEMMs with bias (and the
+intermediate activation, where the GEMM's epilogue has it) fused; residual add, then LayerNorm. The
+packed QKV weight is built at load; query/key/value's parameters then become views into it, so the
+weights are held once, and it is rebuilt whenever they are replaced (load_state_dict, to()).
+
+An attention_mask whose rows are each tokens followed by padding (right padding, what tokenizers
+produce) becomes the attention op's sequence lengths, anything else an additive -inf bias. A row with
+no token at all gives zeros (Hugging Face averages every position there).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.nn.basic import Embedding
+from libnn.nn.linear import Linear
+from libnn.nn.module import Module
+from libnn.nn.norm import LayerNorm
+from libnn.nn.transformer import (
+    key_padding,
+    on_device_of,
+    op_path,
+    packed_self_attention,
+)
+from libnn.ops.linear import FUSED_ACTIVATIONS
+from libnn.runtime.arrays import array_module, as_array, is_cupy
+from libnn.runtime.stream import capturing
+
+MODEL_TYPES = ("bert",)
+# Hugging Face's hidden_act → libnn's activation. HF's "gelu" is the exact erf GELU; its tanh
+# approximations ("gelu_new", "gelu_pytorch_tanh", "gelu_fast": one formula) are libnn's "gelu".
+HIDDEN_ACTS = {"gelu": "gelu_erf", "relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
+               "gelu_fast": "gelu"}
+POSITION_EMBEDDING_TYPES = ("absolute",)
+TASK_HEADS = ("cls", "classifier", "qa_outputs")  # BertFor...'s heads: set aside at load
+BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # constant buffers some checkpoints hold
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a Hugging Face BertConfig that decide the network, with HF's defaults."""
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    position_embedding_type: str = "absolute"
+    model_type: str = "bert"
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], source: str = "config") -> BertConfig:
+        where = f"BertEncoder: {source}"
+        model_type = config.get("model_type", "bert")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
+        if config.get("is_decoder") or config.get("add_cross_attention"):
+            raise ValueError(f"{where}: a BERT decoder (is_decoder / add_cross_attention) is not supported; "
+                             "BertEncoder runs the bidirectional encoder")
+        act = config.get("hidden_act", "gelu")
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {list(HIDDEN_ACTS)})")
+        position = config.get("position_embedding_type", "absolute")
+        if position not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"{where}: position_embedding_type {position!r} is not supported (supported: "
+                             f"{list(POSITION_EMBEDDING_TYPES)})")
+        if config.get("embedding_size", config.get("hidden_size")) != config.get("hidden_size"):
+            raise ValueError(f"{where}: embedding_size {config['embedding_size']} differs from hidden_size "
+                             f"{config['hidden_size']} (an ALBERT/ELECTRA-style projection), which is not supported")
+        known = {f.name for f in fields(cls)}
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [name for name in required if name not in config]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}")
+        values = {k: v for k, v in config.items() if k in known}
+        values.update(model_type=model_type, hidden_act=act, position_embedding_type=position)
+        result = cls(**values)
+        if result.hidden_size % result.num_attention_heads:
+            raise ValueError(f"{where}: hidden_size {result.hidden_size} is not a multiple of num_attention_heads "
+                             f"{result.num_attention_heads}")
+        return result
+
+    @property
+    def activation(self) -> str:
+        return HIDDEN_ACTS[self.hidden_act]
+
+
+@dataclass
+class LoadReport:
+    """What from_pretrained did with the checkpoint's keys besides loading them."""
+    files: list[str] = field(default_factory=list)
+    prefix_stripped: str | None = None
+    renamed: dict[str, str] = field(default_factory=dict)   # checkpoint key -> module key
+    ignored: list[str] = field(default_factory=list)        # task heads and buffers, set aside
+
+    def lines(self) -> list[str]:
+        out = [f"loaded from {', '.join(self.files)}"]
+        if self.prefix_stripped:
+            out.append(f"stripped the key prefix {self.prefix_stripped!r}")
+        if self.renamed:
+            out.append(f"renamed {len(self.renamed)} keys (LayerNorm gamma/beta → weight/bias)")
+        if self.ignored:
+            out.append(f"ignored {len(self.ignored)} task-head/buffer keys: {', '.join(self.ignored)}")
+        return out
+
+
+@dataclass
+class BertOutput:
+    """last_hidden_state (B, S, H); pooled: the mean of each sequence's unmasked tokens (B, H), the
+    sentence embedding; pooler_output: tanh(pooler.dense(first token)) (B, H), or None without a
+    pooler. Also readable as out["last_hidden_state"]."""
+    last_hidden_state: Any
+    pooled: Any
+    pooler_output: Any = None
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def keys(self) -> list[str]:
+        return [f.name for f in fields(self)]
+
+
+# --- the module tree, with Hugging Face's names -----------------------------------------------------
+class BertEmbeddings(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        pad = c.pad_token_id if c.pad_token_id is not None and 0 <= c.pad_token_id < c.vocab_size else None
+        self.word_embeddings = Embedding(c.vocab_size, c.hidden_size, padding_idx=pad, dtype=dtype, device=device)
+        self.position_embeddings = Embedding(c.max_position_embeddings, c.hidden_size, dtype=dtype, device=device)
+        self.token_type_embeddings = Embedding(c.type_vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps, dtype=dtype, device=device,
+                                   path=op_path(path, "layer_norm"))
+
+    def forward(self, input_ids: Any, token_type_ids: Any) -> Any:
+        """Gathers straight from the tables: BertEncoder.forward has checked the ids' ranges already
+        (one synchronisation for all of them, where each Embedding would take its own)."""
+        xp = array_module(input_ids)
+        S = input_ids.shape[1]
+        x = xp.take(self.word_embeddings.weight, input_ids, axis=0) + self.position_embeddings.weight[:S]
+        if token_type_ids is None:  # Hugging Face's default: every token of type 0
+            x += self.token_type_embeddings.weight[0]
+        else:
+            x += xp.take(self.token_type_embeddings.weight, token_type_ids, axis=0)
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        lin = op_path(path, "linear")
+        for name in ("query", "key", "value"):
+            setattr(self, name, Linear(c.hidden_size, c.hidden_size, dtype=dtype, device=device, path=lin))
+        self.num_heads, self.path = c.num_attention_heads, path
+        self._packed: tuple[tuple[Any, ...], Any, Any] | None = None
+
+    def packed(self) -> tuple[Any, Any]:
+        """The (3H, H) weight and (3H,) bias of query, key and value stacked, built once: the three
+        layers' parameters are then views into them (the weights are held once), and a replaced
+        parameter (load_state_dict, to()) makes the next call build them again."""
+        layers = (self.query, self.key, self.value)
+        params = tuple(p for layer in layers for p in (layer.weight, layer.bias))
+        if self._packed is None or any(a is not b for a, b in zip(self._packed[0], params)):
+            xp = array_module(self.query.weight)
+            H = self.query.weight.shape[0]
+            w = xp.concatenate([layer.weight for layer in layers])
+            b = xp.concatenate([layer.bias for layer in layers])
+            for i, layer in enumerate(layers):
+                layer.register_parameter("weight", w[i * H:(i + 1) * H])
+                layer.register_parameter("bias", b[i * H:(i + 1) * H])
+            self._packed = (tuple(p for layer in layers for p in (layer.weight, layer.bias)), w, b)
+        return self._packed[1], self._packed[2]
+
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
+        w, b = self.packed()
+        return packed_self_attention(x, w, b, self.num_heads, seq_lens_kv=seq_lens_kv, bias=bias, path=self.path)
+
+
+class _DenseLayerNorm(Module):
+    """dense, then LayerNorm of (its output + the residual): BertSelfOutput and BertOutput."""
+
+    def __init__(self, in_features: int, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.dense = Linear(in_features, c.hidden_size, dtype=dtype, device=device, path=op_path(path, "linear"))
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps, dtype=dtype, device=device,
+                                   path=op_path(path, "layer_norm"))
+
+    def forward(self, x: Any, residual: Any) -> Any:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.self = BertSelfAttention(c, dtype, device, path)
+        self.output = _DenseLayerNorm(c.hidden_size, c, dtype, device, path)
+
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
+        return self.output(self.self(x, seq_lens_kv, bias), x)
+
+
+class BertIntermediate(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.dense = Linear(c.hidden_size, c.intermediate_size, activation=c.activation, dtype=dtype, device=device,
+                            path=op_path(path, "linear"))
+
+    def forward(self, x: Any) -> Any:
+        return self.dense(x)
+
+
+class BertLayer(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.attention = BertAttention(c, dtype, device, path)
+        self.intermediate = BertIntermediate(c, dtype, device, path)
+        self.output = _DenseLayerNorm(c.intermediate_size, c, dtype, device, path)
+
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
+        x = self.attention(x, seq_lens_kv, bias)
+        return self.output(self.intermediate(x), x)
+
+
+class _Layers(Module):
+    """encoder.layer.{i}."""
+
+    def __init__(self, layers: list[Module]):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            setattr(self, str(i), layer)
+
+    def __getitem__(self, index: int) -> Module:
+        return self._children[str(index)]
+
+    def __iter__(self):
+        return iter(self._children.values())
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+
+class _Encoder(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.layer = _Layers([BertLayer(c, dtype, device, path) for _ in range(c.num_hidden_layers)])
+
+
+class BertPooler(Module):
+    def __init__(self, c: BertConfig, dtype: Any, device: str, path: Any):
+        super().__init__()
+        self.dense = Linear(c.hidden_size, c.hidden_size, dtype=dtype, device=device, path=op_path(path, "linear"))
+
+    def forward(self, hidden: Any) -> Any:
+        return array_module(hidden).tanh(self.dense(hidden[:, 0]))  # tanh: no GEMM epilogue has it
+
+
+class BertEncoder(Module):
+    """A BERT encoder (Hugging Face's BertModel) for inference. Build it from a checkpoint directory
+    with `from_pretrained`, or from a BertConfig (random weights) for tests."""
+
+    def __init__(self, config: BertConfig, *, pooler: bool = True, dtype: Any = "fp32", device: str = "cpu",
+                 path: str | dict[str, str] = "auto"):
+        super().__init__()
+        self.config, self.path = config, path
+        self.embeddings = BertEmbeddings(config, dtype, device, path)
+        self.encoder = _Encoder(config, dtype, device, path)
+        self.pooler = BertPooler(config, dtype, device, path) if pooler else None
+        self.load_report: LoadReport | None = None
+        self._pack()
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp32", device: str = "cpu",
+                        path: str | dict[str, str] = "auto") -> BertEncoder:
+        """Load config.json and model.safetensors from `directory` into a BertEncoder in `dtype`
+        ("fp32", "fp16", "bf16", ...) on `device` ("cpu" or "gpu"). `path` goes to every op ("auto",
+        "reference", ...) or is a dict by op name. Raises, naming the keys, if the checkpoint's
+        weights do not match the config."""
+        directory = Path(directory)
+        config_file = directory / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"BertEncoder.from_pretrained: {str(directory)!r} has no config.json")
+        config = BertConfig.from_dict(json.loads(config_file.read_text()), str(config_file))
+        raw, files = _read_checkpoint(directory)
+        state, report = _checkpoint_state(raw)
+        report.files = files
+        model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu", path=path)
+        try:
+            model.load_state_dict(state)
+        except (KeyError, ValueError) as exc:
+            message = exc.args[0] if exc.args else str(exc)
+            raise type(exc)(f"BertEncoder.from_pretrained({str(directory)!r}): the checkpoint does not match its "
+                            f"config ({config.num_hidden_layers} layers, hidden {config.hidden_size}): {message}") from exc
+        model.load_report = report
+        return model.to(device) if device != "cpu" else model
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._pack()
+
+    def to(self, target: Any) -> BertEncoder:
+        super().to(target)
+        self._pack()
+        return self
+
+    def _pack(self) -> None:
+        """Build the packed QKV weights now rather than in the next forward pass, so that the
+        parameters are final before anything (a CUDA graph capture) records their addresses."""
+        for layer in self.encoder.layer:
+            layer.attention.self.packed()
+
+    def forward(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> BertOutput:
+        """input_ids (B, S) integers; attention_mask (B, S), 1/True for a token and 0/False for
+        padding; token_type_ids (B, S) (default all 0). Host arrays are moved to the model's device."""
+        like = self.embeddings.word_embeddings.weight
+        c = self.config
+        input_ids = self._ids(input_ids, "input_ids", like)
+        B, S = input_ids.shape
+        if S > c.max_position_embeddings:
+            raise ValueError(f"BertEncoder: input_ids has {S} tokens per sequence but the model has "
+                             f"{c.max_position_embeddings} positions (max_position_embeddings)")
+        if token_type_ids is not None:
+            token_type_ids = self._ids(token_type_ids, "token_type_ids", like, (B, S))
+        _check_ranges({"input_ids": (input_ids, c.vocab_size, "vocab_size"),
+                       "token_type_ids": (token_type_ids, c.type_vocab_size, "type_vocab_size")})
+        valid = lens = bias = None
+        if attention_mask is not None:
+            mask = on_device_of(attention_mask, like, "BertEncoder", "attention_mask")
+            if tuple(mask.shape) != (B, S):
+                raise ValueError(f"BertEncoder: attention_mask must have input_ids' shape {(B, S)}, got "
+                                 f"{tuple(mask.shape)}")
+            if mask.dtype != np.bool_ and mask.dtype.kind not in "iu":
+                raise TypeError(f"BertEncoder: attention_mask must be boolean or integer (1 = token, 0 = padding), "
+                                f"got dtype {mask.dtype}")
+            valid = mask != 0
+            lens, bias = key_padding(valid, like.dtype)
+        x = self.embeddings(input_ids, token_type_ids)
+        for layer in self.encoder.layer:
+            x = layer(x, lens, bias)
+        return BertOutput(x, _mean_pool(x, valid), None if self.pooler is None else self.pooler(x))
+
+    @staticmethod
+    def _ids(a: Any, name: str, like: Any, shape: tuple[int, int] | None = None) -> Any:
+        a = on_device_of(a, like, "BertEncoder", name)
+        if a.ndim != 2:
+            raise ValueError(f"BertEncoder: {name} must be 2-D (batch, seq_len), got shape {tuple(a.shape)}"
+                             + (f"; for one sequence pass {name}[None]" if a.ndim == 1 else ""))
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"BertEncoder: {name} must hold integers, got dtype {a.dtype}")
+        if shape is not None and tuple(a.shape) != shape:
+            raise ValueError(f"BertEncoder: {name} must have input_ids' shape {shape}, got {tuple(a.shape)}")
+        return a
+
+    def describe(self) -> list[str]:
+        """What runs, and what was fused at load."""
+        c = self.config
+        act = c.activation
+        act_where = "in the GEMM epilogue" if act in FUSED_ACTIVATIONS else "a second element-wise pass after the GEMM"
+        heads = f"{c.num_attention_heads} heads of {c.hidden_size // c.num_attention_heads}"
+        last = f"0-{c.num_hidden_layers - 1}" if c.num_hidden_layers > 1 else "0"
+        dtype = dtypes.short_name(self.embeddings.word_embeddings.weight.dtype)
+        lines = [(f"BertEncoder: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads}, intermediate "
+                  f"{c.intermediate_size}, {dtype}"),
+                 "embeddings: word + position + token_type, LayerNorm",
+                 (f"encoder.layer.{last}.attention.self: query+key+value fused into one packed "
+                  f"({3 * c.hidden_size}x{c.hidden_size}) GEMM with its bias in the epilogue; attention on "
+                  "strided BSHD views of its output (no copies)"),
+                 "encoder.layer.*.attention.output.dense: bias in the GEMM epilogue; residual add, LayerNorm",
+                 f"encoder.layer.*.intermediate.dense: bias in the GEMM epilogue; {act} ({c.hidden_act!r}) {act_where}",
+                 "encoder.layer.*.output.dense: bias in the GEMM epilogue; residual add, LayerNorm"]
+        if self.pooler is not None:
+            lines.append("pooler.dense: bias in the GEMM epilogue, tanh after")
+        if self.load_report is not None:
+            lines += self.load_report.lines()
+        return lines
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
+    """Each ids array (None: skipped) within [0, upper): one synchronisation for all of them on the
+    GPU, none while a CUDA graph is captured (its warm-up passes checked them)."""
+    present = {name: c for name, c in checks.items() if c[0] is not None and c[0].size}
+    if not present:
+        return
+    first = next(iter(present.values()))[0]
+    xp = array_module(first)
+    if is_cupy(first) and capturing():
+        return
+    bounds = xp.stack([v for ids, _, _ in present.values() for v in (ids.min(), ids.max())]).tolist()
+    for (name, (_, upper, what)), lo, hi in zip(present.items(), bounds[::2], bounds[1::2]):
+        if lo < 0 or hi >= upper:
+            raise ValueError(f"BertEncoder: {name} must lie in [0, {upper}) ({what} {upper}), got values from "
+                             f"{int(lo)} to {int(hi)}")
+
+
+def _mean_pool(x: Any, valid: Any) -> Any:
+    """The mean of each sequence's unmasked tokens, accumulated in float32 (float64 on the host)."""
+    xp = array_module(x)
+    acc = x.astype(xp.float32 if is_cupy(x) else np.float64)
+    if valid is None:
+        return acc.mean(axis=1).astype(x.dtype)
+    weights = valid.astype(acc.dtype)
+    counts = xp.maximum(weights.sum(axis=1, keepdims=True), 1)  # a row with no token: zeros, not NaN
+    return ((acc * weights[:, :, None]).sum(axis=1) / counts).astype(x.dtype)
+
+
+def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
+    from libnn.nn import weights
+
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return weights.read(single), [str(single)]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, np.ndarray] = {}
+        for shard in shards:
+            state.update(weights.read(directory / shard))
+        return state, [str(directory / s) for s in shards]
+    others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.h5"))
+    raise FileNotFoundError(f"BertEncoder.from_pretrained: {str(directory)!r} has no model.safetensors (nor "
+                            f"model.safetensors.index.json)" + (f"; found {others}: convert them to safetensors "
+                                                                "(libnn reads no pickles)" if others else ""))
+
+
+def _checkpoint_state(raw: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], LoadReport]:
+    """The checkpoint's tensors under the module tree's keys: the "bert." prefix stripped, LayerNorm
+    gamma/beta renamed, task heads and buffers set aside."""
+    report = LoadReport()
+    state: dict[str, np.ndarray] = {}
+    prefixed = any(k.startswith("bert.") for k in raw)
+    for key, value in raw.items():
+        name = key[len("bert."):] if prefixed and key.startswith("bert.") else key
+        if name.split(".")[0] in TASK_HEADS or name in BUFFERS:
+            report.ignored.append(key)
+            continue
+        if name.endswith((".gamma", ".beta")):
+            renamed = name.rsplit(".", 1)[0] + (".weight" if name.endswith(".gamma") else ".bias")
+            report.renamed[key] = name = renamed
+        if name in state:
+            raise ValueError(f"BertEncoder.from_pretrained: the checkpoint holds {name!r} twice (with and without "
+                             "the 'bert.' prefix, or as gamma/beta and weight/bias)")
+        state[name] = as_array(value, "BertEncoder.from_pretrained", key)
+    report.prefix_stripped = "bert." if prefixed else None
+    report.ignored.sort()
+    return state, report

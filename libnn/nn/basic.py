@@ -1,0 +1,154 @@
+"""Shape and lookup layers with PyTorch's semantics: Flatten, Dropout, Softmax, LogSoftmax, Embedding.
+
+Flatten is the one layer here that knows a layout: a 4-D input is an image batch stored in `layout`
+("NHWC" by default, what libnn's conv and pooling layers produce), standing for the NCHW tensor
+PyTorch would hold. Flatten puts the features in PyTorch's (C, H, W) order, so a Linear after it takes
+a PyTorch checkpoint's weight as it is. Softmax and LogSoftmax take `dim` on the array's own axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.nn.module import Module
+from libnn.ops.conv2d import LAYOUTS
+from libnn.ops.softmax import softmax
+from libnn.runtime.arrays import array_module, as_array, describe, is_cupy
+from libnn.runtime.stream import capturing
+
+
+class Flatten(Module):
+    """Dimensions start_dim..end_dim merged into one, as torch.nn.Flatten. For a 4-D input in NHWC
+    the features come out in PyTorch's (C, H, W) order: one transpose, a copy of the activation
+    (unless C or H·W is 1), small next to the convolution that produced it."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1, *, layout: str = "NHWC"):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"Flatten: layout must be one of {LAYOUTS}, got {layout!r}")
+        self.start_dim, self.end_dim, self.layout = start_dim, end_dim, layout
+
+    def forward(self, x: Any) -> Any:
+        x = as_array(x, "Flatten", "x")
+        ndim = max(x.ndim, 1)  # PyTorch flattens a scalar to shape (1,)
+        start, end = (_dim(d, ndim, f"Flatten: {name}") for d, name in ((self.start_dim, "start_dim"),
+                                                                        (self.end_dim, "end_dim")))
+        if start > end:
+            raise ValueError(f"Flatten: start_dim {self.start_dim} comes after end_dim {self.end_dim} "
+                             f"for x of shape {tuple(x.shape)}")
+        if x.ndim == 0:
+            return x.reshape(1)
+        if start == end:
+            return x
+        if x.ndim == 4 and self.layout == "NHWC":
+            x = x.transpose(0, 3, 1, 2)  # the NCHW tensor this array stores
+        shape = x.shape[:start] + (math.prod(x.shape[start:end + 1]),) + x.shape[end + 1:]
+        return array_module(x).ascontiguousarray(x).reshape(shape)
+
+    def __repr__(self) -> str:
+        return f"Flatten(start_dim={self.start_dim}, end_dim={self.end_dim}, layout={self.layout!r})"
+
+
+class Dropout(Module):
+    """The identity: libnn is inference only, where dropout does nothing. `p` is kept for reference."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__()
+        if not 0 <= p <= 1:
+            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
+        self.p, self.inplace = p, inplace
+
+    def forward(self, x: Any) -> Any:
+        return x
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p})"
+
+
+class Softmax(Module):
+    """softmax along `dim` through libnn.ops.softmax (see there for the paths)."""
+
+    log = False
+
+    def __init__(self, dim: int = -1, *, path: str = "auto"):
+        super().__init__()
+        self.dim, self.path = dim, path
+
+    def forward(self, x: Any) -> Any:
+        return softmax(x, self.dim, log=self.log, path=self.path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+
+class LogSoftmax(Softmax):
+    """log-softmax along `dim`, computed as (x - max) - log(sum(exp(x - max)))."""
+
+    log = True
+
+
+class Embedding(Module):
+    """A lookup table: forward(ids) returns weight[ids], of shape ids.shape + (embedding_dim,).
+
+    `weight` is (num_embeddings, embedding_dim), initialised N(0, 1) like PyTorch, with the row
+    `padding_idx` (if given; negative counts from the end) set to zeros. At inference the padding row
+    is an ordinary row: it holds whatever the loaded checkpoint holds.
+
+    ids must be integers in [0, num_embeddings). They are checked before the gather, which would
+    otherwise wrap or clip silently on the GPU: on the host directly, on the GPU with one reduction
+    (a synchronisation; skipped while a CUDA graph is being captured, see libnn.nn.graphs).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 dtype: Any = "fp32", device: str = "cpu", seed: int | None = None):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"Embedding: {name} must be a non-negative int, got {value!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"Embedding: padding_idx must be in [{-num_embeddings}, {num_embeddings}) "
+                                 f"(num_embeddings {num_embeddings}), got {padding_idx}")
+            padding_idx = int(padding_idx) % num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
+        weight = np.random.default_rng(seed).standard_normal((num_embeddings, embedding_dim))
+        if padding_idx is not None:
+            weight[padding_idx] = 0
+        self.register_parameter("weight", weight.astype(dtypes.parse(dtype)))
+        if device != "cpu":
+            self.to(device)
+
+    def forward(self, ids: Any) -> Any:
+        ids = as_array(ids, "Embedding", "ids")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"Embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
+        if is_cupy(ids) != is_cupy(self.weight):
+            raise TypeError(f"Embedding: ids is {describe(ids)} but the weight is {describe(self.weight)}; "
+                            "move ids to the weight's device (cupy.asarray / cupy.asnumpy)")
+        xp = array_module(ids)
+        if ids.size and not (xp is not np and capturing()):
+            out_of_range = (ids < 0) | (ids >= self.num_embeddings)
+            if out_of_range.any():  # on the GPU: the one reduction, and its synchronisation
+                first = int(out_of_range.reshape(-1).argmax())
+                where = tuple(int(i) for i in np.unravel_index(first, ids.shape))
+                raise IndexError(f"Embedding: ids must be in [0, {self.num_embeddings}) (num_embeddings), "
+                                 f"got {int(ids.reshape(-1)[first])} at position {where} "
+                                 f"({int(out_of_range.sum())} out of range; min {int(ids.min())}, "
+                                 f"max {int(ids.max())})")
+        return xp.take(self.weight, ids, axis=0)
+
+    def __repr__(self) -> str:
+        pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"Embedding({self.num_embeddings}, {self.embedding_dim}{pad})"
+
+
+def _dim(dim: Any, ndim: int, where: str) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"{where} must be an int, got {type(dim).__name__} {dim!r}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{where} {dim} is out of range for a {ndim}-D input (expected {-ndim}..{ndim - 1})")
+    return int(dim) % ndim

@@ -1,0 +1,429 @@
+"""BertEncoder from Hugging Face-style checkpoints written here (config.json + model.safetensors through
+safetensors' NumPy API): the reference path against a float64 NumPy BERT written in this file, the
+padding masks (right padding → sequence lengths, anything else → bias), key handling (prefix, task
+heads, gamma/beta) and its errors, config and input errors, the fused QKV weight; on the GPU, fp32 and
+fp16 against the reference path and against transformers.BertModel when it is installed."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import random_normal, rel_error
+
+from libnn import dtypes
+from libnn.models.bert import BertConfig, BertEncoder
+from libnn.nn import transformer
+
+TINY = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "hidden_act": "gelu",
+        "max_position_embeddings": 40, "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+        "position_embedding_type": "absolute", "initializer_range": 0.02}
+
+
+def random_state(rng, config, pooler=True):
+    """A BertModel state dict under Hugging Face's key names, float32, values of a size that makes
+    every term of the forward pass count."""
+    Hd, I, L = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    shapes = {"embeddings.word_embeddings.weight": (config["vocab_size"], Hd),
+              "embeddings.position_embeddings.weight": (config["max_position_embeddings"], Hd),
+              "embeddings.token_type_embeddings.weight": (config["type_vocab_size"], Hd),
+              "embeddings.LayerNorm.weight": (Hd,), "embeddings.LayerNorm.bias": (Hd,)}
+    for i in range(L):
+        p = f"encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes |= {f"{p}attention.self.{name}.weight": (Hd, Hd), f"{p}attention.self.{name}.bias": (Hd,)}
+        shapes |= {f"{p}attention.output.dense.weight": (Hd, Hd), f"{p}attention.output.dense.bias": (Hd,),
+                   f"{p}attention.output.LayerNorm.weight": (Hd,), f"{p}attention.output.LayerNorm.bias": (Hd,),
+                   f"{p}intermediate.dense.weight": (I, Hd), f"{p}intermediate.dense.bias": (I,),
+                   f"{p}output.dense.weight": (Hd, I), f"{p}output.dense.bias": (Hd,),
+                   f"{p}output.LayerNorm.weight": (Hd,), f"{p}output.LayerNorm.bias": (Hd,)}
+    if pooler:
+        shapes |= {"pooler.dense.weight": (Hd, Hd), "pooler.dense.bias": (Hd,)}
+    state = {}
+    for key, shape in shapes.items():
+        if key.endswith("LayerNorm.weight"):
+            state[key] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        elif "embeddings" in key:
+            state[key] = random_normal(rng, shape, "fp32")
+        else:
+            state[key] = random_normal(rng, shape, "fp32", 1 / math.sqrt(shape[-1]) if len(shape) == 2 else 0.3)
+    return state
+
+
+def write_checkpoint(directory, config, state):
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({k: np.ascontiguousarray(v) for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture
+def checkpoint(rng, tmp_path):
+    """(directory, config, state) of a tiny BERT with a pooler."""
+    state = random_state(rng, TINY)
+    return write_checkpoint(tmp_path / "bert", TINY, state), TINY, state
+
+
+# --- an independent float64 BERT --------------------------------------------------------------------
+def erf(v):
+    return np.vectorize(math.erf, otypes=[np.float64])(v)
+
+
+NUMPY_ACTS = {"gelu": lambda v: 0.5 * v * (1 + erf(v / math.sqrt(2))),
+              "gelu_new": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))),
+              "relu": lambda v: np.maximum(v, 0)}
+
+
+def numpy_bert(state, config, input_ids, attention_mask=None, token_type_ids=None):
+    """Hugging Face's BertModel forward in float64, from the state dict's keys: returns
+    (last_hidden_state, mean-pooled over the mask, pooler_output or None)."""
+    g = {k: np.asarray(v, np.float64) for k, v in state.items()}
+    B, S = input_ids.shape
+    Hd, nh = config["hidden_size"], config["num_attention_heads"]
+    hd, eps, act = Hd // nh, config["layer_norm_eps"], NUMPY_ACTS[config["hidden_act"]]
+    mask = np.ones((B, S)) if attention_mask is None else np.asarray(attention_mask, np.float64)
+    types = np.zeros((B, S), np.int64) if token_type_ids is None else token_type_ids
+
+    def ln(x, p):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + eps) * g[p + ".weight"] + g[p + ".bias"]
+
+    def dense(x, p):
+        return x @ g[p + ".weight"].T + g[p + ".bias"]
+
+    x = (g["embeddings.word_embeddings.weight"][input_ids] + g["embeddings.position_embeddings.weight"][:S]
+         + g["embeddings.token_type_embeddings.weight"][types])
+    x = ln(x, "embeddings.LayerNorm")
+    masked = (mask == 0)[:, None, None, :]
+    for i in range(config["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+        q, k, v = (dense(x, f"{p}attention.self.{n}").reshape(B, S, nh, hd).transpose(0, 2, 1, 3)
+                   for n in ("query", "key", "value"))
+        scores = np.where(masked, -np.inf, q @ k.transpose(0, 1, 3, 2) / math.sqrt(hd))
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        ctx = (weights / weights.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3).reshape(B, S, Hd)
+        x = ln(dense(ctx, f"{p}attention.output.dense") + x, f"{p}attention.output.LayerNorm")
+        x = ln(dense(act(dense(x, f"{p}intermediate.dense")), f"{p}output.dense") + x, f"{p}output.LayerNorm")
+    pooled = (x * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
+    pooler = np.tanh(dense(x[:, 0], "pooler.dense")) if "pooler.dense.weight" in g else None
+    return x, pooled, pooler
+
+
+def inputs(rng, B, S, config=TINY):
+    ids = rng.integers(0, config["vocab_size"], (B, S))
+    types = rng.integers(0, config["type_vocab_size"], (B, S))
+    return ids, types
+
+
+def right_padded(lengths, S):
+    return (np.arange(S)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+
+
+def assert_matches(out, expected, tol):
+    hidden, pooled, pooler = expected
+    assert rel_error(out.last_hidden_state, hidden) < tol
+    assert rel_error(out.pooled, pooled) < tol
+    if pooler is None:
+        assert out.pooler_output is None
+    else:
+        assert rel_error(out.pooler_output, pooler) < tol
+
+
+# --- CPU: reference path against NumPy --------------------------------------------------------------
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
+def test_bert_reference_matches_numpy_bert(rng, tmp_path, hidden_act):
+    config = TINY | {"hidden_act": hidden_act}
+    state = random_state(rng, config)
+    model = BertEncoder.from_pretrained(write_checkpoint(tmp_path, config, state), path="reference")
+    ids, types = inputs(rng, 3, 11)
+    out = model(ids, token_type_ids=types)
+    assert out.last_hidden_state.shape == (3, 11, 32) and out.last_hidden_state.dtype == np.float32
+    assert out.pooled.shape == (3, 32) and out.pooler_output.shape == (3, 32)
+    assert out["pooled"] is out.pooled
+    assert_matches(out, numpy_bert(state, config, ids, token_type_ids=types), 1e-5)
+
+
+def test_bert_reference_fp64_has_no_hidden_rounding(rng, checkpoint):
+    directory, config, state = checkpoint
+    model = BertEncoder.from_pretrained(directory, dtype="fp64", path="reference")
+    ids, types = inputs(rng, 2, 9)
+    out = model(ids, right_padded([9, 4], 9), types)
+    assert out.last_hidden_state.dtype == np.float64
+    assert_matches(out, numpy_bert(state, config, ids, right_padded([9, 4], 9), types), 1e-10)
+
+
+def test_bert_right_padding_runs_as_sequence_lengths(rng, checkpoint, monkeypatch):
+    directory, config, state = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    calls = []
+    real = transformer.attention
+    monkeypatch.setattr(transformer, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
+    ids, types = inputs(rng, 3, 12)
+    mask = right_padded([12, 5, 1], 12)
+    out = model(ids, mask, types)
+    assert calls[0]["seq_lens_kv"].tolist() == [12, 5, 1] and calls[0]["attn_bias"] is None
+    assert_matches(out, numpy_bert(state, config, ids, mask, types), 1e-5)
+    model(ids, np.ones_like(mask), types)
+    assert calls[-1]["seq_lens_kv"] is None and calls[-1]["attn_bias"] is None  # nothing padded: no mask
+
+
+def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
+    directory, config, state = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    calls = []
+    real = transformer.attention
+    monkeypatch.setattr(transformer, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
+    ids, types = inputs(rng, 3, 10)
+    left = right_padded([10, 6, 2], 10)[:, ::-1].astype(bool)  # left padding, and a boolean mask
+    out = model(ids, left, types)
+    assert calls[0]["seq_lens_kv"] is None and calls[0]["attn_bias"].shape == (3, 1, 1, 10)
+    assert_matches(out, numpy_bert(state, config, ids, left, types), 1e-5)
+    holes = (rng.random((3, 10)) < 0.7).astype(np.int32)
+    holes[:, 3] = 1
+    assert_matches(model(ids, holes, types), numpy_bert(state, config, ids, holes, types), 1e-5)
+
+
+def test_bert_padded_sequence_equals_it_alone(rng, checkpoint):
+    """The tokens of a padded row give what the unpadded sequence gives, and padding does not enter
+    its mean-pooled embedding."""
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    ids, types = inputs(rng, 2, 14)
+    batch = model(ids, right_padded([14, 6], 14), types)
+    alone = model(ids[1:, :6], token_type_ids=types[1:, :6])
+    assert rel_error(batch.last_hidden_state[1, :6], alone.last_hidden_state[0]) < 1e-6
+    assert rel_error(batch.pooled[1], alone.pooled[0]) < 1e-6
+    assert rel_error(batch.pooler_output[1], alone.pooler_output[0]) < 1e-6
+
+
+def test_bert_prefixed_checkpoint_with_task_heads_loads_and_reports(rng, tmp_path, checkpoint):
+    directory, config, state = checkpoint
+    heads = {"cls.predictions.bias": np.zeros(100, np.float32),
+             "cls.predictions.transform.dense.weight": np.zeros((32, 32), np.float32),
+             "classifier.weight": np.zeros((3, 32), np.float32), "qa_outputs.bias": np.zeros(2, np.float32),
+             "bert.embeddings.position_ids": np.arange(40, dtype=np.int64)[None]}
+    prefixed = {f"bert.{k}": v for k, v in state.items()} | heads
+    model = BertEncoder.from_pretrained(write_checkpoint(tmp_path / "prefixed", config, prefixed), path="reference")
+    assert model.load_report.prefix_stripped == "bert."
+    assert model.load_report.ignored == sorted(heads)
+    assert any("ignored 5" in line and "classifier.weight" in line for line in model.describe())
+    ids, types = inputs(rng, 2, 7)
+    plain = BertEncoder.from_pretrained(directory, path="reference")
+    assert rel_error(model(ids, token_type_ids=types).last_hidden_state,
+                     plain(ids, token_type_ids=types).last_hidden_state) == 0
+
+
+def test_bert_reads_gamma_beta_and_sharded_checkpoints(rng, tmp_path, checkpoint):
+    from safetensors.numpy import save_file
+
+    directory, config, state = checkpoint
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in state.items()}
+    model = BertEncoder.from_pretrained(write_checkpoint(tmp_path / "old", config, old), path="reference")
+    assert len(model.load_report.renamed) == 2 + 4 * config["num_hidden_layers"]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps(config))
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: state[k] for k in part}, str(sharded / name))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: name for name, part in shards.items() for k in part}}))
+    ids, types = inputs(rng, 2, 5)
+    expected = BertEncoder.from_pretrained(directory, path="reference")(ids, token_type_ids=types).last_hidden_state
+    for m in (model, BertEncoder.from_pretrained(sharded, path="reference")):
+        assert rel_error(m(ids, token_type_ids=types).last_hidden_state, expected) == 0
+
+
+def test_bert_without_pooler_has_no_pooler_output(rng, tmp_path):
+    state = random_state(rng, TINY, pooler=False)
+    model = BertEncoder.from_pretrained(write_checkpoint(tmp_path, TINY, state), path="reference")
+    ids, _ = inputs(rng, 2, 6)
+    out = model(ids)
+    assert out.pooler_output is None and model.pooler is None
+    assert_matches(out, numpy_bert(state, TINY, ids), 1e-5)
+
+
+def test_bert_state_dict_keys_and_packed_qkv(rng, checkpoint):
+    directory, config, state = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    assert set(model.state_dict()) == set(state)
+    attn = model.encoder.layer[0].attention.self
+    w, b = attn.packed()
+    assert w.shape == (96, 32) and b.shape == (96,)
+    assert np.shares_memory(attn.key.weight, w) and np.array_equal(attn.key.weight, state[
+        "encoder.layer.0.attention.self.key.weight"])
+    lines = model.describe()
+    assert any("query+key+value fused into one packed (96x32) GEMM" in line for line in lines)
+    assert any("intermediate.dense" in line and "gelu_erf" in line for line in lines)
+    # replacing a weight rebuilds the packed one
+    changed = dict(state)
+    changed["encoder.layer.1.attention.self.value.weight"] = state["encoder.layer.1.attention.self.value.weight"] * 2
+    model.load_state_dict(changed)
+    ids, types = inputs(rng, 2, 8)
+    assert_matches(model(ids, token_type_ids=types), numpy_bert(changed, config, ids, token_type_ids=types), 1e-5)
+
+
+def test_bert_mismatched_checkpoint_names_the_keys(rng, tmp_path, checkpoint):
+    _, config, state = checkpoint
+    missing = {k: v for k, v in state.items() if k != "encoder.layer.1.output.dense.bias"}
+    with pytest.raises(KeyError, match=r"missing keys \['encoder.layer.1.output.dense.bias'\]"):
+        BertEncoder.from_pretrained(write_checkpoint(tmp_path / "a", config, missing))
+    extra = state | {"encoder.layer.2.output.dense.bias": state["encoder.layer.1.output.dense.bias"],
+                     "lm_head.weight": np.zeros((3, 3), np.float32)}
+    with pytest.raises(KeyError, match=r"unexpected keys \['encoder.layer.2.output.dense.bias', 'lm_head.weight'\]"):
+        BertEncoder.from_pretrained(write_checkpoint(tmp_path / "b", config, extra))
+    wrong = state | {"encoder.layer.0.intermediate.dense.weight": np.zeros((48, 32), np.float32)}
+    with pytest.raises(ValueError, match=r"intermediate.dense.weight has shape \(48, 32\), the layer expects \(64, 32\)"):
+        BertEncoder.from_pretrained(write_checkpoint(tmp_path / "c", config, wrong))
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+        (tmp_path / "d" / "pytorch_model.bin").write_bytes(b"")
+        BertEncoder.from_pretrained(tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        BertEncoder.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model_type": "roberta"}, r"model_type 'roberta' is not supported \(supported: \['bert'\]\)"),
+    ({"hidden_act": "swish"}, "hidden_act 'swish' is not supported"),
+    ({"position_embedding_type": "relative_key"}, "position_embedding_type 'relative_key' is not supported"),
+    ({"is_decoder": True}, "decoder"),
+    ({"embedding_size": 16}, "embedding_size 16 differs from hidden_size 32"),
+    ({"num_attention_heads": 5}, "hidden_size 32 is not a multiple of num_attention_heads 5"),
+    ({"hidden_size": None}, r"lacks \['hidden_size'\]"),
+])
+def test_bert_unsupported_configs_are_refused(rng, tmp_path, change, message):
+    config = {k: v for k, v in (TINY | change).items() if v is not None}
+    write_checkpoint(tmp_path, config, random_state(rng, TINY))
+    with pytest.raises(ValueError, match=message):
+        BertEncoder.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("args,message", [
+    ((np.zeros(5, np.int64),), r"input_ids must be 2-D \(batch, seq_len\), got shape \(5,\); for one sequence"),
+    ((np.zeros((2, 5), np.float32),), "input_ids must hold integers, got dtype float32"),
+    ((np.full((2, 5), 100),), r"input_ids must lie in \[0, 100\) \(vocab_size 100\), got values from 100 to 100"),
+    ((np.full((2, 5), -1),), r"input_ids must lie in \[0, 100\)"),
+    ((np.zeros((1, 41), np.int64),), "has 41 tokens per sequence but the model has 40 positions"),
+    ((np.zeros((2, 5), np.int64), np.ones((2, 4), np.int64)), r"attention_mask must have input_ids' shape \(2, 5\)"),
+    ((np.zeros((2, 5), np.int64), np.ones((2, 5), np.float32)), "attention_mask must be boolean or integer"),
+    ((np.zeros((2, 5), np.int64), None, np.full((2, 5), 2)), r"token_type_ids must lie in \[0, 2\) \(type_vocab_size"),
+    ((np.zeros((2, 5), np.int64), None, np.zeros((2, 4), np.int64)), r"token_type_ids must have input_ids' shape"),
+])
+def test_bert_rejects_bad_inputs(checkpoint, args, message):
+    model = BertEncoder.from_pretrained(checkpoint[0], path="reference")
+    with pytest.raises((ValueError, TypeError), match=message):
+        model(*args)
+
+
+def test_bert_config_defaults_follow_hugging_face():
+    c = BertConfig.from_dict({"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "intermediate_size": 16})
+    assert (c.hidden_act, c.layer_norm_eps, c.max_position_embeddings, c.type_vocab_size) == ("gelu", 1e-12, 512, 2)
+    assert c.activation == "gelu_erf"
+
+
+def test_bert_reference_matches_transformers(rng, checkpoint):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    directory, config, state = checkpoint
+    hf = hf_model(transformers, torch, config, state)
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    ids, types = inputs(rng, 3, 13)
+    mask = right_padded([13, 7, 2], 13)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                      token_type_ids=torch.from_numpy(types))
+    out = model(ids, mask, types)
+    assert rel_error(out.last_hidden_state, expected.last_hidden_state.numpy()) < 1e-5
+    assert rel_error(out.pooler_output, expected.pooler_output.numpy()) < 1e-5
+
+
+def hf_model(transformers, torch, config, state):
+    """transformers.BertModel with `config` and exactly `state` (strict load), fp32, eager attention."""
+    hf_config = transformers.BertConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    hf_config._attn_implementation = "eager"
+    hf = transformers.BertModel(hf_config, add_pooling_layer="pooler.dense.weight" in state).eval()
+    hf.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=True)
+    return hf
+
+
+# --- GPU --------------------------------------------------------------------------------------------
+GPU_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_bert_gpu_matches_reference(rng, tmp_path, dtype):
+    import cupy
+
+    config = TINY | {"max_position_embeddings": 80}
+    state = random_state(rng, config)
+    directory = write_checkpoint(tmp_path, config, state)
+    reference = BertEncoder.from_pretrained(directory, path="reference")
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    assert isinstance(model.encoder.layer[0].attention.self.packed()[0], cupy.ndarray)
+    ids, types = inputs(rng, 4, 64)
+    right = right_padded([64, 17, 1, 40], 64)
+    for mask in (None, right, right[:, ::-1].copy()):
+        out = model(cupy.asarray(ids), None if mask is None else cupy.asarray(mask), cupy.asarray(types))
+        assert out.last_hidden_state.dtype == dtypes.parse(dtype)
+        expected = reference(ids, mask, types)
+        for name in ("last_hidden_state", "pooled", "pooler_output"):
+            assert rel_error(out[name], expected[name]) < GPU_TOLERANCE[dtype], (name, mask is None)
+    out = model(ids, right, types)  # host ids and mask are moved to the GPU
+    assert isinstance(out.last_hidden_state, cupy.ndarray)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_bert_gpu_matches_transformers(rng, checkpoint, dtype):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    directory, config, state = checkpoint
+    hf = hf_model(transformers, torch, config, state)
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    ids, types = inputs(rng, 3, 24)
+    mask = right_padded([24, 9, 16], 24)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                      token_type_ids=torch.from_numpy(types))
+    out = model(ids, mask, types)
+    assert rel_error(out.last_hidden_state, expected.last_hidden_state.numpy()) < GPU_TOLERANCE[dtype]
+    assert rel_error(out.pooler_output, expected.pooler_output.numpy()) < GPU_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_bert_graphed_matches_eager(rng, checkpoint, dtype):
+    """A captured BERT replays any attention mask (the capture takes the bias form of the mask)."""
+    import cupy
+
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    graphed = model.graphed()
+    ids, types = (cupy.asarray(a) for a in inputs(rng, 3, 16))
+    for mask in (right_padded([16, 5, 9], 16), right_padded([16, 5, 9], 16)[:, ::-1].copy(),
+                 right_padded([16, 12, 1], 16)):
+        mask = cupy.asarray(mask)
+        got = graphed(ids, mask, types).last_hidden_state.copy()
+        assert rel_error(got, model(ids, mask, types).last_hidden_state.get()) < dtypes.TOLERANCE[dtype]
+
+
+def test_bert_parameters_are_final_after_load_and_to(checkpoint):
+    """QKV packing happens at load/to(), not in the first forward pass (a CUDA graph capture keys on
+    the parameters' identity), and the packed weight follows a dtype change."""
+    model = BertEncoder.from_pretrained(checkpoint[0], path="reference").to("fp64")
+    before = [id(v) for _, v in model.named_parameters()]
+    out = model(np.arange(12).reshape(2, 6))
+    assert [id(v) for _, v in model.named_parameters()] == before
+    assert model.encoder.layer[1].attention.self.packed()[0].dtype == np.float64
+    assert out.last_hidden_state.dtype == np.float64
