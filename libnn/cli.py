@@ -53,7 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _plans(args: argparse.Namespace) -> int:
     from libnn.runtime.device import gpu_missing
 
-    needed = ["m"] if args.op == "linear" else ["c", "h", "w", "r"]
+    needed = {"linear": ["m", "n", "k"], "conv": ["n", "c", "h", "w", "k", "r"], "attention": ["b", "h", "s", "d"]}[args.op]
     if missing := [f"--{a}" for a in needed if getattr(args, a) is None]:
         print(f"libnn plans {args.op}: missing {' '.join(missing)}", file=sys.stderr)
         return 2
@@ -61,11 +61,15 @@ def _plans(args: argparse.Namespace) -> int:
     if reason := gpu_missing():
         print(f"libnn plans needs a GPU: {reason}", file=sys.stderr)
         return 2
-    from libnn.inspect import conv_plans, linear_plans
+    from libnn.inspect import attention_plans, conv_plans, linear_plans
 
     if args.op == "linear":
         report = linear_plans(m=args.m, n=args.n, k=args.k, dtype=args.dtype or "bf16", bias=not args.no_bias,
                               activation=args.activation, allow_tf32=args.tf32, time=args.time)
+    elif args.op == "attention":
+        report = attention_plans(b=args.b, h=args.h, s=args.s, d=args.d, s_kv=args.s_kv, h_kv=args.h_kv,
+                                 dtype=args.dtype or "bf16", causal=args.causal, time=args.time,
+                                 progress=not args.json)
     else:
         report = conv_plans(n=args.n, c=args.c, h=args.h, w=args.w, k=args.k, r=args.r, s=args.s or args.r,
                             stride=args.stride, padding=args.padding, dilation=args.dilation, groups=args.groups,
@@ -115,29 +119,36 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv", "fftconv"], help="the op to benchmark")
+    s.add_argument("op", choices=["linear", "conv", "fftconv", "attention", "models"],
+                   help="the op (or, for models, the whole seed CNN and encoder) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fftconv: and a heat map PNG beside it)")
     s.set_defaults(func=_bench)
 
     s = sub.add_parser("plans", help="the plans a library's heuristics offer for one problem (GPU only)",
                        description="linear: --m --n --k (cuBLASLt). conv: --n --c --h --w --k --r [--s] "
-                       "[--stride --padding --dilation --groups --layout] (cuDNN, heuristics modes A, B, FALLBACK).")
-    s.add_argument("op", choices=["linear", "conv"], help="the op whose plans to list")
+                       "[--stride --padding --dilation --groups --layout] (cuDNN, heuristics modes A, B, FALLBACK). "
+                       "attention: --b --h --s --d [--s-kv --h-kv --causal] (cuDNN SDPA, BHSD).")
+    s.add_argument("op", choices=["linear", "conv", "attention"], help="the op whose plans to list")
     s.add_argument("--m", type=int, help="linear: rows of x")
-    s.add_argument("--n", type=int, required=True, help="linear: output features; conv: batch size")
-    s.add_argument("--k", type=int, required=True, help="linear: input features; conv: output channels")
+    s.add_argument("--n", type=int, help="linear: output features; conv: batch size")
+    s.add_argument("--k", type=int, help="linear: input features; conv: output channels")
+    s.add_argument("--b", type=int, help="attention: batch size")
+    s.add_argument("--s", type=int, help="attention: query sequence length; conv: filter width (default: --r)")
+    s.add_argument("--d", type=int, help="attention: head dimension")
+    s.add_argument("--s-kv", type=int, help="attention: key/value sequence length (default: --s)")
+    s.add_argument("--h-kv", type=int, help="attention: key/value heads (default: --h; fewer for GQA/MQA)")
+    s.add_argument("--causal", action="store_true", help="attention: causal mask (top-left)")
     s.add_argument("--c", type=int, help="conv: input channels")
-    s.add_argument("--h", type=int, help="conv: input height")
+    s.add_argument("--h", type=int, help="conv: input height; attention: query heads")
     s.add_argument("--w", type=int, help="conv: input width")
     s.add_argument("--r", type=int, help="conv: filter height")
-    s.add_argument("--s", type=int, help="conv: filter width (default: --r)")
     s.add_argument("--stride", type=int, default=1, help="conv: stride (default 1)")
     s.add_argument("--padding", type=int, default=0, help="conv: padding (default 0)")
     s.add_argument("--dilation", type=int, default=1, help="conv: dilation (default 1)")
     s.add_argument("--groups", type=int, default=1, help="conv: groups (default 1)")
     s.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"], help="conv: layout (default NHWC)")
-    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear), fp16 (conv)")
+    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear, attention), fp16 (conv)")
     s.add_argument("--activation", choices=["relu", "relu6", "gelu", "silu"], help="fused activation (default none)")
     s.add_argument("--no-bias", action="store_true", help="without the bias (linear) or batch-norm (conv) epilogue")
     s.add_argument("--tf32", action="store_true", help="allow TF32 for fp32")

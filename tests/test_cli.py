@@ -18,7 +18,7 @@ def libnn(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_help_lists_every_subcommand():
     out = libnn("--help").stdout
-    for command in ["info", "paths", "demo", "bench", "plans", "check-kernels"]:
+    for command in ["info", "paths", "demo", "bench", "plans", "check-kernels", "run"]:
         assert command in out
 
 
@@ -56,3 +56,9 @@ def test_check_kernels_reports_resources():
     pytest.importorskip("cuda.bindings.nvrtc")
     rows = json.loads(libnn("check-kernels", "--arch", "sm_90", "--json").stdout)
     assert rows and {"kernel", "registers", "spill_bytes"} <= set(rows[0])
+
+
+def test_plans_attention_names_the_missing_arguments():
+    result = subprocess.run([sys.executable, "-m", "libnn", "plans", "attention", "--b", "1"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "missing --h --s --d" in result.stderr
