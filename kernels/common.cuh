@@ -151,4 +151,28 @@ __device__ __forceinline__ float apply_act(float v, int act) {
     return v;
 }
 
+// The helpers below were added for kernels/attention.cu.
+
+// ldmatrix with .trans: each 8x8 matrix arrives transposed, so a [k][n] row-major tile in shared memory
+// (attention's V: keys x head dim) loads straight into mma's col-major B fragments
+__device__ __forceinline__ void ldsm_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+// two floats rounded (to nearest) into one word of packed fp16 / bf16, lo in the low half: an mma A
+// fragment from fp32 accumulators, or two adjacent output elements
+template <bool BF16>
+__device__ __forceinline__ u32 pack_f32x2(float lo, float hi) {
+    u32 r;
+    if constexpr (BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x by the MUFU alone (ex2.approx.ftz: ~2 ulp, results below 2^-126 flush to 0): exp2f compiles to the
+// non-ftz ex2, which ptxas wraps in a fix-up for subnormal results
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
+
 }  // namespace libnn

@@ -1,0 +1,158 @@
+"""The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
+
+`flash_attention` writes o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn2_flash
+(FlashAttention-2 on tensor cores) when the problem fits it — fp16/bf16, head dim D <= 128 with
+D % 8 == 0, q, k, v, o rows 16-byte aligned, scale != 0 under a bias — otherwise attn1_naive (one warp
+per query row, any D <= 256, fp32 too). `unfused_attention` computes the same in three steps that hold
+the (Sq, Skv) scores in memory: S = q kᵀ on cuBLAS (cupy.matmul in fp32), our masked softmax kernel in
+place, O = P v on cuBLAS.
+
+Arguments (the op front end, libnn/ops/attention.py, validates them): q (B, Hq, Sq, D), k and v
+(B, Hkv, Skv, D), o (B, Hq, Sq, D), any element strides with the last one 1, one dtype (fp16, bf16,
+fp32); Hq % Hkv == 0; seq_lens_q / seq_lens_kv None or int32 (B,) device arrays with 0 <= L <= S; bias
+None or (B, Hq, Sq, Skv) in the io dtype, broadcast dimensions at stride 0; causal None, "top_left" or
+"bottom_right". The kernels' semantics, limits and launch table are in kernels/attention.cu.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.runtime import kernels
+
+_FILE = "attention.cu"
+_VERSIONS = ("attn1_naive", "attn2_flash")   # 1) baseline, 2) default where it applies
+_CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
+MAX_HEAD_DIM = 256            # attn1: 8 elements per lane
+FLASH_BUCKETS = (32, 64, 96, 128)
+FLASH_WARPS = 8               # kernels/attention.cu's ATTN2_WARPS
+_BN = 64                      # keys per attn2 tile
+_ROWS_PER_ATTN1_BLOCK = 8
+_SOFTMAX_THREADS = 128
+_NULL = np.uint64(0)
+
+
+def versions() -> tuple[str, ...]:
+    """The fused kernels of kernels/attention.cu, baseline first; `flash_attention(version=...)` takes one."""
+    return _VERSIONS
+
+
+def flash_supports(dtype: str, head_dim: int) -> str | None:
+    """None when the custom paths take this dtype and head dim, else why not."""
+    if dtype not in dtypes.KERNEL_SUFFIX:
+        return f"the custom attention kernels take fp16, bf16 and fp32, not {dtype}"
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"the custom attention kernels take head dims 1 to {MAX_HEAD_DIM}, got D={head_dim}"
+    return None
+
+
+def _element_strides(a) -> tuple[int, ...]:
+    """Strides in elements, 0 along size-1 dimensions (never stepped, so never in an alignment check)."""
+    return tuple(0 if n == 1 else s // a.itemsize for n, s in zip(a.shape, a.strides))
+
+
+def _rows_aligned(a) -> bool:
+    """Every row of `a` starts on 16 bytes: the pointer and all strides but the last's."""
+    return a.data.ptr % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _element_strides(a)[:-1])
+
+
+def flash_version(q, k, v, o, bias=None, scale: float = 1.0) -> str:
+    """The kernel `flash_attention` runs for these arrays: attn2_flash where it applies, else attn1_naive."""
+    D = q.shape[3]
+    fits = (dtypes.short_name(q.dtype) in ("fp16", "bf16") and D <= FLASH_BUCKETS[-1] and D % 8 == 0
+            and all(_rows_aligned(a) for a in (q, k, v, o)) and (bias is None or scale != 0))
+    return "attn2_flash" if fits else "attn1_naive"
+
+
+def _bias_for_flash(bias):
+    """bias itself when attn2 can stage its rows with 16-byte copies (contiguous, aligned, Skv % 8 == 0),
+    else a copy that can: rows contiguous and padded to a multiple of 8 elements, the broadcast
+    dimensions kept at size 1 and viewed back at stride 0 (a broadcast bias is not materialised)."""
+    import cupy
+
+    Skv = bias.shape[3]
+    strides = _element_strides(bias)
+    if strides[3] == 1 and Skv % 8 == 0 and _rows_aligned(bias):
+        return bias
+    stored = bias[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides[:3])]
+    padded = cupy.zeros((*stored.shape[:3], -(-Skv // 8) * 8), bias.dtype)
+    padded[..., :Skv] = stored
+    return cupy.broadcast_to(padded[..., :Skv], bias.shape)
+
+
+def _args(q, k, v, o, scale, causal, lens_q, lens_kv, bias) -> tuple:
+    """The parameters attn1 and attn2 share, in kernels/attention.cu's order."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    strides = [*_element_strides(q)[:3], *_element_strides(k)[:3], *_element_strides(v)[:3],
+               *_element_strides(o)[:3], *(_element_strides(bias) if bias is not None else (0, 0, 0, 0))]
+    return (q, k, v, o, _NULL if bias is None else bias, _NULL if lens_q is None else lens_q,
+            _NULL if lens_kv is None else lens_kv, *(np.int32(n) for n in (B, Hq, Hkv, Sq, Skv, D, _CAUSAL[causal])),
+            np.float32(scale * math.log2(math.e)), *(np.int64(s) for s in strides))
+
+
+def flash_launch(head_dim: int, has_bias: bool, warps: int = FLASH_WARPS) -> tuple[str, int, int, int]:
+    """(kernel name without dtype suffix, threads, query rows per block, dynamic shared memory) of attn2
+    for a head dim, from kernels/attention.cu's LAUNCH table."""
+    bucket = next(b for b in FLASH_BUCKETS if head_dim <= b)
+    rows = 16 * warps
+    smem = (rows + 4 * _BN) * (bucket + 8) * 2 + (2 * rows * (_BN + 8) * 2 if has_bias else 0)
+    return f"attn2_flash_{'bias_' if has_bias else ''}d{bucket}", 32 * warps, rows, smem
+
+
+def flash_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
+                    bias=None, version: str | None = None) -> None:
+    """o = softmax(scale · q kᵀ + bias, masked) v, fused; `version` forces a kernel of versions()
+    (attn2_flash only where flash_version picks it)."""
+    B, Hq, Sq, D = q.shape
+    if B * Hq * Sq == 0:
+        return
+    chosen = flash_version(q, k, v, o, bias, scale)
+    if version not in (None, chosen, "attn1_naive"):
+        raise ValueError(f"attention: kernel {version!r} does not take this problem (it would run {chosen}); "
+                         f"choose from {_VERSIONS}")
+    version = version or chosen
+    suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
+    if version == "attn1_naive":
+        kernel = kernels.function(_FILE, f"attn1_naive_{suffix}")
+        blocks = -(-B * Hq * Sq // _ROWS_PER_ATTN1_BLOCK)
+        kernel((blocks,), (32 * _ROWS_PER_ATTN1_BLOCK,), _args(q, k, v, o, scale, causal, seq_lens_q, seq_lens_kv,
+                                                              bias))
+        return
+    if bias is not None:
+        bias = _bias_for_flash(bias)
+    name, threads, rows, smem = flash_launch(D, bias is not None)
+    kernel = kernels.function(_FILE, f"{name}_{suffix}", smem)
+    kernel((-(-Sq // rows) * B * Hq,), (threads,), _args(q, k, v, o, scale, causal, seq_lens_q, seq_lens_kv, bias),
+           shared_mem=smem)
+
+
+def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
+                      bias=None) -> None:
+    """o = softmax(scale · q kᵀ + bias, masked) v in three steps with the fp32 scores in memory:
+    cuBLAS, attn_softmax, cuBLAS."""
+    import cupy
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if B * Hq * Sq == 0:
+        return
+    if Skv == 0:  # no keys: every row is empty
+        o[...] = 0
+        return
+    # fp32 copies, contiguous: q as (B, Hkv, g*Sq, D) puts the g query heads of a kv head in one GEMM
+    q32 = cupy.ascontiguousarray(q, dtype=cupy.float32).reshape(B, Hkv, Hq // Hkv * Sq, D)
+    k32 = cupy.ascontiguousarray(k, dtype=cupy.float32)
+    v32 = cupy.ascontiguousarray(v, dtype=cupy.float32)
+    s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
+    suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
+    kernel = kernels.function(_FILE, f"attn_softmax_{suffix}")
+    bias_strides = _element_strides(bias) if bias is not None else (0, 0, 0, 0)
+    kernel((B * Hq * Sq,), (_SOFTMAX_THREADS,),
+           (s, _NULL if bias is None else bias, _NULL if seq_lens_q is None else seq_lens_q,
+            _NULL if seq_lens_kv is None else seq_lens_kv, *(np.int32(n) for n in (B, Hq, Sq, Skv, _CAUSAL[causal])),
+            np.float32(scale * math.log2(math.e)), *(np.int64(x) for x in bias_strides)))
+    o[...] = cupy.matmul(s, v32).reshape(B, Hq, Sq, D)
