@@ -5,7 +5,8 @@
 # plans.txt, and results.tgz with the benchmarks' JSON and the FFT heat map.
 #
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
-#   BENCH="attention models" bash benchmarks/gpu_suite.sh bench     # a subset of the benchmarks
+#   BENCH="attention models" PLANS=attention bash benchmarks/gpu_suite.sh bench   # a subset
+#   BENCH_QUICK=1 bash benchmarks/gpu_suite.sh bench                              # small shapes (smoke test)
 #
 # On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
 # are installed into /tmp/site first and libnn runs from this working tree.
@@ -38,12 +39,16 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   for op in ${BENCH:-linear conv fftconv attention models}; do
-    run bench python3 -m libnn bench "$op" --json "$OUT/bench_$op.json"
+    run bench python3 -m libnn bench "$op" ${BENCH_QUICK:+--quick} --json "$OUT/bench_$op.json"
   done
-  run info python3 -m libnn run cnn
-  run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time
-  run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time
-  run plans python3 -m libnn plans attention --b 4 --h 16 --s 4096 --d 128 --dtype bf16 --time
+  run info python3 -m libnn run cnn --dtype fp16
+  for op in ${PLANS:-linear conv attention}; do
+    case $op in
+      linear) run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time ;;
+      conv) run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time ;;
+      attention) run plans python3 -m libnn plans attention --b 4 --h 16 --s 4096 --d 128 --dtype bf16 --time ;;
+    esac
+  done
 fi
 ( cd "$OUT" && results=$(ls *.json *.png 2>/dev/null) && [ -n "$results" ] && tar czf results.tgz $results && rm -f $results )
 exit $status
