@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from libnn import dtypes
 from libnn.bench import harness
 
 ENCODER = {"vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
@@ -55,7 +56,8 @@ def _libnn_model(case: Case, path: str = "auto"):
         from libnn.models import SeedCNN
 
         model = SeedCNN.pretrained(dtype=case.dtype, device="gpu", path=path)
-        return model, (rng.standard_normal((case.batch, 1, 28, 28), dtype=cupy.float32).astype(case.dtype),)
+        x = rng.standard_normal((case.batch, 1, 28, 28), dtype=cupy.float32).astype(dtypes.parse(case.dtype))
+        return model, (x,)
     from libnn.models import BertConfig, BertEncoder
 
     model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype=case.dtype, device="gpu", path=path)

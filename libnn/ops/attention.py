@@ -296,12 +296,29 @@ def _full(B: int, S: int):
     return _full_lengths[key]
 
 
-def _zero_padded_rows(o, lens_q, Sq: int) -> None:
-    """Rows past each batch entry's query length are zeros (cuDNN leaves them undefined)."""
+def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
+    """Zero the rows of o (B, H, Sq, D) that attend to no key: rows past the query length, rows of a
+    batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf throughout.
+    cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn promises zeros.
+    All on the device (no synchronisation), and only for the masks that can empty a row."""
     import cupy
 
-    valid = cupy.arange(Sq, dtype=cupy.int32)[None, None, :, None] < lens_q[:, None, None, None]
-    cupy.copyto(o, 0, where=~valid)
+    p = problem
+    i = cupy.arange(p.Sq, dtype=cupy.int32)[None, None, :, None]
+    Lq = p.Sq if lens_q is None else lens_q[:, None, None, None]
+    Lk = p.Skv if lens_kv is None else lens_kv[:, None, None, None]
+    has_key = (i < Lq) & (Lk > 0)
+    if p.causal == "bottom_right":
+        has_key &= i + Lk - Lq >= 0
+    if bias is not None:
+        has_key = has_key & ~cupy.all(bias == -cupy.inf, axis=-1, keepdims=True)
+    cupy.copyto(o, 0, where=~has_key)
+
+
+def _can_empty_rows(problem: AttentionProblem) -> bool:
+    p = problem
+    return (p.has_seq_lens_q or p.has_seq_lens_kv or p.bias_shape is not None
+            or (p.causal == "bottom_right" and p.Sq > p.Skv))
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support)
@@ -318,8 +335,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
         buffers[_UID_LENS_Q] = lens_q if lens_q is not None else _full(p.B, p.Sq)
         buffers[_UID_LENS_KV] = lens_kv if lens_kv is not None else _full(p.B, p.Skv)
     graph.execute(buffers)
-    if lens_q is not None:
-        _zero_padded_rows(o_bhsd, lens_q, p.Sq)
+    if _can_empty_rows(p):
+        _zero_rows_without_keys(o_bhsd, p, lens_q, lens_kv, bias)
     return o
 
 
