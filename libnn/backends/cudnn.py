@@ -146,12 +146,15 @@ class Refusal:
     error: LibraryError
 
 
-def graph_for(key: Any, builder: Callable[[Any], Any], description: str, use_disk_cache: bool = True) -> Graph:
+def graph_for(key: Any, builder: Callable[[Any], Any], description: str | Callable[[], str],
+              use_disk_cache: bool = True) -> Graph:
     """The planned graph for `key` on the current device and stream, built by `builder(handle)`.
-    A graph cuDNN declines raises LibraryError, now and on every later call with the same key."""
+    A graph cuDNN declines raises LibraryError, now and on every later call with the same key.
+    `description` (or a function returning it, so that a cached call formats nothing) names the
+    problem in error messages."""
     def build():
         try:
-            return _build(builder, description, key, use_disk_cache)
+            return _build(builder, description() if callable(description) else description, key, use_disk_cache)
         except LibraryError as exc:
             return Refusal(exc)
 

@@ -327,7 +327,7 @@ def _cudnn(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
 
     p = problem
     o, o_bhsd = _output(p, q)
-    graph = cudnn_backend.graph_for(p, _graph_builder(p), p.describe())
+    graph = cudnn_backend.graph_for(p, _graph_builder(p), p.describe)
     buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: o}
     if bias is not None:
         buffers[_UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()

@@ -250,7 +250,7 @@ def run_cudnn_graph(problem: ConvProblem, x, w, scale, shift):
     from libnn.backends import cudnn as cudnn_backend
 
     y = cupy.empty(output_shape(problem), x.dtype)
-    graph = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe())
+    graph = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe)
     buffers = {1: x, 2: w, 5: y}
     if problem.has_scale:
         buffers[3] = scale

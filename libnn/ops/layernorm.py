@@ -200,7 +200,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias):
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
-    graph = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe())
+    graph = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe)
     if weight is None or bias is None:
         ones, zeros = _ones_and_zeros(problem, x.dtype)
         weight, bias = ones if weight is None else weight, zeros if bias is None else bias

@@ -10,8 +10,17 @@ import numpy as np
 from libnn.errors import LibnnError
 
 
+_CUPY_TYPES: set[type] = set()  # the cupy array types seen so far: later checks are one set lookup
+
+
 def is_cupy(a: Any) -> bool:
-    return type(a).__module__.startswith("cupy") and hasattr(a, "device")
+    kind = type(a)
+    if kind in _CUPY_TYPES:
+        return True
+    if kind.__module__.startswith("cupy") and hasattr(a, "device"):
+        _CUPY_TYPES.add(kind)
+        return True
+    return False
 
 
 def _dlpack_on_cuda(a: Any) -> bool | None:
