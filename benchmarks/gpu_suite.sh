@@ -50,5 +50,5 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
     esac
   done
 fi
-( cd "$OUT" && results=$(ls *.json *.png 2>/dev/null) && [ -n "$results" ] && tar czf results.tgz $results && rm -f $results )
+( cd "$OUT" && results=$(ls | grep -E '[.](json|png)$') && tar czf results.tgz $results && rm -f $results )
 exit $status
