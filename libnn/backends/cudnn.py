@@ -54,13 +54,18 @@ class Graph:
     build_seconds: float
     plan_name: str
     workspace_bytes: int
+    # where graph_for cached it: the graph runs on that stream's handle and workspace, looked up once
+    handle: Any = None
+    device_id: int = 0
+    stream_ptr: int = 0
 
     def execute(self, buffers: dict[int, Any]) -> None:
-        """Run on the current stream; `buffers` maps tensor UIDs to CuPy arrays."""
+        """Run on the stream the graph was cached for (the current one); `buffers` maps tensor UIDs to
+        CuPy arrays."""
         pack = {uid: a.data.ptr for uid, a in buffers.items()}
-        space = workspace(self.workspace_bytes)
+        space = workspace(self.workspace_bytes, self.device_id, self.stream_ptr)
         try:
-            self.graph.execute(pack, space.data.ptr, handle=cudnn_handle())
+            self.graph.execute(pack, space.data.ptr, handle=self.handle)
         except _library_errors() as exc:
             raise LibraryError(f"cuDNN execute failed: {_first_line(exc)}") from exc
 
@@ -152,13 +157,17 @@ def graph_for(key: Any, builder: Callable[[Any], Any], description: str | Callab
     A graph cuDNN declines raises LibraryError, now and on every later call with the same key.
     `description` (or a function returning it, so that a cached call formats nothing) names the
     problem in error messages."""
+    device_id, stream_ptr = current_device_id(), current_stream().ptr
+
     def build():
         try:
-            return _build(builder, description() if callable(description) else description, key, use_disk_cache)
+            built = _build(builder, description() if callable(description) else description, key, use_disk_cache)
         except LibraryError as exc:
             return Refusal(exc)
+        built.handle, built.device_id, built.stream_ptr = cudnn_handle(), device_id, stream_ptr
+        return built
 
-    found = _graphs.get((key, current_device_id(), current_stream().ptr), build)
+    found = _graphs.get((key, device_id, stream_ptr), build)
     if isinstance(found, Refusal):
         raise LibraryError(str(found.error))
     return found
