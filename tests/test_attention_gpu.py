@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 # (B, Hq, Hkv, Sq, Skv, D)
 SHAPES = [(1, 1, 1, 1, 1, 32), (2, 4, 4, 17, 17, 64), (1, 8, 2, 128, 128, 80), (2, 4, 1, 1000, 1000, 128),
           (1, 2, 2, 4096, 4096, 64), (3, 8, 8, 1, 1000, 128), (2, 4, 2, 17, 300, 32), (1, 2, 2, 300, 17, 64)]
-MASKS = ["none", "top_left", "bottom_right", "padding", "bias"]
+MASKS = ["none", "top_left", "bottom_right", "padding", "bias", "padding+bottom_right"]
 PATHS = ["cudnn", "custom", "unfused"]
 
 
@@ -25,9 +25,9 @@ def draw(rng, shape, dtype, mask):
     q = random_normal(rng, (B, Hq, Sq, D), dtype)
     k, v = (random_normal(rng, (B, Hkv, Skv, D), dtype) for _ in range(2))
     kwargs = {}
-    if mask in ("top_left", "bottom_right"):
-        kwargs["causal"] = mask
-    elif mask == "padding":
+    if mask.endswith(("top_left", "bottom_right")):
+        kwargs["causal"] = mask.split("+")[-1]
+    if mask.startswith("padding"):
         kwargs["seq_lens_q"] = rng.integers(0 if B > 1 else 1, Sq + 1, B).astype(np.int32)
         kwargs["seq_lens_kv"] = rng.integers(1, Skv + 1, B).astype(np.int32)
         if B > 1:
@@ -68,7 +68,7 @@ def test_attention_path_matches_reference(rng, path, dtype, mask, shape):
     assert got.shape == expected.shape and got.dtype == q.dtype
     error = rel_error(got, expected)
     assert error <= dtypes.TOLERANCE[dtype], f"relative error {error:.2e}"
-    if mask == "padding":  # rows past a query length, and the batch with no keys, are exact zeros
+    if mask.startswith("padding"):  # rows past a query length, and the batch with no keys, are exact zeros
         out = got.get()
         for b, (lq, lk) in enumerate(zip(kwargs["seq_lens_q"], kwargs["seq_lens_kv"])):
             assert np.all(out[b, :, lq:] == 0) and (lk > 0 or np.all(out[b] == 0))
@@ -111,6 +111,20 @@ def test_attention_fully_masked_rows_are_zeros_on_every_path(rng):
                 assert bool(cupy.all(o[:, :, 3] == 0)) and bool(cupy.all(cupy.isfinite(o))), path
             except LibraryError as exc:
                 assert path == "cudnn", exc
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_bias_masking_every_allowed_key_gives_zeros(rng, path):
+    """-inf on exactly the keys the padding allows (finite beyond them): the row attends to nothing."""
+    import cupy
+
+    q, k, v = (random_normal(rng, (2, 2, 16, 64), "fp16") for _ in range(3))
+    lens_kv = np.array([5, 16], np.int32)
+    bias = random_normal(rng, (2, 1, 16, 16), "fp16")
+    bias[0, 0, 3, :5] = -np.inf
+    expected = attention(q, k, v, seq_lens_kv=lens_kv, attn_bias=bias, path="reference")
+    got = run_or_skip(path, *on_gpu(q, k, v, {"seq_lens_kv": lens_kv, "attn_bias": bias}))
+    assert bool(cupy.all(got[0, :, 3] == 0)) and rel_error(got, expected) <= dtypes.TOLERANCE["fp16"]
 
 
 def test_attention_auto_falls_back_visibly_and_correctly(rng):

@@ -125,3 +125,22 @@ def test_attention_gpu_path_on_host_arrays_is_refused():
     a = np.ones((1, 1, 2, 8), np.float16)
     with pytest.raises((TypeError, PathUnavailableError), match="cudnn"):
         attention(a, a, a, path="cudnn")
+
+
+def test_attention_empty_batch_or_sequence_gives_empty_or_zero_output(rng):
+    q = np.ones((0, 2, 3, 8), np.float32)
+    assert attention(q, q, q, path="reference").shape == (0, 2, 3, 8)
+    q, k = np.ones((1, 2, 3, 8), np.float32), np.ones((1, 2, 0, 8), np.float32)
+    o = attention(q, k, k, path="reference")  # no keys at all: every row is zeros
+    assert o.shape == (1, 2, 3, 8) and np.all(o == 0)
+
+
+def test_attention_takes_numpy_scalars_as_scale_and_checked_lengths(rng):
+    from libnn.ops.attention import CheckedLengths
+
+    q = random_normal(rng, (2, 2, 5, 8), "fp64")
+    expected = attention(q, q, q, scale=0.5, seq_lens_kv=[3, 5], path="reference")
+    got = attention(q, q, q, scale=np.float32(0.5), seq_lens_kv=CheckedLengths(np.array([3, 5])), path="reference")
+    assert rel_error(got, expected) == 0
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        attention(q, q, q, scale=True, path="reference")

@@ -166,7 +166,7 @@ def test_bert_right_padding_runs_as_sequence_lengths(rng, checkpoint, monkeypatc
     ids, types = inputs(rng, 3, 12)
     mask = right_padded([12, 5, 1], 12)
     out = model(ids, mask, types)
-    assert calls[0]["seq_lens_kv"].tolist() == [12, 5, 1] and calls[0]["attn_bias"] is None
+    assert calls[0]["seq_lens_kv"].lengths.tolist() == [12, 5, 1] and calls[0]["attn_bias"] is None
     assert_matches(out, numpy_bert(state, config, ids, mask, types), 1e-5)
     model(ids, np.ones_like(mask), types)
     assert calls[-1]["seq_lens_kv"] is None and calls[-1]["attn_bias"] is None  # nothing padded: no mask

@@ -165,7 +165,7 @@ def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
 def test_key_padding_right_padding_becomes_lengths_else_bias():
     valid = ~right_padding([5, 2, 0], 5)
     lens, bias = key_padding(valid, np.float32)
-    assert bias is None and lens.tolist() == [5, 2, 0] and lens.dtype == np.int32
+    assert bias is None and lens.lengths.tolist() == [5, 2, 0] and lens.lengths.dtype == np.int32
     assert key_padding(np.ones((2, 5), bool), np.float32) == (None, None)
     left = valid[:, ::-1]
     lens, bias = key_padding(left, np.float16)
@@ -183,7 +183,7 @@ def test_mha_masks_reference_matches_numpy(rng, monkeypatch):
                         lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
     right = right_padding([6, 3, 1], 6)
     out = mha(x, key_padding_mask=right)[0]
-    assert calls[-1]["seq_lens_kv"].tolist() == [6, 3, 1] and calls[-1]["attn_bias"] is None
+    assert calls[-1]["seq_lens_kv"].lengths.tolist() == [6, 3, 1] and calls[-1]["attn_bias"] is None
     assert rel_error(out, numpy_mha(state, x, x, x, H, key_padding_mask=right)) < 1e-5
     scattered = np.array([[0, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]], bool)
     out = mha(x, key_padding_mask=scattered)[0]

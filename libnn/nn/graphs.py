@@ -3,35 +3,37 @@
 `model.graphed()` (or `GraphedModule(model)`) returns a callable with the model's signature. The first
 call with a new signature (each array argument's shape and dtype, every other argument's value):
 1. copies the inputs into static buffers the graph will read;
-2. runs the model `warmup` times on a private stream, which builds every plan, handle, workspace and
-   kernel the forward pass needs (cuDNN graphs, cuBLASLt plans, NVRTC modules) outside the capture;
-3. captures one more forward pass into a CUDA graph, its memory drawn from a pool of its own so that
-   nothing else ever reuses the addresses the graph has baked in.
+2. runs the model once as usual, with every check (token ids, sequence lengths), on the caller's stream;
+3. runs it `warmup` more times in graph mode on the module's private stream: the code paths the capture
+   will take (no host synchronisation; a padding mask as a bias, not lengths), building every plan,
+   handle, workspace and kernel they need (cuDNN graphs, cuBLASLt plans, NVRTC modules);
+4. captures one more pass into a CUDA graph, its memory drawn from a pool of its own so that nothing
+   else ever reuses the addresses the graph has baked in.
 Every later call with that signature copies the inputs into the static buffers and launches the graph:
 one launch for the whole model instead of one (plus Python) per op. A new signature captures anew;
 captures are cached per signature. Replacing a parameter (load_state_dict, to()) drops every capture.
 
 The outputs are the static arrays the graph writes: the next call with the same signature overwrites
-them, so copy what you keep (`out.copy()`), as with PyTorch's CUDA graphs.
-While capturing, checks that would read GPU values on the host (sequence-length ranges, token ids)
-are skipped: a synchronisation cannot be captured. They run on the warm-up passes of each signature.
+them, so copy what you keep (`out.copy()`), as with PyTorch's CUDA graphs. Replays read the inputs
+without the checks of step 2: values are not validated again (a token id out of range is not caught).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from libnn.errors import LibnnError
 from libnn.nn.module import Module
 from libnn.runtime.arrays import is_cupy
+from libnn.runtime.stream import graph_mode
 
 
 @dataclass
 class CaptureStats:
     """Where a signature's first call spent its time."""
-    warmup_seconds: float      # the eager warm-up passes: plan building, kernel loading
+    warmup_seconds: float      # the checked pass and the graph-mode warm-up passes: plans, kernels
     capture_seconds: float     # recording and instantiating the graph
     replays: int = 0
 
@@ -42,8 +44,6 @@ class _Capture:
     inputs: list[Any]          # the static input buffers, in argument order
     output: Any
     pool: Any                  # keeps the graph's memory alive and private
-    stats: CaptureStats
-    fingerprint: tuple = field(default=())
 
 
 class GraphedModule:
@@ -52,26 +52,33 @@ class GraphedModule:
             raise ValueError(f"GraphedModule: warmup must be >= 1 (plans must be built before the capture), got {warmup}")
         self.module, self.warmup = module, warmup
         self._captures: dict[tuple, _Capture] = {}
+        self._stats: dict[tuple, CaptureStats] = {}
+        # The parameters the captures baked in. Held (not just their ids, which CPython reuses) so that
+        # a replaced parameter is noticed and the memory a capture reads is never freed under it.
+        self._parameters: tuple[Any, ...] = ()
+        self._stream = None    # one private stream for every capture: its handles and workspaces stay valid
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = self._signature(args, kwargs)  # first: it refuses host arrays before CuPy is needed
         import cupy
 
-        key = self._signature(args, kwargs)
-        fingerprint = tuple(id(v) for _, v in self.module.named_parameters())
+        parameters = tuple(v for _, v in self.module.named_parameters())
+        if len(parameters) != len(self._parameters) or any(a is not b for a, b in zip(parameters, self._parameters)):
+            self._captures.clear()  # a parameter was replaced: every capture reads stale addresses
+            self._parameters = parameters
         entry = self._captures.get(key)
-        if entry is None or entry.fingerprint != fingerprint:
-            if entry is not None:  # a parameter was replaced: every capture reads stale addresses
-                self._captures.clear()
-            entry = self._captures[key] = self._capture(args, kwargs, fingerprint)
+        if entry is None:
+            entry = self._captures[key] = self._capture(key, args, kwargs)
         for static, value in zip(entry.inputs, _arrays(args, kwargs)):
             cupy.copyto(static, value)
         entry.graph.launch(cupy.cuda.get_current_stream())
-        entry.stats.replays += 1
+        self._stats[key].replays += 1
         return entry.output
 
     def stats(self) -> dict[tuple, CaptureStats]:
-        """Each captured signature's warm-up and capture times and replay count."""
-        return {key: entry.stats for key, entry in self._captures.items()}
+        """Each captured signature's warm-up and capture times and replay count (also of captures dropped
+        since, when parameters were replaced)."""
+        return dict(self._stats)
 
     def _signature(self, args: tuple, kwargs: dict) -> tuple:
         def one(name: str, value: Any) -> tuple:
@@ -91,16 +98,18 @@ class GraphedModule:
         return (tuple(one(f"#{i}", a) for i, a in enumerate(args))
                 + tuple(one(k, kwargs[k]) for k in sorted(kwargs)))
 
-    def _capture(self, args: tuple, kwargs: dict, fingerprint: tuple) -> _Capture:
+    def _capture(self, key: tuple, args: tuple, kwargs: dict) -> _Capture:
         import cupy
 
-        pool = cupy.cuda.MemoryPool()
-        stream = cupy.cuda.Stream(non_blocking=True)
+        start = time.perf_counter()
+        self.module(*args, **kwargs)  # the checked pass: bad input fails here, as it would eagerly
+        if self._stream is None:
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        stream, pool = self._stream, cupy.cuda.MemoryPool()
         cupy.cuda.get_current_stream().synchronize()  # the inputs are ready before the private stream reads them
-        with cupy.cuda.using_allocator(pool.malloc), stream:
+        with cupy.cuda.using_allocator(pool.malloc), stream, graph_mode():
             statics = [value.copy() for value in _arrays(args, kwargs)]
             static_args, static_kwargs = _substitute(args, kwargs, statics)
-            start = time.perf_counter()
             for _ in range(self.warmup):
                 self.module(*static_args, **static_kwargs)
             stream.synchronize()
@@ -115,8 +124,8 @@ class GraphedModule:
             graph = stream.end_capture()
             graph.upload(stream)
             stream.synchronize()
-        stats = CaptureStats(warmup_seconds=warmed - start, capture_seconds=time.perf_counter() - warmed)
-        return _Capture(graph, statics, output, pool, stats, fingerprint)
+        self._stats[key] = CaptureStats(warmup_seconds=warmed - start, capture_seconds=time.perf_counter() - warmed)
+        return _Capture(graph, statics, output, pool)
 
 
 def _arrays(args: tuple, kwargs: dict) -> list[Any]:

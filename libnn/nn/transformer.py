@@ -27,7 +27,7 @@ import numpy as np
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, full, init_uniform
 from libnn.nn.norm import LayerNorm
-from libnn.ops.attention import attention
+from libnn.ops.attention import CheckedLengths, attention
 from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module, as_array, is_cupy
 from libnn.runtime.stream import capturing
@@ -70,8 +70,8 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     prefix = xp.arange(S, dtype=xp.int32)[None, :] < lengths[:, None]
     is_prefix, shortest = (int(v) for v in xp.stack([xp.all(prefix == valid).astype(xp.int32),
                                                       lengths.min()]).tolist())
-    if is_prefix:
-        return (None if shortest == S else lengths), None
+    if is_prefix:  # counted from the mask: in range by construction, so attention need not check them
+        return (None if shortest == S else CheckedLengths(lengths)), None
     return None, xp.where(valid, 0.0, -np.inf).astype(dtype)[:, None, None, :]
 
 

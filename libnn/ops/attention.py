@@ -19,8 +19,9 @@ every path, never NaN.
 
 Paths, in `auto` order:
 - cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs.
-- custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 (online
-              softmax, the S×S scores never stored) and a plain fp32 kernel for the rest.
+- custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
+              multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
+              stored), and a warp-per-row kernel for the rest: fp32, D up to 256, any alignment.
 - unfused:    the textbook three passes: Q·Kᵀ on cuBLAS, our masked softmax kernel, P·V on cuBLAS;
               S×S scores in memory. Kept as the benchmark's middle rung.
 - reference:  NumPy in float64.
@@ -101,21 +102,34 @@ def _element_strides(a) -> tuple[int, ...]:
     return tuple(s // a.itemsize for s in a.strides)
 
 
+class CheckedLengths:
+    """Sequence lengths the caller already knows lie in [0, S] (counted from a padding mask, say):
+    `attention(seq_lens_kv=CheckedLengths(lengths))` skips their range check and its synchronisation,
+    which a layer stack would otherwise pay once per layer."""
+
+    def __init__(self, lengths: Any):
+        self.lengths = lengths
+
+
 def _seq_lens(lens, name: str, B: int, S: int, like):
     """Validated int32 sequence lengths on `like`'s device, or None. Device arrays are checked with
-    one reduction (a synchronisation, skipped while a CUDA graph is captured), host sequences on the host
-    before their upload."""
+    one reduction (a synchronisation; skipped while a CUDA graph is prepared or captured, and for
+    CheckedLengths), host sequences on the host before their upload."""
     if lens is None:
         return None
+    checked = isinstance(lens, CheckedLengths)
+    lens = lens.lengths if checked else lens
     if is_cupy(lens) and not is_cupy(like):
         raise TypeError(f"attention: {name} is on the GPU but q is a host array; pass both on one device")
+    if is_cupy(lens) and lens.device.id != like.device.id:
+        raise ValueError(f"attention: {name} is on GPU {lens.device.id} but q is on GPU {like.device.id}")
     lens = as_array(np.asarray(lens) if isinstance(lens, (list, tuple)) else lens, "attention", name)
     if lens.ndim != 1 or lens.shape[0] != B:
         raise ValueError(f"attention: {name} must have shape ({B},), one length per batch entry, "
                          f"got {tuple(lens.shape)}")
     if lens.dtype.kind not in "iu":
         raise TypeError(f"attention: {name} must hold integers, got dtype {lens.dtype}")
-    if B and not (is_cupy(lens) and capturing()):  # a graph capture cannot read GPU values
+    if B and not checked and not (is_cupy(lens) and capturing()):  # a graph capture cannot read GPU values
         lo, hi = (int(v) for v in array_module(lens).stack([lens.min(), lens.max()]).tolist())
         if lo < 0 or hi > S:
             raise ValueError(f"attention: {name} must lie in [0, {S}] (the padded sequence length), "
@@ -159,7 +173,8 @@ def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> Att
             raise ValueError(f"attention: bias must have shape (B, Hq, Sq, Skv) = {full}, each of the first "
                              f"three dimensions possibly 1 (broadcast), got {tuple(bias.shape)}")
         bias_shape = tuple(int(n) for n in bias.shape)
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating))
+                              or not math.isfinite(scale)):
         raise ValueError(f"attention: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
     device = device_of({"q": q, "k": k, "v": v, "bias": bias}, "attention")
     arrays = [a for a in (qv, kv, vv, bias) if a is not None]
@@ -187,7 +202,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
 
     def plan_call():  # the checks and the path choice, once per signature (as for linear and conv2d)
         for name, a in (("q", q), ("k", k), ("v", v)):
-            if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+            if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
                 raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
                                  f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
         problem = _check(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
@@ -298,20 +313,23 @@ def _full(B: int, S: int):
 
 def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
     """Zero the rows of o (B, H, Sq, D) that attend to no key: rows past the query length, rows of a
-    batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf throughout.
-    cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn promises zeros.
-    All on the device (no synchronisation), and only for the masks that can empty a row."""
+    batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
+    the masks allow. cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn
+    promises zeros. All on the device (no synchronisation), and only for the masks that can empty a
+    row; with a bias it takes a (B, H, Sq, Skv) boolean temporary, the size of the bias at most."""
     import cupy
 
     p = problem
-    i = cupy.arange(p.Sq, dtype=cupy.int32)[None, None, :, None]
-    Lq = p.Sq if lens_q is None else lens_q[:, None, None, None]
-    Lk = p.Skv if lens_kv is None else lens_kv[:, None, None, None]
-    has_key = (i < Lq) & (Lk > 0)
-    if p.causal == "bottom_right":
-        has_key &= i + Lk - Lq >= 0
-    if bias is not None:
-        has_key = has_key & ~cupy.all(bias == -cupy.inf, axis=-1, keepdims=True)
+    if bias is None:  # the masks alone: a closed form per row
+        i = cupy.arange(p.Sq, dtype=cupy.int32)[None, None, :, None]
+        Lq = p.Sq if lens_q is None else lens_q[:, None, None, None]
+        Lk = p.Skv if lens_kv is None else lens_kv[:, None, None, None]
+        has_key = (i < Lq) & (Lk > 0)
+        if p.causal == "bottom_right":
+            has_key &= i + Lk - Lq >= 0
+    else:  # a -inf bias can mask exactly the keys the masks allow: look at every (row, key) pair
+        allowed = allowed_keys(p.Sq, p.Skv, p.causal, lens_q, lens_kv, p.B, cupy)
+        has_key = cupy.any(allowed & (bias > -cupy.inf), axis=-1, keepdims=True)
     cupy.copyto(o, 0, where=~has_key)
 
 
@@ -378,12 +396,13 @@ def _unfused(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
 
 
 # --- reference --------------------------------------------------------------------------------------
-def allowed_keys(Sq: int, Skv: int, causal: str | None, lens_q, lens_kv, B: int) -> np.ndarray:
-    """(B, 1, Sq, Skv) booleans: which key each query row may attend to (rows past Lq: none)."""
-    Lq = np.full(B, Sq) if lens_q is None else np.asarray(lens_q).astype(np.int64)
-    Lk = np.full(B, Skv) if lens_kv is None else np.asarray(lens_kv).astype(np.int64)
-    i = np.arange(Sq)[None, :, None]
-    j = np.arange(Skv)[None, None, :]
+def allowed_keys(Sq: int, Skv: int, causal: str | None, lens_q, lens_kv, B: int, xp=np) -> Any:
+    """(B, 1, Sq, Skv) booleans: which key each query row may attend to (rows past Lq: none), in
+    NumPy or (xp=cupy, lengths on the device) CuPy."""
+    Lq = xp.full(B, Sq) if lens_q is None else xp.asarray(lens_q).astype(xp.int64)
+    Lk = xp.full(B, Skv) if lens_kv is None else xp.asarray(lens_kv).astype(xp.int64)
+    i = xp.arange(Sq)[None, :, None]
+    j = xp.arange(Skv)[None, None, :]
     allowed = (j < Lk[:, None, None]) & (i < Lq[:, None, None])
     if causal == "top_left":
         allowed &= j <= i

@@ -7,6 +7,7 @@ also covers CuPy work the user does in between, and a CuPy `with s:` block is ho
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 
@@ -37,8 +38,26 @@ def current_stream():
     return cupy.cuda.get_current_stream()
 
 
+_graph_mode = threading.local()
+
+
+@contextlib.contextmanager
+def graph_mode() -> Iterator[None]:
+    """Mark the passes that prepare and capture a CUDA graph (libnn.nn.graphs): `capturing()` is true
+    in them, so the warm-up passes take exactly the code paths the capture will take."""
+    depth = getattr(_graph_mode, "depth", 0)
+    _graph_mode.depth = depth + 1
+    try:
+        yield
+    finally:
+        _graph_mode.depth = depth
+
+
 def capturing() -> bool:
-    """True while the current stream is being captured into a CUDA graph: host synchronisations (a
-    check that reads a GPU value) are illegal then, so ops skip them."""
+    """True while a CUDA graph is being prepared or captured on this thread (or the current stream is
+    capturing). Host synchronisations (a check that reads a GPU value) are illegal in a capture, so
+    ops skip them and choose forms that need none."""
+    if getattr(_graph_mode, "depth", 0):
+        return True
     stream = current_stream()
     return stream.ptr != 0 and stream.is_capturing()
