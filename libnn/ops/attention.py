@@ -99,7 +99,14 @@ def _bhsd(a, layout: str):
 
 
 def _element_strides(a) -> tuple[int, ...]:
-    return tuple(s // a.itemsize for s in a.strides)
+    """Element strides, with a size-1 dimension's (never used to move, and arbitrary in NumPy and
+    CuPy) replaced by the one a contiguous array would have, so it neither keys a second graph nor
+    fails an alignment check."""
+    strides = [s // a.itemsize for s in a.strides]
+    for i in reversed(range(a.ndim - 1)):
+        if a.shape[i] == 1:
+            strides[i] = strides[i + 1] * a.shape[i + 1]
+    return tuple(strides)
 
 
 class CheckedLengths:
