@@ -44,8 +44,7 @@ from libnn.nn.transformer import (
     packed_self_attention,
 )
 from libnn.ops.linear import FUSED_ACTIVATIONS
-from libnn.runtime.arrays import array_module, as_array, is_cupy
-from libnn.runtime.stream import capturing
+from libnn.runtime.arrays import array_module, as_array, is_cupy, min_max
 
 MODEL_TYPES = ("bert",)
 # Hugging Face's hidden_act → libnn's activation. HF's "gelu" is the exact erf GELU; its tanh
@@ -405,12 +404,8 @@ def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
     present = {name: c for name, c in checks.items() if c[0] is not None and c[0].size}
     if not present:
         return
-    first = next(iter(present.values()))[0]
-    xp = array_module(first)
-    if is_cupy(first) and capturing():
-        return
-    bounds = xp.stack([v for ids, _, _ in present.values() for v in (ids.min(), ids.max())]).tolist()
-    for (name, (_, upper, what)), lo, hi in zip(present.items(), bounds[::2], bounds[1::2]):
+    ranges = min_max([ids for ids, _, _ in present.values()])
+    for (name, (_, upper, what)), (lo, hi) in zip(present.items(), ranges or []):
         if lo < 0 or hi >= upper:
             raise ValueError(f"BertEncoder: {name} must lie in [0, {upper}) ({what} {upper}), got values from "
                              f"{int(lo)} to {int(hi)}")

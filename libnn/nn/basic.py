@@ -17,8 +17,7 @@ from libnn import dtypes
 from libnn.nn.module import Module
 from libnn.ops.conv2d import LAYOUTS
 from libnn.ops.softmax import softmax
-from libnn.runtime.arrays import array_module, as_array, describe, is_cupy
-from libnn.runtime.stream import capturing
+from libnn.runtime.arrays import array_module, as_array, describe, is_cupy, min_max
 
 
 class Flatten(Module):
@@ -130,15 +129,14 @@ class Embedding(Module):
             raise TypeError(f"Embedding: ids is {describe(ids)} but the weight is {describe(self.weight)}; "
                             "move ids to the weight's device (cupy.asarray / cupy.asnumpy)")
         xp = array_module(ids)
-        if ids.size and not (xp is not np and capturing()):
-            out_of_range = (ids < 0) | (ids >= self.num_embeddings)
-            if out_of_range.any():  # on the GPU: the one reduction, and its synchronisation
-                first = int(out_of_range.reshape(-1).argmax())
-                where = tuple(int(i) for i in np.unravel_index(first, ids.shape))
-                raise IndexError(f"Embedding: ids must be in [0, {self.num_embeddings}) (num_embeddings), "
-                                 f"got {int(ids.reshape(-1)[first])} at position {where} "
-                                 f"({int(out_of_range.sum())} out of range; min {int(ids.min())}, "
-                                 f"max {int(ids.max())})")
+        ranges = min_max([ids]) if ids.size else None  # on the GPU: one synchronisation
+        if ranges and (ranges[0][0] < 0 or ranges[0][1] >= self.num_embeddings):
+            out_of_range = (ids < 0) | (ids >= self.num_embeddings)  # the error path: name the first offender
+            first = int(out_of_range.reshape(-1).argmax())
+            where = tuple(int(i) for i in np.unravel_index(first, ids.shape))
+            raise IndexError(f"Embedding: ids must be in [0, {self.num_embeddings}) (num_embeddings), "
+                             f"got {int(ids.reshape(-1)[first])} at position {where} "
+                             f"({int(out_of_range.sum())} out of range; min {ranges[0][0]}, max {ranges[0][1]})")
         return xp.take(self.weight, ids, axis=0)
 
     def __repr__(self) -> str:

@@ -38,9 +38,8 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of, is_cupy
+from libnn.runtime.arrays import array_module, as_array, device_of, is_cupy, min_max
 from libnn.runtime.cache import PlanCache
-from libnn.runtime.stream import capturing
 
 LAYOUTS = ("BHSD", "BSHD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -136,8 +135,8 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
                          f"got {tuple(lens.shape)}")
     if lens.dtype.kind not in "iu":
         raise TypeError(f"attention: {name} must hold integers, got dtype {lens.dtype}")
-    if B and not checked and not (is_cupy(lens) and capturing()):  # a graph capture cannot read GPU values
-        lo, hi = (int(v) for v in array_module(lens).stack([lens.min(), lens.max()]).tolist())
+    if B and not checked and (ranges := min_max([lens])):
+        (lo, hi), = ranges
         if lo < 0 or hi > S:
             raise ValueError(f"attention: {name} must lie in [0, {S}] (the padded sequence length), "
                              f"got values from {lo} to {hi}")

@@ -87,3 +87,18 @@ def contiguous(a: Any):
     if a.flags.c_contiguous:
         return a
     return array_module(a).ascontiguousarray(a)
+
+
+def min_max(arrays: list[Any]) -> list[tuple[int, int]] | None:
+    """(min, max) of each non-empty array, read to the host with one synchronisation for all of them;
+    None while a CUDA graph is prepared or captured (no GPU value can be read then: the caller skips
+    its check, which the graph's checked first pass has run)."""
+    from libnn.runtime.stream import capturing
+
+    if not arrays:
+        return []
+    xp = array_module(arrays[0])
+    if xp is not np and capturing():
+        return None
+    flat = xp.stack([v for a in arrays for v in (a.min(), a.max())]).tolist()
+    return [(int(lo), int(hi)) for lo, hi in zip(flat[::2], flat[1::2])]
