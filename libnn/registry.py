@@ -8,7 +8,8 @@ dispatches a call to the forced path or, under ``path="auto"``, by this policy:
 1. only paths on the device the arrays are on (host arrays go to ``reference``);
 2. only paths whose libraries are present and that support the problem (dtype, options, shape);
 3. of those, the first in the op's registration order, which lists paths fastest first as measured
-   by ``libnn bench <op>`` on the H100;
+   by ``libnn bench <op>`` on the H100, except that a path whose ``slower(problem)`` gives a reason
+   (a measured case where a later path wins) goes after the others, still available as a fallback;
 4. if that path's library fails at run time, a ``FallbackWarning`` says why and the next one runs.
 
 The reason every path was passed over is kept in ``op.last_decision`` for inspection.
@@ -34,6 +35,7 @@ class Path:
     run: Callable[..., Any]
     requires: tuple[str, ...] = ()  # Python modules the path imports
     supports: Callable[[Any], str | None] = lambda problem: None  # None, or why not
+    slower: Callable[[Any], str | None] = lambda problem: None    # None, or why auto tries it last
 
     def missing(self) -> str | None:
         """None if this path can run on this machine, else what is missing."""
@@ -59,10 +61,12 @@ class Op:
         _OPS[name] = self
 
     def path(self, name: str, *, kind: str, device: str, requires: tuple[str, ...] = (),
-             supports: Callable[[Any], str | None] | None = None):
-        """Decorator registering a path; registration order is the `auto` preference order."""
+             supports: Callable[[Any], str | None] | None = None, slower: Callable[[Any], str | None] | None = None):
+        """Decorator registering a path; registration order is the `auto` preference order, except for
+        the problems `slower` names a reason for (auto then tries the path after the others)."""
         def register(run):
-            self.paths[name] = Path(name, kind, device, run, requires, supports or (lambda problem: None))
+            self.paths[name] = Path(name, kind, device, run, requires, supports or (lambda problem: None),
+                                    slower or (lambda problem: None))
             return run
         return register
 
@@ -82,12 +86,16 @@ class Op:
         where = problem.device.split(":")[0]
         if path != "auto":
             return (self._forced(problem, path, where),), {}
-        candidates, passed_over = [], {}
+        candidates, deferred, passed_over = [], [], {}
         for p in self.paths.values():
             if reason := self._why_not(p, problem, where):
                 passed_over[p.name] = reason
+            elif reason := p.slower(problem):
+                deferred.append(p)
+                passed_over[p.name] = f"tried last: {reason}"
             else:
                 candidates.append(p)
+        candidates += deferred
         if not candidates:
             reasons = "; ".join(f"{n}: {r}" for n, r in passed_over.items())
             raise NoPathError(f"{self.name}: no path can compute {problem.describe()} ({reasons})")
@@ -99,7 +107,7 @@ class Op:
         candidates, passed_over = resolved
         if len(candidates) == 1:  # a forced path, or the only one: its errors are the caller's
             result = candidates[0].run(problem, *args)
-            self.last_decision = Decision(candidates[0].name, passed_over)
+            self.last_decision = Decision(candidates[0].name, _others(passed_over, candidates[0].name))
             return result
         failures = dict(passed_over)
         for p in candidates:
@@ -110,7 +118,7 @@ class Op:
                 warnings.warn(f"{self.name}: path '{p.name}' failed, trying the next path: {exc}",
                               FallbackWarning, stacklevel=3)
                 continue
-            self.last_decision = Decision(p.name, failures)
+            self.last_decision = Decision(p.name, _others(failures, p.name))
             return result
         reasons = "; ".join(f"{n}: {r}" for n, r in failures.items())
         raise NoPathError(f"{self.name}: no path could compute {problem.describe()} ({reasons})")
@@ -132,6 +140,11 @@ class Op:
         return [{"path": p.name, "kind": p.kind, "device": p.device,
                  "available": "yes" if not p.missing() else "no", "reason": p.missing() or ""}
                 for p in self.paths.values()]
+
+
+def _others(reasons: dict[str, str], ran: str) -> dict[str, str]:
+    """Why each path other than the one that ran was not run."""
+    return {name: why for name, why in reasons.items() if name != ran}
 
 
 def get_op(name: str) -> Op:

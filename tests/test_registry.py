@@ -78,3 +78,20 @@ def test_gpu_path_is_passed_over_for_host_arrays():
     assert op.last_decision.passed_over["gpu-only"] == "runs on the GPU, the arrays are on the CPU"
     with pytest.raises(TypeError, match="runs on the GPU, but the arrays are host"):
         op.dispatch(Problem("fp32"), "gpu-only", 0)
+
+
+def test_a_path_slower_for_a_problem_is_tried_after_the_others():
+    op = Op("toy-deferring-op")
+
+    @op.path("fast", kind="custom", device="cpu", slower=lambda p: "long rows: measured slower" if p.dtype == "long" else None)
+    def fast(problem, value):
+        return "fast"
+
+    @op.path("other", kind="library", device="cpu")
+    def other(problem, value):
+        return "other"
+
+    assert op.dispatch(Problem("short"), "auto", 1) == "fast"
+    assert op.dispatch(Problem("long"), "auto", 1) == "other"
+    assert op.last_decision.passed_over == {"fast": "tried last: long rows: measured slower"}
+    assert op.dispatch(Problem("long"), "fast", 1) == "fast"  # a forced path is never deferred

@@ -6,7 +6,8 @@ y has x's shape, dtype and device. fp16/bf16 compute in fp32 on the GPU paths.
 
 Paths, in `auto` order (custom first: on the H100 it matched or beat cuDNN's bandwidth on the
 common shapes, 2.72 vs 2.67 TB/s at 131072×768 fp16, and costs a third of the host time per call,
-41 vs 124 µs; cuDNN is faster only on odd or very long rows, e.g. 1024×65536):
+41 vs 124 µs; cuDNN is faster on the rows only the looping kernel takes, odd N past 1024 or longer
+than a block holds, e.g. 1024×65536, so for those auto tries cudnn first):
 - custom:    kernels/layernorm.cu (a row per warp up to N = 1024, a row per block in registers
              beyond, a looping row per block for the longest or unaligned rows).
 - cudnn:     the cuDNN frontend's layernorm node in its INFERENCE phase (no mean or inv_var
@@ -286,7 +287,17 @@ def launch_custom(problem: LayerNormProblem, x, weight, bias, version: str | Non
     return y
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+def _custom_slower(problem: LayerNormProblem) -> str | None:
+    """Rows that only the looping kernel takes (longer than a block holds, or an odd N past 1024)
+    ran faster on cuDNN on the H100: 1024x65536 fp16 at 2.49 vs 0.71 TB/s, 8192x12289 at 1.69 vs 1.19."""
+    aligned = problem.N % _group(problem.dtype) == 0
+    if custom_version(problem, aligned) == "ln3_loop":
+        return (f"rows of {problem.N} take kernels/layernorm.cu's looping kernel, which cuDNN outran on "
+                "the H100 (1024x65536 fp16: 2.49 vs 0.71 TB/s)")
+    return None
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower)
 def _custom(problem: LayerNormProblem, x, weight, bias):
     empty = _empty(problem, x)
     return empty if empty is not None else launch_custom(problem, x, weight, bias)
