@@ -38,7 +38,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of, is_cupy, min_max
+from libnn.runtime.arrays import array_module, as_array, device_constant, device_of, is_cupy, min_max
 from libnn.runtime.cache import PlanCache
 
 LAYOUTS = ("BHSD", "BSHD")
@@ -304,19 +304,6 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides
 
 
-_full_lengths: dict[tuple[int, int, int], Any] = {}
-
-
-def _full(B: int, S: int):
-    """Device int32 array of B copies of S, made once (the length cuDNN needs for an unpadded side)."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), B, S)
-    if key not in _full_lengths:
-        _full_lengths[key] = cupy.full(B, S, cupy.int32)
-    return _full_lengths[key]
-
-
 def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
     """Zero the rows of o (B, H, Sq, D) that attend to no key: rows past the query length, rows of a
     batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
@@ -356,8 +343,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
     if bias is not None:
         buffers[_UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()
     if p.has_seq_lens_q or p.has_seq_lens_kv:
-        buffers[_UID_LENS_Q] = lens_q if lens_q is not None else _full(p.B, p.Sq)
-        buffers[_UID_LENS_KV] = lens_kv if lens_kv is not None else _full(p.B, p.Skv)
+        buffers[_UID_LENS_Q] = lens_q if lens_q is not None else device_constant(p.B, p.Sq, np.int32)
+        buffers[_UID_LENS_KV] = lens_kv if lens_kv is not None else device_constant(p.B, p.Skv, np.int32)
     graph.execute(buffers)
     if _can_empty_rows(p):
         _zero_rows_without_keys(o_bhsd, p, lens_q, lens_kv, bias)

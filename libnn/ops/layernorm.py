@@ -28,7 +28,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.errors import LibraryError
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature
+from libnn.runtime.arrays import array_module, as_array, contiguous, device_constant, device_of, signature
 from libnn.runtime.cache import PlanCache
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -170,22 +170,6 @@ class _Pointer:
 
 
 _epsilons: PlanCache = PlanCache("layer_norm epsilons")
-_unit_vectors: PlanCache = PlanCache("layer_norm unit vectors")
-
-
-def _ones_and_zeros(problem: LayerNormProblem, dtype):
-    """(ones(N), zeros(N)) in `dtype` on the current device, made once: what cuDNN gets for a missing
-    weight or bias."""
-    import cupy
-
-    from libnn.runtime.device import current_device_id
-
-    def build():
-        pair = (cupy.asarray(np.ones(problem.N, dtype)), cupy.asarray(np.zeros(problem.N, dtype)))
-        cupy.cuda.get_current_stream().synchronize()  # ready for a graph launched on any stream
-        return pair
-
-    return _unit_vectors.get((problem.N, problem.dtype, current_device_id()), build)
 
 
 def _cudnn(problem: LayerNormProblem, x, weight, bias):
@@ -202,9 +186,10 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias):
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
     graph = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe)
-    if weight is None or bias is None:
-        ones, zeros = _ones_and_zeros(problem, x.dtype)
-        weight, bias = ones if weight is None else weight, zeros if bias is None else bias
+    if weight is None:  # cuDNN's node requires both: the identity's ones and zeros, made once
+        weight = device_constant(problem.N, 1, x.dtype)
+    if bias is None:
+        bias = device_constant(problem.N, 0, x.dtype)
     epsilon = _epsilons.get(problem.eps, lambda: _HostScalar(problem.eps))
     y = cupy.empty((problem.M, problem.N), x.dtype)
     graph.execute({X: x, SCALE: weight, BIAS: bias, EPSILON: epsilon, Y: y})

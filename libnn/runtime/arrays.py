@@ -102,3 +102,26 @@ def min_max(arrays: list[Any]) -> list[tuple[int, int]] | None:
         return None
     flat = xp.stack([v for a in arrays for v in (a.min(), a.max())]).tolist()
     return [(int(lo), int(hi)) for lo, hi in zip(flat[::2], flat[1::2])]
+
+
+_constants = None  # PlanCache of device_constant's arrays, created on first use
+
+
+def device_constant(n: int, value: float, dtype: Any) -> Any:
+    """A length-n CuPy array of `value` on the current device, made once per (n, value, dtype, device)
+    and synchronised, so that a library reading it from any stream sees it filled: what cuDNN gets for
+    an input the caller left out (unit scales, zero shifts, full sequence lengths)."""
+    import cupy
+
+    from libnn.runtime.cache import PlanCache
+
+    global _constants
+    if _constants is None:
+        _constants = PlanCache("device constants")
+
+    def build():
+        filled = cupy.asarray(np.full(n, value, dtype))  # through NumPy: bf16 (ml_dtypes) included
+        cupy.cuda.get_current_stream().synchronize()
+        return filled
+
+    return _constants.get((n, value, np.dtype(dtype), cupy.cuda.runtime.getDevice()), build)
