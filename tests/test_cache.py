@@ -18,3 +18,23 @@ def test_cache_evicts_the_least_recently_used():
     for key in ["a", "b", "a", "c"]:
         cache.get(key, lambda: key)
     assert "a" in cache and "c" in cache and "b" not in cache
+
+
+def test_time_paths_rows_ratios_and_declined_paths(monkeypatch):
+    """The benchmarks' shared per-case loop, with the GPU timer replaced by fixed times."""
+    from libnn.bench import harness
+    from libnn.errors import LibraryError
+
+    times = {"lib": 2.0, "ours": 4.0}
+    monkeypatch.setattr(harness, "time_gpu", lambda fn, inputs, **kw: harness.Timing(fn(None), 0, 0, 1))
+
+    def declined(_):
+        raise LibraryError("no engine supports this graph\nthe backend log")
+
+    paths = {"lib": lambda _: times["lib"], "ours": lambda _: times["ours"], "other lib": declined}
+    ceilings = harness.Ceilings("toy", copy_gbs=1.0, gemm_bf16_tflops=1.0)
+    rows = harness.time_paths(paths, {"case": "c"}, flops=int(2e9), ceilings=ceilings, baseline="lib",
+                              errors=(LibraryError,))
+    assert [r["path"] for r in rows] == ["lib", "ours", "other lib"] and all(r["case"] == "c" for r in rows)
+    assert rows[0]["TFLOP/s"] == 2e9 / 2e-3 / 1e12 and rows[1]["lib/x"] == 0.5
+    assert rows[2]["note"] == "no engine supports this graph" and "ms" not in rows[2]

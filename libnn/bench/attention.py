@@ -119,24 +119,14 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     for i, case in enumerate(cases, 1):
         harness.progress(i, len(cases) + 1, f"{case.name} {case.dtype}{' causal' if case.causal else ''}")
         q, k, v = _inputs(case)
-        case_rows = []
-        for path, fn in _paths(case, q, k, v).items():
-            row = {"case": case.name, "causal": "yes" if case.causal else "no", "dtype": case.dtype, "path": path}
-            try:
-                t = harness.time_gpu(fn, [None], warmup=3, runs=20)
-            except (LibnnError, RuntimeError) as exc:
-                row["note"] = str(exc).splitlines()[0][:70]
-                case_rows.append(row)
-                continue
-            tflops = case.flops / t.median_s / 1e12
-            row.update({"ms": t.median_ms, "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
-            if case.Sq == 1:
-                row["GB/s"] = case.kv_bytes / t.median_s / 1e9
-            case_rows.append(row)
-        base = next((r.get("ms") for r in case_rows if r["path"] == "cudnn"), None)
-        for r in case_rows:
-            if base and r.get("ms"):
-                r["cudnn/x"] = base / r["ms"]
+        case_rows = harness.time_paths(_paths(case, q, k, v), {"case": case.name, "causal": "yes" if case.causal
+                                                               else "no", "dtype": case.dtype},
+                                       flops=case.flops, ceilings=ceilings, baseline="cudnn",
+                                       errors=(LibnnError, RuntimeError), note_chars=70)
+        if case.Sq == 1:  # decode is bound by reading K and V
+            for r in case_rows:
+                if r.get("ms"):
+                    r["GB/s"] = case.kv_bytes / (r["ms"] / 1e3) / 1e9
         rows += case_rows
         del q, k, v
         cupy.get_default_memory_pool().free_all_blocks()

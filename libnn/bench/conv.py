@@ -133,23 +133,9 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     for i, case in enumerate(cases, 1):
         harness.progress(i, len(cases) + 1, f"{case.name} N={case.N} {case.dtype} {case.layout}")
         x, w, bn = _inputs(case)
-        case_rows = []
-        for path, fn in _paths(case, x, w, bn).items():
-            row = {"case": case.name, "N": case.N, "dtype": f"{case.dtype} {case.layout}", "path": path}
-            try:
-                t = harness.time_gpu(fn, [None], warmup=3, runs=20)
-            except LibnnError as exc:
-                row["note"] = str(exc).splitlines()[0][:60]
-                case_rows.append(row)
-                continue
-            tflops = case.flops / t.median_s / 1e12
-            row.update({"ms": t.median_ms, "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
-            case_rows.append(row)
-        base = next((r.get("ms") for r in case_rows if r["path"] == "cudnn"), None)
-        for r in case_rows:
-            if base and r.get("ms"):
-                r["cudnn/x"] = base / r["ms"]
-        rows += case_rows
+        rows += harness.time_paths(_paths(case, x, w, bn), {"case": case.name, "N": case.N,
+                                                            "dtype": f"{case.dtype} {case.layout}"},
+                                   flops=case.flops, ceilings=ceilings, baseline="cudnn", errors=(LibnnError,))
         cupy.get_default_memory_pool().free_all_blocks()
     harness.progress(len(cases) + 1, len(cases) + 1, "pooling")
     rows += _pool_rows(ceilings, quick)

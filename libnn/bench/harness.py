@@ -129,6 +129,30 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def time_paths(paths: dict[str, Callable[[Any], Any]], row: dict[str, Any], *, flops: int, ceilings: "Ceilings",
+               baseline: str, errors: tuple[type[BaseException], ...], note_chars: int = 60) -> list[dict[str, Any]]:
+    """One row per path (`row` plus the path's name) with its median ms, TFLOP/s and % of the bf16
+    GEMM ceiling, and "<baseline>/x": the baseline path's time over this one's. A path that raises one
+    of `errors` (a library declining the case) gets its message's first line as the row's note."""
+    rows = []
+    for path, fn in paths.items():
+        result = {**row, "path": path}
+        try:
+            t = time_gpu(fn, [None], warmup=3, runs=20)
+        except errors as exc:
+            result["note"] = str(exc).splitlines()[0][:note_chars]
+            rows.append(result)
+            continue
+        tflops = flops / t.median_s / 1e12
+        result.update({"ms": t.median_ms, "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
+        rows.append(result)
+    base = next((r.get("ms") for r in rows if r["path"] == baseline), None)
+    for r in rows:
+        if base and r.get("ms"):
+            r[f"{baseline}/x"] = base / r["ms"]
+    return rows
+
+
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
     """A plain-text table; floats are shown with 3 significant digits."""
     if not rows:
