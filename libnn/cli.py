@@ -83,7 +83,8 @@ def _check_kernels(args: argparse.Namespace) -> int:
     from libnn.bench.harness import format_table
     from libnn.runtime.kernels import compile_report
 
-    rows = compile_report(args.arch)
+    rows = compile_report(args.arch, progress=lambda line: print(f"libnn check-kernels: {line}", file=sys.stderr,
+                                                                flush=True))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -119,8 +120,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv", "fftconv", "attention", "models"],
-                   help="the op (or, for models, the whole seed CNN and encoder) to benchmark")
+    s.add_argument("op", choices=["linear", "conv", "fftconv", "attention", "models", "overhead"],
+                   help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
+                   "cost of a cached call of every op against PyTorch's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fftconv: and a heat map PNG beside it)")
     s.set_defaults(func=_bench)

@@ -70,3 +70,50 @@ def test_an_empty_compile_log_leaves_the_interpreter_intact(tmp_path):
     source.write_text('extern "C" __global__ void k(float* a) { a[0] = 1.0f; }\n')
     kernels.compile_file(source, "sm_90", options=(), use_disk_cache=False)
     assert b" " == bytes([32]) and b" ".decode() == " "
+
+
+def test_a_cached_log_without_the_ptxas_report_is_a_miss_for_resources(tmp_path, monkeypatch):
+    """A cache entry written with no resource report (a run-time compile on the H100 left such logs)
+    must not hide the kernels from resource queries: the file is compiled again and the entry replaced."""
+    monkeypatch.setenv("LIBNN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cu"
+    source.write_text('extern "C" __global__ void scale2(float* a) { a[threadIdx.x] *= 2.0f; }\n')
+    first = kernels.compile_file(source, "sm_90")
+    assert [r.kernel for r in first.resources()] == ["scale2"]
+    log = first.file.with_suffix(".log")
+    log.write_text("ptxas info    : 0 bytes gmem\n")  # the planted entry: a log without the report
+    cached = kernels.compile_file(source, "sm_90")
+    assert cached.log == "ptxas info    : 0 bytes gmem\n"  # it did come from the cache
+    assert [r.kernel for r in cached.resources()] == ["scale2"]
+    assert "Compiling entry function 'scale2'" in log.read_text()  # and the entry now holds the report
+
+
+def test_check_kernels_rows_come_with_one_progress_line_per_file():
+    lines = []
+    rows = kernels.compile_report(["sm_90"], progress=lines.append)
+    assert len(lines) == len(kernels.kernel_files()) and lines[0].startswith(f"[1/{len(lines)}] ")
+    assert {r["file"] for r in rows} == {p.name for p in kernels.kernel_files()}
+
+
+def test_a_failed_compile_shows_the_first_error_lines_and_counts_the_rest(tmp_path):
+    bad = tmp_path / "many.cu"
+    body = "\n".join(f"    out[{i}] = undefined_{i};" for i in range(40))
+    bad.write_text(f'extern "C" __global__ void k(float* out) {{\n{body}\n}}\n')
+    with pytest.raises(KernelCompileError) as caught:
+        kernels.compile_file(bad, "sm_90")
+    message = str(caught.value)
+    assert message.startswith("compiling kernels/many.cu for sm_90 failed at kernels/many.cu:2: ")
+    assert len(message.splitlines()) == 1 + kernels.SHOWN_ERROR_LINES + 1
+    assert "... and 30 more error lines" in message
+
+
+def test_a_log_without_an_error_location_says_so():
+    message = kernels._failure_message(kernels.kernel_dir() / "x.cu", "sm_90", "something went wrong\nsecond line")
+    assert message == ("compiling kernels/x.cu for sm_90 failed (no error location found in the log; first lines "
+                       "below)\nsomething went wrong\nsecond line")
+
+
+def test_ptxas_errors_are_located_in_the_generated_ptx():
+    log = "ptxas application ptx input, line 1855; error   : Feature '.bf16' requires .target sm_80 or higher\n"
+    assert kernels._first_error_location(log) == \
+        "line 1855 of the generated PTX: Feature '.bf16' requires .target sm_80 or higher"

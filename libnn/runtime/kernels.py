@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from libnn.errors import KernelCompileError
 from libnn.runtime.cache import PlanCache
@@ -25,7 +26,11 @@ from libnn.runtime.cache import PlanCache
 # -Xptxas=-v puts the resource report (registers, shared memory, spills) into every cached log.
 # NVRTC's default dialect is C++17 already; -std=c++17 or -lineinfo silence that report on NVRTC 13.0
 # for sm_90 (seen on the H100 image), so neither is passed.
-DEFAULT_OPTIONS = ("-Xptxas=-v",)
+VERBOSE = "-Xptxas=-v"
+DEFAULT_OPTIONS = (VERBOSE,)
+# A failed compile shows at most this many of its log's error lines: an arch without bf16 or cp.async
+# (sm_75) makes ptxas write one line per instruction, thousands in all.
+SHOWN_ERROR_LINES = 10
 
 
 def kernel_dir() -> Path:
@@ -94,7 +99,14 @@ class CompiledFile:
     file: Path | None = None  # where the disk cache keeps `cubin`
 
     def resources(self) -> list["KernelResources"]:
-        return parse_ptxas_report(self.log)
+        """Registers, shared memory and spills per kernel, from ptxas' report in the log. A log from
+        the disk cache can lack the report (seen on the H100 under pytest -n 6: an entry written by a
+        run-time compile earlier); for a verbose compile that is a miss, so the file is compiled again
+        and the cache entry replaced."""
+        found = parse_ptxas_report(self.log)
+        if found or self.file is None or VERBOSE not in self.options:
+            return found
+        return parse_ptxas_report(compile_file(self.path, self.arch, self.options, refresh=True).log)
 
 
 @dataclass(frozen=True)
@@ -127,9 +139,32 @@ def parse_ptxas_report(log: str) -> list[KernelResources]:
     return found
 
 
-def _first_error_location(log: str) -> str:
-    m = re.search(r"^(.*?\.cu)\((\d+)\): (?:catastrophic )?error: (.*)$", log, re.M)
-    return f"{m.group(1)}:{m.group(2)}: {m.group(3)}" if m else "see the log below"
+_SOURCE_ERROR = re.compile(r"^(.*?\.cuh?)\((\d+)\): (?:catastrophic )?error: (.*)$", re.M)
+_PTXAS_ERROR = re.compile(r"^ptxas application ptx input, line (\d+); error\s*: (.*)$", re.M)
+_ERROR_LINE = re.compile(r"\berror\b|\bfatal\b")
+
+
+def _first_error_location(log: str) -> str | None:
+    """file:line: message of the first error NVRTC or ptxas reports, or None if the log has none."""
+    if m := _SOURCE_ERROR.search(log):
+        return f"{m.group(1)}:{m.group(2)}: {m.group(3)}"
+    if m := _PTXAS_ERROR.search(log):
+        return f"line {m.group(1)} of the generated PTX: {m.group(2)}"
+    return None
+
+
+def _failure_message(path: Path, arch: str, log: str) -> str:
+    """The first error's location and the log's first error lines (all of them can run to thousands)."""
+    lines = log.splitlines()
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    where = _first_error_location(log)
+    head = f"compiling kernels/{path.name} for {arch} failed " + (
+        f"at {where}" if where else "(no error location found in the log; first lines below)")
+    listed, kind = (errors, "error lines") if errors else (lines, "lines")
+    shown = listed[:SHOWN_ERROR_LINES]
+    more = (f"\n... and {len(listed) - len(shown)} more {kind} ({len(lines)} lines in the whole log)"
+            if len(listed) > len(shown) else "")
+    return "\n".join([head, *shown]) + more
 
 
 def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, ...]) -> CompiledFile:
@@ -147,8 +182,7 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
         nvrtc.nvrtcGetProgramLog(program, log)
         log_text = bytes(log).rstrip(b"\0 ").decode(errors="replace")
         if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise KernelCompileError(f"compiling kernels/{path.name} for {arch} failed at "
-                                     f"{_first_error_location(log_text)}\n{log_text}")
+            raise KernelCompileError(_failure_message(path, arch, log_text))
         get_size, get = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_") else \
                         (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         err, size = get_size(program)
@@ -162,16 +196,16 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
 
 
 def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT_OPTIONS,
-                 use_disk_cache: bool = True) -> CompiledFile:
+                 use_disk_cache: bool = True, refresh: bool = False) -> CompiledFile:
     """Compile one kernel file for `arch` ('sm_90', or 'compute_90' for PTX), from the disk cache when
-    an identical compile was done before."""
+    an identical compile was done before (`refresh=True` compiles anyway and replaces the entry)."""
     path = Path(path) if Path(path).is_absolute() else kernel_dir() / path
     source = path.read_bytes()
     key = hashlib.sha256(b"\0".join([source, _headers(path.parent), arch.encode(), *(o.encode() for o in options),
                                      nvrtc_version().encode()])).hexdigest()[:32]
     stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
     binary, log = stored.with_suffix(".bin"), stored.with_suffix(".log")
-    if use_disk_cache and binary.exists() and log.exists():
+    if use_disk_cache and not refresh and binary.exists() and log.exists():
         return CompiledFile(path, arch, options, binary.read_bytes(), log.read_text(), binary)
     compiled = _compile_uncached(path, source, arch, options)
     if not use_disk_cache:
@@ -230,10 +264,14 @@ def function(file: str, kernel: str, dynamic_smem: int = 0):
     return _functions.get((file, kernel, dynamic_smem, current_device_id()), build)
 
 
-def compile_report(archs: list[str]) -> list[dict]:
-    """Compile every kernel file for each arch (no GPU needed) and list each kernel's resources."""
+def compile_report(archs: list[str], progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Compile every kernel file for each arch (no GPU needed) and list each kernel's resources.
+    `progress` is told each file before it compiles: a cold compile of them all takes a minute or more."""
     rows = []
-    for path in kernel_files():
+    files = kernel_files()
+    for i, path in enumerate(files, 1):
+        if progress:
+            progress(f"[{i}/{len(files)}] {path.name} for {' '.join(archs)}")
         for arch in archs:
             compiled = compile_file(path, arch)
             for r in compiled.resources():
