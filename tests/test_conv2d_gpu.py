@@ -116,30 +116,37 @@ def test_second_call_reuses_the_graph(rng):
 
 
 WARM_START = """
-import json, sys, time, cupy, numpy as np
-from libnn.ops.activations import apply
-from libnn.ops.conv2d import conv2d, fold_batchnorm
+import json, cupy, numpy as np
+from libnn.ops.conv2d import conv2d
 from libnn.backends import cudnn
+from libnn.runtime import kernels
+calls = {"graph builds": 0, "nvrtc compiles": 0}
+def counting(name, real):
+    def wrapped(*args, **kwargs):
+        calls[name] += 1
+        return real(*args, **kwargs)
+    return wrapped
+cudnn._planned = counting("graph builds", cudnn._planned)  # every cuDNN graph libnn builds goes through it
+kernels._compile_uncached = counting("nvrtc compiles", kernels._compile_uncached)
 x = cupy.asarray(np.random.default_rng(0).standard_normal((32, 56, 56, 64)).astype(np.float16))
 w = cupy.asarray((np.random.default_rng(1).standard_normal((64, 3, 3, 64)) / 24).astype(np.float16))
 b = cupy.asarray(np.random.default_rng(2).standard_normal(64).astype(np.float16))
-start = time.perf_counter()
 y = conv2d(x, w, b, padding=1, activation="relu", path="cudnn")
-cupy.cuda.get_current_stream().synchronize()
 graph = next(iter(cudnn._graphs._items.values()))
-print(json.dumps({"first_call_s": time.perf_counter() - start, "graph_s": graph.build_seconds,
-                  "source": graph.source, "checksum": float(cupy.abs(y.astype(cupy.float32)).sum())}))
+print(json.dumps({**calls, "source": graph.source, "checksum": float(cupy.abs(y.astype(cupy.float32)).sum())}))
 """
 
 
 def test_plan_cache_round_trip_across_processes(tmp_path):
-    """A second process finds the plan on disk: no heuristics, no NVRTC, same result."""
+    """A second process finds the plan on disk: it deserializes it (no graph build, no NVRTC) and gets the
+    same result. How fast that is belongs to `libnn bench models` (cold start), not to a test."""
     env = {**__import__("os").environ, "LIBNN_CACHE_DIR": str(tmp_path)}
     runs = [json.loads(subprocess.run([sys.executable, "-c", WARM_START], env=env, capture_output=True, text=True,
                                       check=True).stdout.splitlines()[-1]) for _ in range(2)]
     print(runs)
-    assert runs[0]["source"] == "built" and runs[1]["source"] == "disk cache"
-    assert runs[1]["graph_s"] <= 0.05
+    assert runs[0]["source"] == "built" and runs[0]["graph builds"] >= 1
+    assert runs[1]["source"] == "disk cache"
+    assert runs[1]["graph builds"] == 0 and runs[1]["nvrtc compiles"] == 0
     assert runs[0]["checksum"] == runs[1]["checksum"]
 
 
