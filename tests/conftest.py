@@ -5,12 +5,37 @@ Tests marked `gpu` skip cleanly where there is no GPU; everything else runs in C
 
 from __future__ import annotations
 
+import os
+import zlib
+
 import numpy as np
 import pytest
 
 from libnn import dtypes
 from libnn.runtime.device import gpu_missing
 
+BASE_SEED = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--random-seed", action="store_true",
+                     help="draw a fresh base seed for the rng fixture instead of LIBNN_TEST_SEED (default 0); "
+                          "the seed is printed in the header and by every test that uses rng")
+
+
+def pytest_configure(config):
+    value = os.environ.get("LIBNN_TEST_SEED", "0")
+    if config.getoption("--random-seed") or value == "random":
+        config.stash[BASE_SEED] = int(np.random.SeedSequence().entropy % 2**32)
+    elif value.isdigit():
+        config.stash[BASE_SEED] = int(value)
+    else:
+        raise pytest.UsageError(f"LIBNN_TEST_SEED must be a non-negative integer or 'random', got {value!r}")
+
+
+def pytest_report_header(config):
+    seed = config.stash[BASE_SEED]
+    return f"libnn rng base seed {seed} (LIBNN_TEST_SEED={seed} reproduces; --random-seed draws a new one)"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -49,11 +74,12 @@ def random_normal(rng: np.random.Generator, shape, dtype, scale: float = 1.0) ->
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A fresh generator per test, seeded from the clock so each run draws new inputs; the seed is
-    printed on failure through the test id's captured output."""
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"rng seed {seed}")
-    return np.random.default_rng(seed)
+    """A generator per test, seeded from the run's base seed and the test's node id: tests draw
+    different inputs from each other, and a failure reproduces by running it again. The base seed is
+    printed (pytest shows it with a failure's captured output)."""
+    base = request.config.stash[BASE_SEED]
+    print(f"rng: base seed {base} (LIBNN_TEST_SEED={base} reproduces), node id {request.node.nodeid!r}")
+    return np.random.default_rng([base, zlib.crc32(request.node.nodeid.encode())])
 
 
 @pytest.fixture
