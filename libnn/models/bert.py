@@ -34,6 +34,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.nn.basic import Embedding
+from libnn.nn.graphs import SequenceInputs
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
 from libnn.nn.norm import LayerNorm
@@ -280,6 +281,11 @@ class BertPooler(Module):
 class BertEncoder(Module):
     """A BERT encoder (Hugging Face's BertModel) for inference. Build it from a checkpoint directory
     with `from_pretrained`, or from a BertConfig (random weights) for tests."""
+
+    # For graphed(seq_buckets=...): sequences are padded with zeros at positions attention_mask marks 0
+    # (forward's second parameter); only last_hidden_state has the sequence dimension to slice back.
+    # pooled averages the unmasked tokens and pooler_output reads the first: padding changes neither.
+    graph_sequence_inputs = SequenceInputs(mask="attention_mask", mask_position=1, outputs=("last_hidden_state",))
 
     def __init__(self, config: BertConfig, *, pooler: bool = True, dtype: Any = "fp32", device: str = "cpu",
                  path: str | dict[str, str] = "auto"):

@@ -1,9 +1,19 @@
 """The layer base class: named parameters, state_dict with PyTorch's key names, and device/dtype
-moves. Inference only: there are no gradients and no training mode."""
+moves. Inference only: there are no gradients and no training mode.
+
+Every module has a `version` that changes whenever a parameter of it or of any module below it is
+registered or replaced (register_parameter, load_state_dict, to(), `layer.weight = new`) or a child
+module is added, replaced or removed. Modules know their parents (weakly), so a change is pushed up
+to every ancestor at the time it happens, through every parent of a module shared by several; reading
+a model's version is then one attribute read, which is what CUDA graphs (libnn.nn.graphs) and
+Sequential's fusion plan check on each call instead of walking the parameters. Changes made in
+place (`layer.weight[...] = v`) keep the version: they keep the arrays, and so the addresses.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -15,15 +25,49 @@ class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_children", {})
+        object.__setattr__(self, "_parents", weakref.WeakSet())  # weak: a parent's life is its own business
+        object.__setattr__(self, "_version", 0)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._parameters:  # `layer.weight = new` replaces the parameter, as in PyTorch
+            self.register_parameter(name, value)
+            return
+        old = self._children.get(name)
         if isinstance(value, Module):
             self._children[name] = value
+            value._parents.add(self)
+        elif old is not None:  # `model.pooler = None` removes the child
+            del self._children[name]
         object.__setattr__(self, name, value)
+        if old is not value and (old is not None or isinstance(value, Module)):
+            if old is not None and not any(c is old for c in self._children.values()):
+                old._parents.discard(self)
+            self._bump()
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a parameter of this module or of a module below it is registered or
+        replaced, or a child module is added, replaced or removed (see the module docstring)."""
+        return self._version
+
+    def _bump(self) -> None:
+        """A new version for this module and every module above it, each once (a module shared by two
+        parents reaches a common ancestor twice)."""
+        seen: set[int] = set()
+        pending = [self]
+        while pending:
+            module = pending.pop()
+            if id(module) not in seen:
+                seen.add(id(module))
+                object.__setattr__(module, "_version", module._version + 1)
+                pending.extend(module._parents)
 
     def register_parameter(self, name: str, value: Any) -> None:
+        if name in self._parameters and self._parameters[name] is value:
+            return  # the same array again (to("gpu") of a GPU array): nothing a capture baked in changed
         self._parameters[name] = value
         object.__setattr__(self, name, value)
+        self._bump()
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
         for name, value in self._parameters.items():
@@ -91,11 +135,14 @@ class Module:
         for child in self._children.values():
             yield from child.modules()
 
-    def graphed(self, *, warmup: int = 2):
-        """This model as one CUDA graph per input signature (see libnn.nn.graphs)."""
+    def graphed(self, *, warmup: int = 2, buckets: Sequence[int] | None = None,
+                seq_buckets: Sequence[int] | None = None, max_captures: int = 32):
+        """This model as one CUDA graph per input signature, or per batch (and sequence) bucket with
+        `buckets` (and `seq_buckets`); see libnn.nn.graphs."""
         from libnn.nn.graphs import GraphedModule
 
-        return GraphedModule(self, warmup=warmup)
+        return GraphedModule(self, warmup=warmup, buckets=buckets, seq_buckets=seq_buckets,
+                             max_captures=max_captures)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)

@@ -7,7 +7,8 @@ Before running, Sequential fuses what follows each other:
 - Flatten (layout NHWC) → Linear [→ activation]  becomes one FlattenLinear: the NHWC activation is
   flattened as it lies, with no transpose, and the GEMM uses the Linear's weight with its columns
   permuted once from PyTorch's (C, H, W) order to (H, W, C).
-The fused plan is rebuilt whenever a parameter is replaced (load_state_dict, to()). state_dict keys
+The fused plan is rebuilt whenever a parameter or layer is replaced (load_state_dict, to(),
+`seq[0].weight = w`: the module's version changes). state_dict keys
 stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
 """
 
@@ -83,7 +84,7 @@ class Sequential(Module):
         for i, module in enumerate(modules):
             setattr(self, str(i), module)
         self.fold_bn = fold_bn
-        self._plan: tuple[tuple[int, ...], list[tuple[str, Module]]] | None = None
+        self._plan: tuple[int, list[tuple[str, Module]]] | None = None
 
     def __getitem__(self, index: int) -> Module:
         return self._children[str(index)]
@@ -93,9 +94,8 @@ class Sequential(Module):
 
     def fused(self) -> list[tuple[str, Module]]:
         """The modules that run, each with the names of the layers it covers."""
-        fingerprint = tuple(id(v) for _, v in self.named_parameters())
-        if self._plan is None or self._plan[0] != fingerprint:
-            self._plan = (fingerprint, self._fuse())
+        if self._plan is None or self._plan[0] != self.version:  # a parameter or layer was replaced
+            self._plan = (self.version, self._fuse())
         return self._plan[1]
 
     def _fuse(self) -> list[tuple[str, Module]]:
