@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from libnn import dtypes, nn
+from libnn.errors import LibnnError
 from conftest import random_normal, rel_error
 
 
@@ -66,3 +67,111 @@ def test_graph_of_mlp_with_cublaslt_matches_reference(rng):
     x = random_normal(rng, (7, 64), "fp32")
     y = model.graphed()(cupy.asarray(x))
     assert rel_error(y, model.to("cpu")(x)) < 1e-5
+
+
+# --- the parameter version counter (CPU) ----------------------------------------------------------
+def test_version_bumps_on_register_assignment_load_and_to_through_nested_modules():
+    inner = nn.Sequential(nn.Linear(4, 3, seed=0), nn.ReLU())
+    model = nn.Sequential(inner, nn.Linear(3, 2, seed=1))
+    layer = inner[0]
+
+    def bumped(change) -> bool:
+        before = (layer.version, inner.version, model.version)
+        change()
+        return all(a != b for a, b in zip(before, (layer.version, inner.version, model.version)))
+
+    assert bumped(lambda: layer.register_parameter("bias", np.ones(3, np.float32)))
+    assert bumped(lambda: setattr(layer, "weight", layer.weight * 2))
+    assert bumped(lambda: model.load_state_dict({k: v.copy() for k, v in model.state_dict().items()}))
+    assert bumped(lambda: model.to("fp64"))
+    assert model.state_dict()["0.0.weight"] is layer.weight  # the assigned parameter is the registered one
+
+
+def test_version_keeps_still_when_nothing_is_replaced():
+    model = nn.Sequential(nn.Linear(4, 3, seed=0))
+    before = model.version
+    model.to("cpu")                                # the same arrays again
+    model.load_state_dict(model.state_dict())      # the very same objects
+    model[0].weight[0, 0] = 5.0                    # in place: same array, same address
+    model[0].path = "reference"                    # not a parameter
+    assert model.version == before
+
+
+def test_version_reaches_every_parent_of_a_shared_module_and_follows_children_added_later():
+    shared = nn.Linear(3, 3, seed=0)
+    a, b = nn.Sequential(shared), nn.Sequential(shared)
+    before = (a.version, b.version)
+    shared.weight = shared.weight + 1
+    assert a.version != before[0] and b.version != before[1]
+
+    model = nn.Sequential(nn.ReLU())
+    before = model.version
+    model.head = nn.Linear(3, 2, seed=1)           # a child added after construction
+    assert model.version != before
+    before = model.version
+    model.head.bias = model.head.bias + 1
+    assert model.version != before
+    old = model.head
+    model.head = None                              # removed: its later changes are no longer the model's
+    before = model.version
+    old.bias = old.bias + 1
+    assert model.version == before and "head" not in dict(model.named_parameters())
+
+
+def test_sequential_rebuilds_its_fusion_plan_after_a_parameter_is_assigned(rng):
+    model = nn.Sequential(nn.Linear(5, 4, seed=0, dtype="fp64"), nn.ReLU())
+    x = random_normal(rng, (3, 5), "fp64")
+    model(x)
+    model[0].weight = model[0].weight * -1.0
+    expected = np.maximum(x @ model[0].weight.T + model[0].bias, 0)
+    assert rel_error(model(x), expected) < 1e-12
+
+
+# --- caller-filled buffers and parameter replacement (GPU) ----------------------------------------
+@pytest.mark.gpu
+def test_graph_inputs_filled_by_the_caller_replay_without_copy_and_equal_eager(rng):
+    import cupy
+
+    model = small_cnn("gpu", "fp16")
+    graphed = model.graphed()
+    first = cupy.asarray(random_normal(rng, (3, 12, 12, 3), "fp16"))
+    buffer, = graphed.inputs(first)
+    assert buffer.shape == first.shape and buffer.dtype == first.dtype and graphed.inputs(first)[0] is buffer
+    for _ in range(2):
+        x = cupy.asarray(random_normal(rng, (3, 12, 12, 3), "fp16"))
+        buffer[...] = x
+        assert rel_error(graphed(buffer).copy(), model(x).get()) <= dtypes.TOLERANCE["fp16"]
+    x = cupy.asarray(random_normal(rng, (3, 12, 12, 3), "fp16"))
+    buffer[...] = x
+    assert rel_error(graphed.replay().copy(), model(x).get()) <= dtypes.TOLERANCE["fp16"]
+    other = cupy.asarray(random_normal(rng, (3, 12, 12, 3), "fp16"))  # any other array is copied in
+    assert rel_error(graphed(other).copy(), model(other).get()) <= dtypes.TOLERANCE["fp16"]
+    assert list(graphed.stats().values())[0].replays == 4
+
+
+@pytest.mark.gpu
+def test_graph_refuses_its_buffers_in_the_wrong_shape_dtype_or_position(rng):
+    import cupy
+
+    graphed = small_cnn("gpu").graphed()
+    buffer, = graphed.inputs(cupy.asarray(random_normal(rng, (4, 12, 12, 3), "fp32")))
+    for wrong in (buffer[:2], buffer.view(cupy.int32), buffer.reshape(2, 24, 12, 3)):
+        with pytest.raises(ValueError, match="is a view of the graph's input buffer 0 of shape \\(4, 12, 12, 3\\)"):
+            graphed(wrong)
+
+
+@pytest.mark.gpu
+def test_graph_follows_parameters_assigned_as_attributes(rng):
+    import cupy
+
+    model = small_cnn("gpu")
+    graphed = model.graphed()
+    x = cupy.asarray(random_normal(rng, (2, 12, 12, 3), "fp32"))
+    before = graphed(x).copy()
+    graphed.inputs(x)  # what replay() would replay
+    model[4].weight = model[4].weight * 3
+    with pytest.raises(LibnnError, match="replay\\(\\): that capture was dropped"):
+        graphed.replay()
+    after = graphed(x).copy()
+    assert rel_error(after, model(x).get()) <= 1e-5 and rel_error(after, before.get()) > 1e-3
+    assert list(graphed.stats().values())[0].captures == 2
