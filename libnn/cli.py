@@ -8,6 +8,22 @@ import sys
 from typing import Sequence
 
 
+def _int_at_least(minimum: int):
+    """An argparse type: an int >= minimum; argparse names the option in its error and exits 2."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
+
+
 def _info(args: argparse.Namespace) -> int:
     from libnn.runtime.device import info
 
@@ -106,14 +122,14 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_paths)
 
     s = sub.add_parser("demo", help="a small MLP on the GPU if there is one, else on the NumPy reference path")
-    s.add_argument("--batch", type=int, default=64, help="rows of input (default 64)")
+    s.add_argument("--batch", type=positive_int, default=64, help="rows of input (default 64)")
     s.add_argument("--path", default="auto", help="force a path for every layer (default auto)")
     s.set_defaults(func=_demo)
 
     s = sub.add_parser("run", help="a shipped model on its held-out data: accuracy and latency, on the GPU "
                        "if there is one, else on the NumPy reference path")
     s.add_argument("model", choices=["cnn"], help="cnn: SeedCNN, a small digit classifier (libnn.models.seed_cnn)")
-    s.add_argument("--batch", type=int, default=64, help="images per batch (default 64)")
+    s.add_argument("--batch", type=int, default=64, help="images per batch (default 64)")  # run() checks it
     s.add_argument("--path", default="auto", choices=["auto", "custom", "reference"],
                    help="force a path for every op (default auto)")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="default fp32")
@@ -132,23 +148,23 @@ def parser() -> argparse.ArgumentParser:
                        "[--stride --padding --dilation --groups --layout] (cuDNN, heuristics modes A, B, FALLBACK). "
                        "attention: --b --h --s --d [--s-kv --h-kv --causal] (cuDNN SDPA, BHSD).")
     s.add_argument("op", choices=["linear", "conv", "attention"], help="the op whose plans to list")
-    s.add_argument("--m", type=int, help="linear: rows of x")
-    s.add_argument("--n", type=int, help="linear: output features; conv: batch size")
-    s.add_argument("--k", type=int, help="linear: input features; conv: output channels")
-    s.add_argument("--b", type=int, help="attention: batch size")
-    s.add_argument("--s", type=int, help="attention: query sequence length; conv: filter width (default: --r)")
-    s.add_argument("--d", type=int, help="attention: head dimension")
-    s.add_argument("--s-kv", type=int, help="attention: key/value sequence length (default: --s)")
-    s.add_argument("--h-kv", type=int, help="attention: key/value heads (default: --h; fewer for GQA/MQA)")
+    s.add_argument("--m", type=positive_int, help="linear: rows of x")
+    s.add_argument("--n", type=positive_int, help="linear: output features; conv: batch size")
+    s.add_argument("--k", type=positive_int, help="linear: input features; conv: output channels")
+    s.add_argument("--b", type=positive_int, help="attention: batch size")
+    s.add_argument("--s", type=positive_int, help="attention: query sequence length; conv: filter width (default: --r)")
+    s.add_argument("--d", type=positive_int, help="attention: head dimension")
+    s.add_argument("--s-kv", type=positive_int, help="attention: key/value sequence length (default: --s)")
+    s.add_argument("--h-kv", type=positive_int, help="attention: key/value heads (default: --h; fewer for GQA/MQA)")
     s.add_argument("--causal", action="store_true", help="attention: causal mask (top-left)")
-    s.add_argument("--c", type=int, help="conv: input channels")
-    s.add_argument("--h", type=int, help="conv: input height; attention: query heads")
-    s.add_argument("--w", type=int, help="conv: input width")
-    s.add_argument("--r", type=int, help="conv: filter height")
-    s.add_argument("--stride", type=int, default=1, help="conv: stride (default 1)")
-    s.add_argument("--padding", type=int, default=0, help="conv: padding (default 0)")
-    s.add_argument("--dilation", type=int, default=1, help="conv: dilation (default 1)")
-    s.add_argument("--groups", type=int, default=1, help="conv: groups (default 1)")
+    s.add_argument("--c", type=positive_int, help="conv: input channels")
+    s.add_argument("--h", type=positive_int, help="conv: input height; attention: query heads")
+    s.add_argument("--w", type=positive_int, help="conv: input width")
+    s.add_argument("--r", type=positive_int, help="conv: filter height")
+    s.add_argument("--stride", type=positive_int, default=1, help="conv: stride (default 1)")
+    s.add_argument("--padding", type=non_negative_int, default=0, help="conv: padding (default 0)")
+    s.add_argument("--dilation", type=positive_int, default=1, help="conv: dilation (default 1)")
+    s.add_argument("--groups", type=positive_int, default=1, help="conv: groups (default 1)")
     s.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"], help="conv: layout (default NHWC)")
     s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear, attention), fp16 (conv)")
     s.add_argument("--activation", choices=["relu", "relu6", "gelu", "silu"], help="fused activation (default none)")
@@ -173,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except Exception as exc:  # a user-facing command: the message, not a traceback
         from libnn.errors import LibnnError
-        if not isinstance(exc, LibnnError | ValueError | TypeError):
+        # ModuleNotFoundError: an optional package this command needs is not installed (the message
+        # says which); the environment's problem, not a bug to show a traceback for
+        if not isinstance(exc, LibnnError | ValueError | TypeError | MemoryError | ModuleNotFoundError):
             raise
         print(f"libnn {args.command}: {exc}", file=sys.stderr)
         return 2

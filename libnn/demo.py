@@ -31,6 +31,8 @@ class MLP(nn.Module):
 
 
 def run(batch: int = 64, path: str = "auto") -> int:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch must be a positive int, got {batch!r}")  # batch 0 printed a NaN error
     sizes = [1024, 4096, 4096, 1000]
     reason = gpu_missing()
     device = "cpu" if reason else "gpu"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from libnn import dtypes
+from libnn.nn import checks
 from libnn.nn.module import Module
 from libnn.ops.conv2d import LAYOUTS
 from libnn.ops.softmax import softmax
@@ -27,9 +27,10 @@ class Flatten(Module):
 
     def __init__(self, start_dim: int = 1, end_dim: int = -1, *, layout: str = "NHWC"):
         super().__init__()
-        if layout not in LAYOUTS:
-            raise ValueError(f"Flatten: layout must be one of {LAYOUTS}, got {layout!r}")
-        self.start_dim, self.end_dim, self.layout = start_dim, end_dim, layout
+        checks.choice("Flatten", "layout", layout, LAYOUTS)
+        for name, dim in (("start_dim", start_dim), ("end_dim", end_dim)):
+            checks.size("Flatten", name, dim, minimum=None)  # the range depends on the input's rank
+        self.start_dim, self.end_dim, self.layout = int(start_dim), int(end_dim), layout
 
     def forward(self, x: Any) -> Any:
         x = as_array(x, "Flatten", "x")
@@ -57,9 +58,11 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+            raise TypeError(f"Dropout: p must be a real number, got {type(p).__name__} {p!r}")
         if not 0 <= p <= 1:
             raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
-        self.p, self.inplace = p, inplace
+        self.p, self.inplace = float(p), checks.flag("Dropout", "inplace", inplace)
 
     def forward(self, x: Any) -> Any:
         return x
@@ -75,7 +78,7 @@ class Softmax(Module):
 
     def __init__(self, dim: int = -1, *, path: str = "auto"):
         super().__init__()
-        self.dim, self.path = dim, path
+        self.dim, self.path = checks.size(type(self).__name__, "dim", dim, minimum=None), path
 
     def forward(self, x: Any) -> Any:
         return softmax(x, self.dim, log=self.log, path=self.path)
@@ -105,19 +108,24 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  dtype: Any = "fp32", device: str = "cpu", seed: int | None = None):
         super().__init__()
-        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"Embedding: {name} must be a non-negative int, got {value!r}")
+        # empty tables are allowed, as in PyTorch: every lookup into one is refused, none is wrong
+        num_embeddings = checks.size("Embedding", "num_embeddings", num_embeddings, minimum=0)
+        embedding_dim = checks.size("Embedding", "embedding_dim", embedding_dim, minimum=0)
         if padding_idx is not None:
+            padding_idx = checks.size("Embedding", "padding_idx", padding_idx, minimum=None)
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"Embedding: padding_idx must be in [{-num_embeddings}, {num_embeddings}) "
                                  f"(num_embeddings {num_embeddings}), got {padding_idx}")
-            padding_idx = int(padding_idx) % num_embeddings
-        self.num_embeddings, self.embedding_dim, self.padding_idx = int(num_embeddings), int(embedding_dim), padding_idx
+            padding_idx %= num_embeddings
+        parsed, seed = checks.float_dtype("Embedding", dtype), checks.seed("Embedding", seed)
+        checks.device("Embedding", device)
+        checks.parameters_fit("Embedding", f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}",
+                              num_embeddings * embedding_dim, parsed, device)
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         weight = np.random.default_rng(seed).standard_normal((num_embeddings, embedding_dim))
         if padding_idx is not None:
             weight[padding_idx] = 0
-        self.register_parameter("weight", weight.astype(dtypes.parse(dtype)))
+        self.register_parameter("weight", weight.astype(parsed))
         if device != "cpu":
             self.to(device)
 

@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from libnn.nn import checks
 from libnn.nn.module import Module, full, init_uniform
 from libnn.ops import activations
-from libnn.ops.conv2d import conv2d, fold_batchnorm
+from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
+from libnn.ops.conv2d import LAYOUTS, conv2d, fold_batchnorm
 from libnn.ops.pool2d import avg_pool2d, max_pool2d
-from libnn.runtime.arrays import array_module
+from libnn.runtime.arrays import array_module, as_array
 
 
 # The smallest kernel size from which FFT convolution beat direct cuDNN convolution, by image size
@@ -44,20 +46,34 @@ class Conv2d(Module):
                  activation: str | None = None, *, layout: str = "NHWC", dtype: Any = "fp32", device: str = "cpu",
                  path: str = "auto", algo: str = "auto", seed: int | None = None):
         super().__init__()
-        if algo not in ALGOS:
-            raise ValueError(f"Conv2d: algo must be one of {ALGOS}, got {algo!r}")
-        fft_able = stride in (1, (1, 1)) and dilation in (1, (1, 1)) and groups == 1
+        in_channels = checks.size("Conv2d", "in_channels", in_channels)
+        out_channels = checks.size("Conv2d", "out_channels", out_channels)
+        r, s = checks.pair("Conv2d", "kernel_size", kernel_size, 1)
+        stride, dilation = checks.pair("Conv2d", "stride", stride, 1), checks.pair("Conv2d", "dilation", dilation, 1)
+        padding = checks.pair("Conv2d", "padding", padding, 0)
+        groups = checks.size("Conv2d", "groups", groups)
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: groups must divide in_channels and out_channels, got groups={groups} with "
+                             f"in_channels={in_channels}, out_channels={out_channels}")
+        bias = checks.flag("Conv2d", "bias", bias)
+        checks.choice("Conv2d", "activation", activation, CONV_ACTIVATIONS)
+        checks.choice("Conv2d", "layout", layout, LAYOUTS)
+        checks.choice("Conv2d", "algo", algo, ALGOS)
+        parsed, seed = checks.float_dtype("Conv2d", dtype), checks.seed("Conv2d", seed)
+        checks.device("Conv2d", device)
+        fft_able = stride == (1, 1) and dilation == (1, 1) and groups == 1
         if algo == "fft" and not fft_able:
             raise ValueError("Conv2d: algo='fft' needs stride 1, dilation 1 and groups 1 "
                              f"(got stride={stride}, dilation={dilation}, groups={groups}); use algo='direct'")
+        shape = (out_channels, in_channels // groups, r, s)
+        checks.parameters_fit("Conv2d", f"weight of shape {shape}", math.prod(shape) + out_channels * bias, parsed,
+                              device)
         self.algo, self._fft_able = algo, fft_able
-        r, s = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (r, s)
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.activation, self.layout, self.path = activation, layout, path
         bound = 1 / math.sqrt(in_channels // groups * r * s)
-        self.register_parameter("weight", init_uniform((out_channels, in_channels // groups, r, s), bound, dtype,
-                                                       device, seed))
+        self.register_parameter("weight", init_uniform(shape, bound, dtype, device, seed))
         self.register_parameter("bias", init_uniform((out_channels,), bound, dtype, device,
                                                      None if seed is None else seed + 1) if bias else None)
         self._converted: tuple[int, Any] | None = None
@@ -74,11 +90,14 @@ class Conv2d(Module):
     def uses_fft(self, x: Any) -> bool:
         if self.algo != "auto":
             return self.algo == "fft"
+        if x.ndim != 4:  # conv2d names the expected rank
+            return False
         h, w = (x.shape[1], x.shape[2]) if self.layout == "NHWC" else (x.shape[2], x.shape[3])
         return self._fft_able and prefers_fft(self.in_channels, min(h, w), min(self.kernel_size))
 
     def forward(self, x: Any, bn: Any = None, activation: str | None = None) -> Any:
         activation = activation or self.activation
+        x = as_array(x, "Conv2d", "x")
         if self.uses_fft(x):
             return self._fft_forward(x, bn, activation)
         return conv2d(x, self.filters(), self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation,
@@ -107,6 +126,11 @@ class BatchNorm2d(Module):
     def __init__(self, num_features: int, eps: float = 1e-5, *, layout: str = "NHWC", dtype: Any = "fp32",
                  device: str = "cpu"):
         super().__init__()
+        num_features = checks.size("BatchNorm2d", "num_features", num_features)
+        eps = checks.positive_float("BatchNorm2d", "eps", eps)
+        checks.choice("BatchNorm2d", "layout", layout, LAYOUTS)
+        checks.parameters_fit("BatchNorm2d", "num_features", 4 * num_features, checks.float_dtype("BatchNorm2d", dtype),
+                              checks.device("BatchNorm2d", device))
         self.num_features, self.eps, self.layout = num_features, eps, layout
         for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
             self.register_parameter(name, full((num_features,), value, dtype, device))
@@ -116,6 +140,13 @@ class BatchNorm2d(Module):
         return fold_batchnorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps)
 
     def forward(self, x: Any) -> Any:
+        x = checks.float_input("BatchNorm2d", x, self.weight)
+        if x.ndim != 4:  # a 2-D (N, C) input would broadcast to a 4-D result
+            raise ValueError(f"BatchNorm2d: x must be 4-D ({', '.join(self.layout)}), got shape {tuple(x.shape)}")
+        channels = x.shape[3 if self.layout == "NHWC" else 1]
+        if channels != self.num_features:
+            raise ValueError(f"BatchNorm2d: x has {channels} channels (shape {tuple(x.shape)}, layout {self.layout}) "
+                             f"but the layer has num_features={self.num_features}")
         scale, shift = self.folded()
         shape = (1, 1, 1, -1) if self.layout == "NHWC" else (1, -1, 1, 1)
         return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
@@ -127,6 +158,7 @@ class Activation(Module):
     name: str | None = None
 
     def forward(self, x: Any) -> Any:
+        x = checks.float_input(type(self).__name__, x)
         return activations.apply(x, self.name).astype(x.dtype)
 
 
@@ -154,10 +186,20 @@ class SiLU(Activation):
 
 
 class MaxPool2d(Module):
+    """Max over each window (AvgPool2d: the mean); stride defaults to the kernel size, padding is at
+    most half the window (PyTorch's rules)."""
+
     def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, *, layout: str = "NHWC",
                  path: str = "auto"):
         super().__init__()
-        self.kernel_size, self.stride, self.padding, self.layout, self.path = kernel_size, stride, padding, layout, path
+        name = type(self).__name__
+        kernel = checks.pair(name, "kernel_size", kernel_size, 1)
+        stride = kernel if stride is None else checks.pair(name, "stride", stride, 1)
+        padding = checks.pair(name, "padding", padding, 0)
+        if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
+            raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
+        checks.choice(name, "layout", layout, LAYOUTS)
+        self.kernel_size, self.stride, self.padding, self.layout, self.path = kernel, stride, padding, layout, path
 
     def forward(self, x: Any) -> Any:
         return max_pool2d(x, self.kernel_size, self.stride, self.padding, layout=self.layout, path=self.path)

@@ -5,17 +5,26 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from libnn.nn import checks
 from libnn.nn.module import Module, init_uniform
-from libnn.ops.linear import linear
+from libnn.ops.linear import ACTIVATIONS, linear
 
 
 class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
                  *, dtype: Any = "fp32", device: str = "cpu", path: str = "auto", seed: int | None = None):
         super().__init__()
+        in_features = checks.size("Linear", "in_features", in_features)
+        out_features = checks.size("Linear", "out_features", out_features)
+        bias = checks.flag("Linear", "bias", bias)
+        checks.choice("Linear", "activation", activation, ACTIVATIONS)
+        parsed, seed = checks.float_dtype("Linear", dtype), checks.seed("Linear", seed)
+        checks.device("Linear", device)
+        checks.parameters_fit("Linear", f"in_features={in_features}, out_features={out_features}",
+                              out_features * (in_features + bias), parsed, device)
         self.in_features, self.out_features = in_features, out_features
         self.activation, self.path = activation, path
-        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        bound = 1 / math.sqrt(in_features)
         self.register_parameter("weight", init_uniform((out_features, in_features), bound, dtype, device, seed))
         self.register_parameter("bias", init_uniform((out_features,), bound, dtype, device,
                                                      None if seed is None else seed + 1) if bias else None)

@@ -4,25 +4,21 @@ state_dict loads as it is."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
-import numpy as np
-
+from libnn.nn import checks
 from libnn.nn.module import Module, full
 from libnn.ops.layernorm import layer_norm
 
 
 def _features(normalized_shape: Any) -> tuple[int]:
-    """(N,) from N or (N,) (NumPy integers too)."""
-    try:
-        shape = (operator.index(normalized_shape),)
-    except TypeError:
-        shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else ()
-    if len(shape) != 1 or not isinstance(shape[0], (int, np.integer)) or shape[0] < 1:
-        raise ValueError("LayerNorm: normalized_shape must be N or (N,) with N >= 1 (libnn normalizes over the "
-                         f"last dimension only), got {normalized_shape!r}")
-    return (int(shape[0]),)
+    """(N,) from N or (N,): libnn normalizes over the last dimension only."""
+    if isinstance(normalized_shape, (tuple, list)):
+        if len(normalized_shape) != 1:
+            raise ValueError("LayerNorm: normalized_shape must be N or (N,) (libnn normalizes over the last "
+                             f"dimension only), got {normalized_shape!r}")
+        (normalized_shape,) = normalized_shape
+    return (checks.size("LayerNorm", "normalized_shape", normalized_shape),)
 
 
 class LayerNorm(Module):
@@ -33,8 +29,11 @@ class LayerNorm(Module):
                  bias: bool = True, *, dtype: Any = "fp32", device: str = "cpu", path: str = "auto"):
         super().__init__()
         shape = _features(normalized_shape)
-        if not eps > 0:
-            raise ValueError(f"LayerNorm: eps must be > 0, got {eps!r}")
+        eps = checks.positive_float("LayerNorm", "eps", eps)
+        elementwise_affine = checks.flag("LayerNorm", "elementwise_affine", elementwise_affine)
+        bias = checks.flag("LayerNorm", "bias", bias)
+        checks.parameters_fit("LayerNorm", "normalized_shape", 2 * shape[0], checks.float_dtype("LayerNorm", dtype),
+                              checks.device("LayerNorm", device))
         self.normalized_shape, self.eps, self.path = shape, eps, path
         self.elementwise_affine = elementwise_affine
         self.register_parameter("weight", full(shape, 1.0, dtype, device) if elementwise_affine else None)

@@ -7,29 +7,72 @@ shape before it changes anything. bf16 tensors come back as ml_dtypes.bfloat16 a
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from libnn import dtypes
+
 FORMATS = (".safetensors", ".npz")
+NUMERIC_KINDS = "biufc"  # bool, integers, floats, complex; bf16 (ml_dtypes) counts as a float
 
 
 def read(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor in a .safetensors or .npz file, by name."""
+    """Every tensor in a .safetensors or .npz file, by name. A file that is missing, a directory,
+    empty, truncated, not in its suffix's format, or holds a non-numeric array is refused with a
+    ValueError (FileNotFoundError if missing) that names the file."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"weights.read: path must be a str or pathlib.Path, got {type(path).__name__} {path!r}")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"weights file {str(path)!r} is a directory; expected a {' or '.join(FORMATS)} file in it")
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
-    if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.numpy import load_file
-        except ImportError as exc:
-            raise ImportError("reading .safetensors needs the safetensors package: pip install safetensors") from exc
+    if path.suffix not in FORMATS:
+        raise ValueError(f"weights file {str(path)!r}: expected one of {FORMATS}, got {path.suffix!r}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"weights file {str(path)!r} is empty")
+    tensors = _read_npz(path) if path.suffix == ".npz" else _read_safetensors(path)
+    for name, array in tensors.items():
+        if array.dtype.kind not in NUMERIC_KINDS and dtypes.short_name(array.dtype) != "bf16":
+            raise ValueError(f"weights file {str(path)!r}: tensor {name!r} has dtype {array.dtype}; weights must "
+                             "be numbers")
+    return tensors
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    # np.load reports a truncated or foreign archive as BadZipFile, EOFError, OSError or ValueError,
+    # and an object array as ValueError (pickles are never loaded: they can run code)
+    tensors, name = {}, None
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # a plain .npy saved under an .npz name
+            raise ValueError("it holds a single array, not an archive of named arrays")
+        with loaded as archive:
+            for name in archive.files:
+                tensors[name] = archive[name]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        which = f" (at array {name!r})" if name is not None else ""
+        raise ValueError(f"weights file {str(path)!r} is not a readable .npz archive{which}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    return tensors
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    try:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"reading {path.name} needs the safetensors package: pip install safetensors "
+                                  "(or libnn[io])", name="safetensors") from exc
+    try:
         return load_file(str(path))
-    raise ValueError(f"weights file {str(path)!r}: expected one of {FORMATS}, got {path.suffix!r}")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"weights file {str(path)!r} is not a readable .safetensors file (empty, truncated or "
+                         f"another format): {exc}") from exc
 
 
 def write(path: str | Path, state: dict[str, Any]) -> None:

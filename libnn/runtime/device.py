@@ -6,6 +6,7 @@ must work on a machine with no GPU and no CUDA wheels at all.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import platform
@@ -23,6 +24,21 @@ def module_missing(name: str) -> str | None:
         return f"{name} does not import ({type(exc).__name__}: {exc})"
 
 
+DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+
+
+@functools.lru_cache(maxsize=None)
+def driver_missing() -> str | None:
+    """None if the NVIDIA driver's library loads, else a sentence saying there is no driver. Without a
+    driver the CUDA runtime answers cudaErrorInsufficientDriver, "CUDA driver version is insufficient
+    for CUDA runtime version", which sends users to update a driver they do not have."""
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError:
+        return f"no NVIDIA driver is installed ({DRIVER_LIBRARY} does not load)"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_missing() -> str | None:
     """None if CuPy sees a CUDA device, else the reason it does not."""
@@ -31,11 +47,24 @@ def gpu_missing() -> str | None:
         return f"no GPU stack: {missing}; install libnn[cu12] or libnn[cu13]"
     import cupy
 
+    runtime = cupy.cuda.runtime
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        count = runtime.getDeviceCount()
+    except runtime.CUDARuntimeError as exc:
+        if no_driver := driver_missing() or _driver_version_zero(runtime):
+            return no_driver
         return f"no CUDA device ({exc})"
     return None if count > 0 else "no CUDA device (device count is 0)"
+
+
+def _driver_version_zero(runtime) -> str | None:
+    """cudaDriverGetVersion reports 0 where a driver library loads but no driver runs behind it (a
+    toolkit's stub libcuda)."""
+    try:
+        version = runtime.driverGetVersion()
+    except runtime.CUDARuntimeError:
+        return None
+    return "no NVIDIA driver is running (the CUDA driver reports version 0)" if version == 0 else None
 
 
 def has_gpu() -> bool:
@@ -89,7 +118,7 @@ def _gpus() -> list[GpuInfo]:
 
 
 def _cuda_version(v: int) -> str:
-    return f"{v // 1000}.{v % 1000 // 10}"
+    return f"{v // 1000}.{v % 1000 // 10}" if v else "none"
 
 
 def _probe(get) -> str:

@@ -1,0 +1,123 @@
+"""Checks of the arguments layers are built and called with, shared by every layer.
+
+A bad size, eps, layout, dtype or device is refused when the layer is built, naming the layer and
+the argument, rather than surfacing as a math domain error during initialisation, an op's message at
+the first forward, or a result silently rounded to an integer dtype. Parameters that would not fit in
+memory are refused before they are drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.runtime import memory
+from libnn.runtime.arrays import as_array, describe, is_cupy
+
+DEVICES = ("cpu", "gpu", "cuda")  # what Module.to() takes; "cuda" is "gpu"
+FLOAT_DTYPES = "fp16, bf16, fp32 or fp64"
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def size(layer: str, name: str, value: Any, minimum: int | None = 1) -> int:
+    """An int (a NumPy integer too) >= minimum, if there is one."""
+    if not _is_int(value):
+        raise TypeError(f"{layer}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        wanted = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+        raise ValueError(f"{layer}: {name} must be {wanted}, got {value}")
+    return int(value)
+
+
+def pair(layer: str, name: str, value: Any, minimum: int) -> tuple[int, int]:
+    """An int or a pair of ints, each >= minimum, as a pair."""
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or not all(_is_int(v) for v in items):
+        raise TypeError(f"{layer}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
+    if min(items) < minimum:
+        raise ValueError(f"{layer}: {name} must be >= {minimum}, got {value!r}")
+    return int(items[0]), int(items[1])
+
+
+def positive_float(layer: str, name: str, value: Any) -> float:
+    """A finite real number > 0 (eps)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{layer}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{layer}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def flag(layer: str, name: str, value: Any) -> bool:
+    """True or False, nothing merely truthy ("no" would mean yes)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{layer}: {name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def choice(layer: str, name: str, value: Any, options: Sequence[Any]) -> Any:
+    """One of `options` (strings, or None)."""
+    if not (value is None or isinstance(value, str)) or value not in options:
+        raise ValueError(f"{layer}: {name} must be one of {tuple(options)}, got {value!r}")
+    return value
+
+
+def seed(layer: str, value: Any) -> int | None:
+    return None if value is None else size(layer, "seed", value, minimum=0)
+
+
+def float_dtype(layer: str, value: Any) -> np.dtype:
+    """The parameters' dtype: a floating-point one (integer parameters would round every result)."""
+    if value is None:  # NumPy would read None as float64
+        raise TypeError(f"{layer}: dtype must be {FLOAT_DTYPES}, got None")
+    try:
+        dtype = dtypes.parse(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{layer}: dtype {value!r}: {exc}") from None
+    if not _is_float(dtype):
+        raise TypeError(f"{layer}: dtype must be {FLOAT_DTYPES}, got {dtype}")
+    return dtype
+
+
+def device(layer: str, value: Any) -> str:
+    """"cpu", or "gpu"/"cuda" where there is a GPU."""
+    choice(layer, "device", value, DEVICES)
+    if value != "cpu":
+        from libnn.runtime.device import gpu_missing
+
+        if reason := gpu_missing():
+            raise ValueError(f"{layer}: device={value!r} needs a GPU, and there is none here ({reason}); "
+                             "use device='cpu'")
+    return value
+
+
+def parameters_fit(layer: str, argument: str, elements: int, dtype: np.dtype, device: str) -> None:
+    """Refuse parameters of `elements` values in all that would not fit, before they are drawn. The
+    initialisers draw in float64 on the host and then cast (and copy to the GPU), so the host needs
+    both copies at once."""
+    memory.require(elements * (8 + dtype.itemsize), "cpu", layer, argument)
+    if device != "cpu":
+        memory.require(elements * dtype.itemsize, "gpu", layer, argument)
+
+
+def float_input(layer: str, x: Any, like: Any = None) -> Any:
+    """`x` as an array of a floating-point dtype (an integer one would have the result rounded back to
+    it), on the device of the parameter `like` when there is one."""
+    x = as_array(x, layer, "x")
+    if not _is_float(x.dtype):
+        raise TypeError(f"{layer}: x must be a floating-point array ({FLOAT_DTYPES}), got dtype {x.dtype}; "
+                        "convert it first (x.astype(...))")
+    if like is not None and is_cupy(x) != is_cupy(like):
+        raise TypeError(f"{layer}: x is {describe(x)} but the layer's parameters are {describe(like)}; "
+                        "move x (cupy.asarray / cupy.asnumpy) or the layer (.to('gpu') / .to('cpu'))")
+    return x
