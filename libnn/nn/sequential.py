@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from libnn.nn import checks
 from libnn.nn.basic import Flatten
 from libnn.nn.conv import Activation, BatchNorm2d, Conv2d, Conv2dBNAct
 from libnn.nn.linear import Linear
@@ -82,12 +83,19 @@ class Sequential(Module):
     def __init__(self, *modules: Module, fold_bn: bool = True):
         super().__init__()
         for i, module in enumerate(modules):
+            if not isinstance(module, Module):  # Module.__setattr__ would keep it as a plain attribute, never run
+                raise TypeError(f"Sequential: module {i} must be a libnn.nn.Module, got {type(module).__name__} "
+                                f"{module!r}; wrap a function in a Module subclass whose forward() calls it")
             setattr(self, str(i), module)
-        self.fold_bn = fold_bn
+        self.fold_bn = checks.flag("Sequential", "fold_bn", fold_bn)
         self._plan: tuple[int, list[tuple[str, Module]]] | None = None
 
     def __getitem__(self, index: int) -> Module:
-        return self._children[str(index)]
+        """The module at `index` (negative counts from the end, as for a list)."""
+        index = checks.size("Sequential", "index", index, minimum=None)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"Sequential: index {index} is out of range for {len(self)} modules")
+        return list(self._children.values())[index]
 
     def __len__(self) -> int:
         return len(self._children)
