@@ -88,6 +88,26 @@ def time_host(fn: Callable[[], Any], *, calls: int = 2000, repeats: int = 5) -> 
     return statistics.median(per_call)
 
 
+def time_per_call(fn: Callable[[], Any], *, calls: int = 2000, repeats: int = 5, warmup: int = 20) -> float:
+    """Milliseconds per call as a user's loop sees it: `calls` back-to-back calls with nothing queued
+    before them, then one synchronisation, the whole divided by `calls`; the median over `repeats`.
+    When the GPU work is tiny this is the host's cost of a call; when it is large, the GPU time."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    per_call = []
+    for _ in range(repeats):
+        stream.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        stream.synchronize()
+        per_call.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(per_call)
+
+
 @dataclass
 class Ceilings:
     device: str

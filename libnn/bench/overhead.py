@@ -1,0 +1,392 @@
+"""`libnn bench overhead`: what a cached call costs on the host, op by op, against PyTorch.
+
+Every case is a problem whose GPU work is tiny (a few microseconds), so the time per call of
+back-to-back calls is the host's cost of issuing the work: argument checks, the signature lookup, the
+output's allocation and the library call or kernel launch. Three tables:
+
+- **ops and layers**: each op's cached call on each of its GPU paths, the `nn` layers around them, and
+  PyTorch's equivalent op or module on the same shapes in the same run (µs per call, and
+  libnn's speed relative to PyTorch's);
+- **floors**: what the libraries themselves cost per call from Python, measured the same way (CuPy's
+  allocation, a kernel launch through CuPy and through cuda-bindings with pre-packed arguments,
+  cuBLASLt's matmul, the cuDNN frontend's `execute`, `execute_plan_at_index` and its raw-pointer
+  entry point, a CUDA graph launch through CuPy and through cuda-bindings): the least a libnn call can
+  cost, and the evidence for which entry point libnn uses;
+- **models**: back-to-back per-call time of whole models in eager mode against PyTorch eager.
+
+Per-call time is the median over repeats of (wall time of N back-to-back calls, then one
+synchronisation) / N: what a user's loop sees. See `harness.time_per_call`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.bench import harness
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a libnn call and, where PyTorch has one, its equivalent, built by `setup()`."""
+    group: str                                    # "op", "layer" or "model"
+    name: str
+    setup: Callable[[], tuple[Callable[[], Any], Callable[[], Any] | None]]
+
+
+def _rng():
+    import cupy
+    return cupy.random.default_rng(7)
+
+
+def _normal(shape, dtype="fp16"):
+    return _rng().standard_normal(shape, dtype="float32").astype(dtypes.parse(dtype))
+
+
+def _torch(a):
+    import torch
+    return torch.from_dlpack(a)
+
+
+def _linear(path: str):
+    def setup():
+        import torch
+
+        from libnn.ops import linear
+        x, w, b = _normal((16, 64)), _normal((64, 64)), _normal((64,))
+        tx, tw, tb = _torch(x), _torch(w), _torch(b)
+        return (lambda: linear(x, w, b, path=path)), (lambda: torch.nn.functional.linear(tx, tw, tb))
+    return setup
+
+
+def _conv(path: str):
+    def setup():
+        import torch
+
+        from libnn.ops import conv2d
+        x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
+        scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
+        conv = torch.nn.Conv2d(16, 16, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+        torch_model = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(16).cuda().half(), torch.nn.ReLU()).eval()
+        tx = _torch(x).permute(0, 3, 1, 2)  # NHWC storage, NCHW view: channels_last
+
+        def torch_call():
+            with torch.inference_mode():
+                return torch_model(tx)
+        return (lambda: conv2d(x, w, padding=1, bn=(scale, shift), activation="relu", path=path)), torch_call
+    return setup
+
+
+def _attention(path: str):
+    def setup():
+        import torch
+
+        from libnn.ops import attention
+        q, k, v = (_normal((1, 2, 16, 64)) for _ in range(3))
+        tq, tk, tv = _torch(q), _torch(k), _torch(v)
+        return (lambda: attention(q, k, v, path=path)), \
+            (lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
+    return setup
+
+
+def _layer_norm(path: str):
+    def setup():
+        import torch
+
+        from libnn.ops import layer_norm
+        x, w, b = _normal((16, 64)), _normal((64,)), _normal((64,))
+        tx, tw, tb = _torch(x), _torch(w), _torch(b)
+        return (lambda: layer_norm(x, w, b, path=path)), \
+            (lambda: torch.nn.functional.layer_norm(tx, (64,), tw, tb))
+    return setup
+
+
+def _softmax():
+    import torch
+
+    from libnn.ops import softmax
+    x = _normal((16, 64))
+    tx = _torch(x)
+    return (lambda: softmax(x)), (lambda: torch.softmax(tx, -1))
+
+
+def _max_pool():
+    import torch
+
+    from libnn.ops import max_pool2d
+    x = _normal((1, 8, 8, 16))
+    tx = _torch(x).permute(0, 3, 1, 2)
+    return (lambda: max_pool2d(x, 2)), (lambda: torch.nn.functional.max_pool2d(tx, 2))
+
+
+def _fft_conv(path: str):
+    def setup():
+        import cupyx.scipy.signal
+
+        from libnn.ops import fft_conv2d
+        x, w = _normal((1, 1, 32, 32), "fp32"), _normal((1, 1, 7, 7), "fp32")
+        x2, w2 = x[0, 0], w[0, 0, ::-1, ::-1]
+        # the peer here is CuPy's fftconvolve (PyTorch has no FFT convolution op)
+        return (lambda: fft_conv2d(x, w, path=path)), (lambda: cupyx.scipy.signal.fftconvolve(x2, w2, mode="valid"))
+    return setup
+
+
+def _embedding():
+    import cupy
+    import torch
+
+    from libnn.nn import Embedding
+    layer = Embedding(1000, 64, dtype="fp16", device="gpu", seed=1)
+    ids = _rng().integers(0, 1000, (1, 16), dtype=cupy.int64)
+    peer = torch.nn.Embedding(1000, 64).cuda().half()
+    tids = _torch(ids)
+    return (lambda: layer(ids)), (lambda: peer(tids))
+
+
+def _linear_layer():
+    import torch
+
+    from libnn.nn import Linear
+    layer = Linear(64, 64, dtype="fp16", device="gpu", seed=1)
+    peer = torch.nn.Linear(64, 64).cuda().half()
+    x = _normal((16, 64))
+    tx = _torch(x)
+
+    def torch_call():
+        with torch.inference_mode():
+            return peer(tx)
+    return (lambda: layer(x)), torch_call
+
+
+def _sequential_conv():
+    import torch
+
+    from libnn.nn import BatchNorm2d, Conv2d, ReLU, Sequential
+    kw = dict(dtype="fp16", device="gpu")
+    model = Sequential(Conv2d(16, 16, 3, padding=1, seed=1, **kw), BatchNorm2d(16, **kw), ReLU())
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+    peer = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(16).cuda().half(), torch.nn.ReLU()).eval()
+    x = _normal((1, 8, 8, 16))
+    tx = _torch(x).permute(0, 3, 1, 2)
+
+    def torch_call():
+        with torch.inference_mode():
+            return peer(tx)
+    return (lambda: model(x)), torch_call
+
+
+OPS = [
+    Case("op", "linear cublaslt", _linear("cublaslt")),
+    Case("op", "linear custom", _linear("custom")),
+    Case("op", "conv2d+bn+relu cudnn (fused graph)", _conv("cudnn")),
+    Case("op", "conv2d+bn+relu custom", _conv("custom")),
+    Case("op", "attention cudnn", _attention("cudnn")),
+    Case("op", "attention custom", _attention("custom")),
+    Case("op", "layer_norm custom", _layer_norm("custom")),
+    Case("op", "layer_norm cudnn", _layer_norm("cudnn")),
+    Case("op", "softmax", _softmax),
+    Case("op", "max_pool2d", _max_pool),
+    Case("op", "fft_conv2d cufft", _fft_conv("cufft")),
+    Case("op", "fft_conv2d custom", _fft_conv("custom")),
+    Case("layer", "Embedding", _embedding),
+    Case("layer", "Linear", _linear_layer),
+    Case("layer", "Sequential(Conv2d, BatchNorm2d, ReLU)", _sequential_conv),
+]
+
+
+def _op_rows(cases: list[Case], calls: int) -> list[dict[str, Any]]:
+    rows = []
+    for i, case in enumerate(cases, 1):
+        harness.progress(i, len(cases), f"{case.group} {case.name}")
+        row: dict[str, Any] = {"group": case.group, "case": case.name}
+        try:
+            ours, peer = case.setup()
+            row["libnn us"] = harness.time_per_call(ours, calls=calls) * 1e3
+            if peer is not None:
+                row["peer us"] = harness.time_per_call(peer, calls=calls) * 1e3
+                row["speed vs peer"] = row["peer us"] / row["libnn us"]
+        except Exception as exc:  # a path that cannot run here: say why, keep the table going
+            row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
+        rows.append(row)
+    return rows
+
+
+# --- floors: what the libraries cost per call from Python ---------------------------------------------
+def _floor_alloc():
+    import cupy
+    return lambda: cupy.empty((16, 64), cupy.float16)
+
+
+def _floor_stream():
+    import cupy
+    return lambda: cupy.cuda.get_current_stream().ptr
+
+
+def _epilogue_kernel_args():
+    import cupy
+
+    from libnn.runtime import kernels
+    y = _normal((16, 64))
+    f = kernels.function("epilogue.cu", "channel_epilogue_f16")
+    null = np.uint64(0)
+    args = (y, null, null, np.int64(y.size), np.int32(1), np.int64(1), np.int32(1))
+    return f, y, args, cupy
+
+
+def _floor_rawkernel():
+    f, y, args, _ = _epilogue_kernel_args()
+    return lambda: f((4,), (256,), args)
+
+
+def _floor_culaunch():
+    from cuda.bindings import driver
+
+    import cupy
+    f, y, _, _ = _epilogue_kernel_args()
+    slots = np.zeros(7, np.uint64)  # one 8-byte slot per argument, little-endian: ints in the low bytes
+    slots.view(np.int64)[3] = y.size
+    slots.view(np.int32)[8] = 1   # slot 4, low word
+    slots.view(np.int64)[5] = 1
+    slots.view(np.int32)[12] = 1  # slot 6, low word
+    pointers = np.array([slots.ctypes.data + 8 * i for i in range(7)], np.uint64)
+    function = driver.CUfunction(f.ptr)
+    stream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
+    address = pointers.ctypes.data
+
+    def launch():
+        slots[0] = y.data.ptr
+        driver.cuLaunchKernel(function, 4, 1, 1, 256, 1, 1, 0, stream, address, 0)
+    return launch
+
+
+def _floor_cublaslt():
+    from libnn.backends import cublaslt
+    from libnn.ops.linear import LinearProblem
+    from libnn.runtime.stream import current_stream
+    import cupy
+    x, w, b = _normal((16, 64)), _normal((64, 64)), _normal((64,))
+    y = cupy.empty((16, 64), cupy.float16)
+    problem = LinearProblem(16, 64, 64, "fp16", True, None, False, f"gpu:{x.device.id}")
+    stream = current_stream().ptr
+    plan = cublaslt.plan_for(problem, x, w, b, y, stream)
+    return lambda: plan.run(x, w, b, y, stream)
+
+
+def _cudnn_conv_graph():
+    import cupy
+
+    from libnn.backends import cudnn as backend
+    from libnn.ops import conv2d as conv_module
+    x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
+    scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
+    conv_module.conv2d(x, w, padding=1, bn=(scale, shift), activation="relu", path="cudnn")
+    problem = conv_module.op.last_problem if hasattr(conv_module.op, "last_problem") else None
+    if problem is None:
+        problem = conv_module._check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
+    graph = backend.graph_for(problem, conv_module._graph_builder(problem), problem.describe)
+    y = cupy.empty((1, 8, 8, 16), cupy.float16)
+    buffers = {1: x, 2: w, 3: scale, 4: shift, 5: y}
+    return graph, buffers
+
+
+def _floor_cudnn_execute():
+    graph, buffers = _cudnn_conv_graph()
+    return lambda: graph.execute(buffers)
+
+
+def _floor_cudnn_execute_at_index():
+    from libnn.runtime.handles import workspace
+    graph, buffers = _cudnn_conv_graph()
+    pack = {uid: a.data.ptr for uid, a in buffers.items()}
+    space = workspace(graph.workspace_bytes).data.ptr
+    return lambda: graph.graph.execute_plan_at_index(pack, space, index=0, handle=graph.handle)
+
+
+def _floor_cudnn_raw():
+    from libnn.runtime.handles import workspace
+    graph, buffers = _cudnn_conv_graph()
+    g = graph.graph
+    lowered = g._lowered_graph
+    lowered._prepare_variant_pack_template()
+    order = list(lowered._get_variant_pack_uids_sorted())
+    pointers = np.array([buffers[uid].data.ptr for uid in order], np.int64)
+    space = workspace(graph.workspace_bytes).data.ptr
+    handle = graph.handle.backend_handle
+    address, n = pointers.ctypes.data, len(order)
+    return lambda: lowered._execute_with_raw_ptrs(address, n, space, handle, -1)
+
+
+def _captured_graph():
+    import cupy
+    x = _normal((16, 64))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        x *= 1
+        graph = stream.end_capture()
+        graph.upload(stream)
+    stream.synchronize()
+    return graph, stream
+
+
+def _floor_graph_cupy():
+    graph, stream = _captured_graph()
+    return lambda: graph.launch(stream)
+
+
+def _floor_graph_raw():
+    from cuda.bindings import runtime
+    graph, stream = _captured_graph()
+    exec_handle = runtime.cudaGraphExec_t(graph.graphExec)
+    raw_stream = runtime.cudaStream_t(stream.ptr)
+    return lambda: runtime.cudaGraphLaunch(exec_handle, raw_stream)
+
+
+def _floor_torch_empty():
+    import torch
+    return lambda: torch.empty((16, 64), dtype=torch.float16, device="cuda")
+
+
+FLOORS = [
+    ("cupy.empty (16, 64) fp16", _floor_alloc),
+    ("cupy current stream .ptr", _floor_stream),
+    ("torch.empty (16, 64) fp16", _floor_torch_empty),
+    ("kernel launch: cupy RawKernel (7 args)", _floor_rawkernel),
+    ("kernel launch: cuda-bindings cuLaunchKernel, pre-packed", _floor_culaunch),
+    ("cuBLASLt matmul (libnn's plan, raw binding)", _floor_cublaslt),
+    ("cuDNN frontend execute(dict)", _floor_cudnn_execute),
+    ("cuDNN frontend execute_plan_at_index(dict)", _floor_cudnn_execute_at_index),
+    ("cuDNN frontend raw-pointer execute", _floor_cudnn_raw),
+    ("CUDA graph launch: cupy Graph.launch", _floor_graph_cupy),
+    ("CUDA graph launch: cuda-bindings cudaGraphLaunch", _floor_graph_raw),
+]
+
+
+def _floor_rows(calls: int) -> list[dict[str, Any]]:
+    rows = []
+    for i, (name, setup) in enumerate(FLOORS, 1):
+        harness.progress(i, len(FLOORS), f"floor {name}")
+        row: dict[str, Any] = {"floor": name}
+        try:
+            row["us per call"] = harness.time_per_call(setup(), calls=calls) * 1e3
+        except Exception as exc:
+            row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(row)
+    return rows
+
+
+def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
+    calls = 300 if quick else 2000
+    print("host cost of a cached call (µs per call, back-to-back calls; GPU work tiny)", file=sys.stderr)
+    floors = _floor_rows(calls)
+    rows = _op_rows(OPS, calls)
+    print(harness.format_table(floors, ["floor", "us per call", "note"]))
+    print()
+    print(harness.format_table(rows, ["group", "case", "libnn us", "peer us", "speed vs peer", "note"]))
+    if json_path:
+        harness.save_json(json_path, {"floors": floors, "rows": rows})
+    return rows
