@@ -29,13 +29,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _at_least(minimum: int) -> str:
+    return {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+
+
 def size(layer: str, name: str, value: Any, minimum: int | None = 1) -> int:
     """An int (a NumPy integer too) >= minimum, if there is one."""
     if not _is_int(value):
         raise TypeError(f"{layer}: {name} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
-        wanted = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
-        raise ValueError(f"{layer}: {name} must be {wanted}, got {value}")
+        raise ValueError(f"{layer}: {name} must be {_at_least(minimum)}, got {value}")
     return int(value)
 
 
@@ -45,7 +48,7 @@ def pair(layer: str, name: str, value: Any, minimum: int) -> tuple[int, int]:
     if len(items) != 2 or not all(_is_int(v) for v in items):
         raise TypeError(f"{layer}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
     if min(items) < minimum:
-        raise ValueError(f"{layer}: {name} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{layer}: {name} must be {_at_least(minimum)} or a pair of them, got {value!r}")
     return int(items[0]), int(items[1])
 
 

@@ -1,0 +1,498 @@
+"""Bad input, as a new user gives it, to the layers, the weight loader, the memory check, device
+discovery and the CLI: each gets a clear error of a documented type naming the function (or layer),
+the argument, and the file where there is one; never a raw NumPy/CuPy traceback, never a wrong result.
+
+Organised by function. The constructor sweeps at the end cover, per public constructor, the classes
+of input issue 14 lists: types (float, None, str, array, bool where ints are expected), ranges (0,
+negative, huge), dtypes (int, bool, complex, None, unknown names) and devices.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from libnn import nn
+from libnn.nn import weights
+from libnn.runtime import device as device_module
+from libnn.runtime import memory
+from libnn.runtime.device import gpu_missing
+
+NO_GPU = gpu_missing() is not None
+
+
+def run_libnn(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """`libnn ARGS` in a fresh interpreter, after `prelude` (e.g. hiding a package)."""
+    code = f"import sys\n{prelude}\nfrom libnn.cli import main\nsys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+
+
+# --- libnn.runtime.memory.require ------------------------------------------------------------------
+
+def test_require_refuses_with_the_function_argument_and_both_byte_counts():
+    available = memory.available_bytes("cpu")
+    with pytest.raises(MemoryError, match=rf"^op: x needs .* \({available + 1} bytes\), more than the .* "
+                                          rf"\(\d+ bytes\) of host RAM available$"):
+        memory.require(available + 1, "cpu", "op", "x")
+
+
+def test_require_lets_what_fits_through():
+    memory.require(1024, "cpu", "op", "x")
+    assert memory.available_bytes("cpu") > 0
+
+
+def test_available_bytes_names_a_bad_device():
+    with pytest.raises(ValueError, match=r"available_bytes: device must be one of \('cpu', 'gpu'\), got 'tpu'"):
+        memory.available_bytes("tpu")
+
+
+def test_array_bytes_does_not_overflow():
+    assert memory.array_bytes((10**9, 10**9), np.float32) == 4 * 10**18
+
+
+# --- libnn.runtime.device.gpu_missing --------------------------------------------------------------
+
+class FakeCudaError(Exception):
+    pass
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A CuPy whose runtime answers like one on a machine without a working driver."""
+    runtime = types.SimpleNamespace(CUDARuntimeError=FakeCudaError, driverGetVersion=lambda: 0)
+
+    def no_device():
+        raise FakeCudaError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime "
+                            "version")
+
+    runtime.getDeviceCount = no_device
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    caches = (device_module.module_missing, device_module.gpu_missing, device_module.driver_missing)
+    for cache in caches:
+        cache.cache_clear()
+    yield runtime
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_no_driver_library_says_there_is_no_driver(fake_cupy, monkeypatch):
+    monkeypatch.setattr(device_module, "DRIVER_LIBRARY", "libnn-no-such-driver.so.1")
+    reason = device_module.gpu_missing()
+    assert reason == "no NVIDIA driver is installed (libnn-no-such-driver.so.1 does not load)"
+
+
+def test_a_driver_reporting_version_0_says_no_driver_runs(fake_cupy, monkeypatch):
+    monkeypatch.setattr(device_module, "driver_missing", lambda: None)  # a stub libcuda loads
+    assert device_module.gpu_missing() == "no NVIDIA driver is running (the CUDA driver reports version 0)"
+
+
+def test_with_a_driver_the_runtime_error_is_kept(fake_cupy, monkeypatch):
+    monkeypatch.setattr(device_module, "driver_missing", lambda: None)
+    fake_cupy.driverGetVersion = lambda: 13000
+    assert device_module.gpu_missing().startswith("no CUDA device (cudaErrorInsufficientDriver")
+
+
+# --- nn.Sequential ---------------------------------------------------------------------------------
+
+def test_sequential_refuses_a_child_that_is_not_a_module():
+    with pytest.raises(TypeError, match=r"Sequential: module 1 must be a libnn.nn.Module, got function"):
+        nn.Sequential(nn.ReLU(), lambda x: x)
+
+
+@pytest.mark.parametrize("index", [3, -4, 10**12])
+def test_sequential_index_out_of_range_is_an_index_error(index):
+    with pytest.raises(IndexError, match=rf"Sequential: index {index} is out of range for 3 modules"):
+        nn.Sequential(nn.ReLU(), nn.SiLU(), nn.GELU())[index]
+
+
+def test_sequential_of_nothing_has_no_item_0():
+    with pytest.raises(IndexError, match="out of range for 0 modules"):
+        nn.Sequential()[0]
+
+
+@pytest.mark.parametrize("index", ["0", 1.0, None])
+def test_sequential_index_must_be_an_int(index):
+    with pytest.raises(TypeError, match="Sequential: index must be an int"):
+        nn.Sequential(nn.ReLU())[index]
+
+
+def test_sequential_negative_index_counts_from_the_end():
+    layers = (nn.ReLU(), nn.SiLU(), nn.GELU())
+    seq = nn.Sequential(*layers)
+    assert seq[-1] is layers[2] and seq[0] is layers[0] and len(seq) == 3
+
+
+# --- nn.BatchNorm2d --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_, np.complex64])
+def test_batchnorm_refuses_non_float_input(rng, dtype):
+    x = (rng.standard_normal((2, 3, 3, 4)) * 10).astype(dtype)
+    with pytest.raises(TypeError, match=rf"BatchNorm2d: x must be a floating-point array .* got dtype {np.dtype(dtype)}"):
+        nn.BatchNorm2d(4)(x)
+
+
+def test_batchnorm_refuses_a_2d_input_instead_of_broadcasting(rng):
+    with pytest.raises(ValueError, match=r"BatchNorm2d: x must be 4-D \(N, H, W, C\), got shape \(8, 4\)"):
+        nn.BatchNorm2d(4)(rng.standard_normal((8, 4)))
+
+
+@pytest.mark.parametrize("layout, shape", [("NHWC", (2, 3, 3, 5)), ("NCHW", (2, 5, 3, 3))])
+def test_batchnorm_refuses_a_channel_mismatch(rng, layout, shape):
+    with pytest.raises(ValueError, match=rf"BatchNorm2d: x has 5 channels .*layout {layout}\) but the layer has "
+                                         r"num_features=4"):
+        nn.BatchNorm2d(4, layout=layout)(rng.standard_normal(shape))
+
+
+def test_batchnorm_float_input_still_computes_the_affine_map(rng):
+    layer = nn.BatchNorm2d(3, dtype="fp64")
+    layer.load_state_dict({"weight": np.array([1.0, 2.0, 3.0]), "bias": np.array([0.5, -0.5, 1.0]),
+                           "running_mean": np.array([0.1, 0.2, 0.3]), "running_var": np.array([1.0, 4.0, 0.25])})
+    x = rng.standard_normal((2, 4, 4, 3))
+    expected = (x - [0.1, 0.2, 0.3]) / np.sqrt(np.array([1.0, 4.0, 0.25]) + 1e-5) * [1, 2, 3] + [0.5, -0.5, 1.0]
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["NCWH", "nhwc", None])
+def test_batchnorm_refuses_an_unknown_layout_at_construction(layout):
+    with pytest.raises(ValueError, match=rf"BatchNorm2d: layout must be one of \('NHWC', 'NCHW'\), got {layout!r}"):
+        nn.BatchNorm2d(4, layout=layout)
+
+
+# --- activations -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", [nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU])
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_, np.complex128])
+def test_activations_refuse_non_float_input(rng, layer, dtype):
+    x = (rng.standard_normal((4, 5)) * 3).astype(dtype)
+    with pytest.raises(TypeError, match=rf"{layer.__name__}: x must be a floating-point array"):
+        layer()(x)
+
+
+@pytest.mark.parametrize("layer", [nn.ReLU, nn.GELU])
+def test_activations_refuse_a_list(layer):
+    with pytest.raises(TypeError, match=rf"{layer.__name__}: x must be an array"):
+        layer()([1.0, 2.0])
+
+
+# --- pooling layers --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", [nn.MaxPool2d, nn.AvgPool2d])
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(kernel_size=0), ValueError, "kernel_size must be a positive int or a pair of them, got 0"),
+    (dict(kernel_size=1.5), TypeError, "kernel_size must be an int or a pair of ints, got float 1.5"),
+    (dict(kernel_size=None), TypeError, "kernel_size must be an int or a pair of ints, got NoneType"),
+    (dict(kernel_size=(2, 2, 2)), TypeError, "kernel_size must be an int or a pair of ints"),
+    (dict(kernel_size=2, stride=0), ValueError, "stride must be a positive int or a pair of them, got 0"),
+    (dict(kernel_size=2, stride=np.array([1, 1])), TypeError, "stride must be an int or a pair of ints"),
+    (dict(kernel_size=2, padding=-1), ValueError, "padding must be a non-negative int or a pair of them, got -1"),
+    (dict(kernel_size=2, padding=2), ValueError, r"padding \(2, 2\) must be at most half the kernel size \(2, 2\)"),
+    (dict(kernel_size=2, layout="NCWH"), ValueError, "layout must be one of"),
+])
+def test_pooling_layers_check_their_own_arguments(layer, kwargs, error, match):
+    with pytest.raises(error, match=f"^{layer.__name__}: {match}") as caught:
+        layer(**kwargs)
+    assert "conv2d" not in str(caught.value)
+
+
+# --- nn.weights.read and Module.load ---------------------------------------------------------------
+
+def _safetensors_bytes(tmp_path) -> bytes:
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    good = tmp_path / "good.safetensors"
+    safetensors_numpy.save_file({"w": np.arange(64, dtype=np.float32) + 1}, str(good))
+    return good.read_bytes()
+
+
+def _npz_bytes(tmp_path) -> bytes:
+    good = tmp_path / "good.npz"
+    np.savez(good, w=np.arange(1000.0) + 1, b=np.ones(3))
+    return good.read_bytes()
+
+
+BAD_FILES = {
+    "empty.npz": (lambda tmp: b"", "is empty"),
+    "empty.safetensors": (lambda tmp: b"", "is empty"),
+    "truncated.npz": (lambda tmp: _npz_bytes(tmp)[:500], "is not a readable .npz archive"),
+    "tail_cut.npz": (lambda tmp: _npz_bytes(tmp)[:-30], "is not a readable .npz archive"),
+    "truncated.safetensors": (lambda tmp: _safetensors_bytes(tmp)[:-40], "is not a readable .safetensors file"),
+    "text.safetensors": (lambda tmp: b"this is not a safetensors file at all", "is not a readable .safetensors file"),
+    "npz_as.safetensors": (lambda tmp: _npz_bytes(tmp), "is not a readable .safetensors file"),
+    "text.npz": (lambda tmp: b"hello, not a zip archive", "is not a readable .npz archive"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_read_names_the_file_of_a_broken_weights_file(tmp_path, name):
+    make, match = BAD_FILES[name]
+    path = tmp_path / name
+    path.write_bytes(make(tmp_path))
+    with pytest.raises(ValueError, match=match) as caught:
+        weights.read(path)
+    assert str(path) in str(caught.value)
+
+
+def test_read_refuses_object_arrays_naming_the_file_and_array(tmp_path):
+    path = tmp_path / "objects.npz"
+    np.savez(path, fine=np.ones(2), bad=np.array([1, "x", None], dtype=object))
+    with pytest.raises(ValueError, match=r"objects.npz' is not a readable .npz archive \(at array 'bad'\).*"
+                                         "Object arrays cannot be loaded"):
+        weights.read(path)
+
+
+def test_read_refuses_string_arrays_naming_the_tensor(tmp_path):
+    path = tmp_path / "strings.npz"
+    np.savez(path, names=np.array(["a", "b"]))
+    with pytest.raises(ValueError, match=r"strings.npz': tensor 'names' has dtype <U1; weights must be numbers"):
+        weights.read(path)
+
+
+def test_read_refuses_a_single_array_saved_as_npz(tmp_path):
+    path = tmp_path / "single.npy"
+    np.save(path, np.ones(3))
+    renamed = path.rename(tmp_path / "single.npz")
+    with pytest.raises(ValueError, match="single.npz' is not a readable .npz archive.*a single array"):
+        weights.read(renamed)
+
+
+def test_load_of_a_directory_says_it_is_a_directory(tmp_path):
+    with pytest.raises(ValueError, match=rf"weights file '{tmp_path}' is a directory"):
+        nn.Linear(2, 3).load(tmp_path)
+
+
+def test_read_of_a_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.npz' does not exist"):
+        weights.read(tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize("path", [None, 3, ["a.npz"]])
+def test_read_refuses_a_path_that_is_not_a_path(path):
+    with pytest.raises(TypeError, match="weights.read: path must be a str or pathlib.Path"):
+        weights.read(path)
+
+
+def test_read_refuses_an_unknown_suffix(tmp_path):
+    path = tmp_path / "w.pt"
+    path.write_bytes(b"\x80\x02")
+    with pytest.raises(ValueError, match=r"w.pt': expected one of \('.safetensors', '.npz'\), got '.pt'"):
+        weights.read(path)
+
+
+def test_read_round_trips_a_good_file(tmp_path, rng):
+    w = rng.standard_normal((3, 2)).astype(np.float32)
+    path = tmp_path / "ok.npz"
+    np.savez(path, weight=w)
+    np.testing.assert_array_equal(weights.read(path)["weight"], w)
+
+
+# --- the CLI ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("batch, match", [("0", "must be at least 1, got 0"), ("-1", "must be at least 1, got -1"),
+                                          ("two", "expected an integer, got 'two'")])
+def test_demo_batch_must_be_a_positive_int(batch, match):
+    result = run_libnn("demo", "--batch", batch)
+    assert result.returncode == 2 and f"argument --batch: {match}" in result.stderr, result.stderr
+
+
+def test_demo_run_refuses_batch_0_when_called_directly():
+    from libnn.demo import run
+
+    with pytest.raises(ValueError, match="--batch must be a positive int, got 0"):
+        run(batch=0)
+
+
+def test_run_cnn_without_safetensors_is_one_line_saying_what_to_install():
+    result = run_libnn("run", "cnn", "--batch", "16", prelude="sys.modules['safetensors'] = None  # not installed")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "needs the safetensors package: pip install safetensors" in result.stderr
+
+
+@pytest.mark.parametrize("option", ["--m", "--n", "--k"])
+def test_plans_sizes_must_be_positive(option):
+    args = {"--m": "8", "--n": "8", "--k": "8", option: "0"}
+    result = run_libnn("plans", "linear", *[item for pair in args.items() for item in pair])
+    assert result.returncode == 2 and f"argument {option}: must be at least 1, got 0" in result.stderr
+
+
+def test_check_kernels_for_an_arch_too_old_is_short_and_shows_progress():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    result = run_libnn("check-kernels", "--arch", "sm_75")
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) < 20, result.stderr
+    assert lines[0].startswith("libnn check-kernels: [1/")
+    assert "failed at line" in result.stderr and "of the generated PTX: Feature" in result.stderr
+    assert "see the log below" not in result.stderr and "more error lines" in result.stderr
+
+
+# --- constructors: huge sizes are refused before allocating ----------------------------------------
+
+@pytest.mark.parametrize("build, name", [
+    (lambda: nn.Linear(10**6, 10**5), "Linear: in_features=1000000, out_features=100000"),
+    (lambda: nn.Embedding(10**9, 64), "Embedding: num_embeddings=1000000000, embedding_dim=64"),
+    (lambda: nn.Conv2d(10**5, 10**5, 7), r"Conv2d: weight of shape \(100000, 100000, 7, 7\)"),
+    (lambda: nn.LayerNorm(10**12), "LayerNorm: normalized_shape"),
+    (lambda: nn.BatchNorm2d(10**12), "BatchNorm2d: num_features"),
+])
+def test_huge_layers_are_refused_with_the_bytes_needed_and_available(build, name):
+    with pytest.raises(MemoryError, match=rf"^{name} needs .* \(\d+ bytes\), more than the .* \(\d+ bytes\) of "
+                                          "host RAM available$"):
+        build()
+
+
+# --- constructors: the sweep -----------------------------------------------------------------------
+
+CONSTRUCTORS = {
+    "Linear": lambda **kw: nn.Linear(**{"in_features": 4, "out_features": 3, **kw}),
+    "Conv2d": lambda **kw: nn.Conv2d(**{"in_channels": 4, "out_channels": 6, "kernel_size": 3, **kw}),
+    "Embedding": lambda **kw: nn.Embedding(**{"num_embeddings": 10, "embedding_dim": 4, **kw}),
+    "LayerNorm": lambda **kw: nn.LayerNorm(**{"normalized_shape": 8, **kw}),
+    "BatchNorm2d": lambda **kw: nn.BatchNorm2d(**{"num_features": 8, **kw}),
+    "MaxPool2d": lambda **kw: nn.MaxPool2d(**{"kernel_size": 2, **kw}),
+    "AvgPool2d": lambda **kw: nn.AvgPool2d(**{"kernel_size": 2, **kw}),
+    "Flatten": lambda **kw: nn.Flatten(**kw),
+    "Dropout": lambda **kw: nn.Dropout(**kw),
+    "Softmax": lambda **kw: nn.Softmax(**kw),
+    "LogSoftmax": lambda **kw: nn.LogSoftmax(**kw),
+    "GELU": lambda **kw: nn.GELU(**kw),
+    "Sequential": lambda **kw: nn.Sequential(nn.ReLU(), **kw),
+}
+
+# (layer, argument, minimum): sizes that must be ints >= minimum
+SIZES = [("Linear", "in_features", 1), ("Linear", "out_features", 1), ("Conv2d", "in_channels", 1),
+         ("Conv2d", "out_channels", 1), ("Conv2d", "groups", 1), ("Embedding", "num_embeddings", 0),
+         ("Embedding", "embedding_dim", 0), ("LayerNorm", "normalized_shape", 1), ("BatchNorm2d", "num_features", 1)]
+# (layer, argument, minimum): an int or a pair of ints >= minimum
+PAIRS = [("Conv2d", "kernel_size", 1), ("Conv2d", "stride", 1), ("Conv2d", "dilation", 1), ("Conv2d", "padding", 0),
+         ("MaxPool2d", "kernel_size", 1), ("MaxPool2d", "stride", 1), ("AvgPool2d", "kernel_size", 1),
+         ("AvgPool2d", "stride", 1)]
+WRONG_TYPES = [2.0, None, "3", np.array([3]), True]
+
+
+@pytest.mark.parametrize("layer, argument, value", [
+    (layer, argument, value) for layer, argument, _ in SIZES + PAIRS for value in WRONG_TYPES
+    if not (value is None and argument == "stride" and layer.endswith("Pool2d"))],  # None: the kernel size
+    ids=repr)
+def test_sizes_of_the_wrong_type_are_type_errors(layer, argument, value):
+    with pytest.raises(TypeError, match=rf"^{layer}: {argument} must be an int"):
+        CONSTRUCTORS[layer](**{argument: value})
+
+
+@pytest.mark.parametrize("layer, argument, minimum", SIZES + PAIRS)
+@pytest.mark.parametrize("below", [1, 5])
+def test_sizes_below_their_minimum_are_value_errors(layer, argument, minimum, below):
+    value = minimum - below
+    with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be a (positive|non-negative) int(, | or a pair of them, )got {value}$"):
+        CONSTRUCTORS[layer](**{argument: value})
+
+
+@pytest.mark.parametrize("layer, argument, minimum", PAIRS)
+def test_pairs_with_one_bad_half_are_refused(layer, argument, minimum):
+    with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be"):
+        CONSTRUCTORS[layer](**{argument: (minimum, minimum - 1)})
+    with pytest.raises(TypeError, match=rf"^{layer}: {argument} must be an int or a pair of ints"):
+        CONSTRUCTORS[layer](**{argument: (minimum, 1.5)})
+
+
+@pytest.mark.parametrize("layer", ["LayerNorm", "BatchNorm2d"])
+@pytest.mark.parametrize("eps, error", [(0, ValueError), (-1e-5, ValueError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError), ("1e-5", TypeError), (None, TypeError),
+                                        (True, TypeError), (np.array([1e-5]), TypeError)], ids=repr)
+def test_eps_must_be_a_finite_positive_number(layer, eps, error):
+    with pytest.raises(error, match=rf"^{layer}: eps must be a"):
+        CONSTRUCTORS[layer](eps=eps)
+
+
+PARAMETERISED = ["Linear", "Conv2d", "Embedding", "LayerNorm", "BatchNorm2d"]
+
+
+@pytest.mark.parametrize("layer", PARAMETERISED)
+@pytest.mark.parametrize("dtype, error, match", [
+    (np.int32, TypeError, "dtype must be fp16, bf16, fp32 or fp64, got int32"),
+    (np.bool_, TypeError, "dtype must be fp16, bf16, fp32 or fp64, got bool"),
+    (np.complex64, TypeError, "dtype must be fp16, bf16, fp32 or fp64, got complex64"),
+    (None, TypeError, "dtype must be fp16, bf16, fp32 or fp64, got None"),
+    ("int8", ValueError, "dtype 'int8': unknown dtype"),
+    ("bogus", ValueError, "dtype 'bogus': unknown dtype"),
+], ids=repr)
+def test_parameter_dtypes_must_be_floats(layer, dtype, error, match):
+    with pytest.raises(error, match=rf"^{layer}: {match}"):
+        CONSTRUCTORS[layer](dtype=dtype)
+
+
+@pytest.mark.parametrize("layer", PARAMETERISED)
+@pytest.mark.parametrize("device", ["tpu", None, 0])
+def test_unknown_devices_are_named(layer, device):
+    with pytest.raises(ValueError, match=rf"^{layer}: device must be one of \('cpu', 'gpu', 'cuda'\), got {device!r}"):
+        CONSTRUCTORS[layer](device=device)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the message on machines without a GPU")
+@pytest.mark.parametrize("layer", PARAMETERISED)
+def test_gpu_device_without_a_gpu_says_so(layer):
+    with pytest.raises(ValueError, match=rf"^{layer}: device='gpu' needs a GPU, and there is none here"):
+        CONSTRUCTORS[layer](device="gpu")
+
+
+@pytest.mark.parametrize("layer, argument", [("Linear", "bias"), ("Conv2d", "bias"), ("LayerNorm", "bias"),
+                                             ("LayerNorm", "elementwise_affine"), ("Sequential", "fold_bn"),
+                                             ("Dropout", "inplace")])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_flags_must_be_bools(layer, argument, value):
+    with pytest.raises(TypeError, match=rf"^{layer}: {argument} must be True or False"):
+        CONSTRUCTORS[layer](**{argument: value})
+
+
+@pytest.mark.parametrize("layer, argument, value", [
+    ("Linear", "activation", "relu6"), ("Linear", "activation", "tanh"), ("Linear", "activation", 1),
+    ("Conv2d", "activation", "gelu_erf"), ("Conv2d", "layout", "NCWH"), ("Conv2d", "algo", "winograd"),
+    ("MaxPool2d", "layout", "CHWN"), ("AvgPool2d", "layout", None), ("Flatten", "layout", "NWHC"),
+    ("GELU", "approximate", "erf"),
+])
+def test_unknown_choices_are_named(layer, argument, value):
+    with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be"):
+        CONSTRUCTORS[layer](**{argument: value})
+
+
+@pytest.mark.parametrize("layer", ["Linear", "Conv2d", "Embedding"])
+@pytest.mark.parametrize("seed, error", [(-1, ValueError), (1.5, TypeError), ("0", TypeError)])
+def test_seeds_must_be_non_negative_ints(layer, seed, error):
+    with pytest.raises(error, match=rf"^{layer}: seed must be"):
+        CONSTRUCTORS[layer](seed=seed)
+
+
+@pytest.mark.parametrize("layer, argument, value, error", [
+    ("Conv2d", "groups", 3, ValueError), ("Embedding", "padding_idx", 10, ValueError),
+    ("Embedding", "padding_idx", -11, ValueError), ("Embedding", "padding_idx", 1.5, TypeError),
+    ("Dropout", "p", 1.5, ValueError), ("Dropout", "p", -0.1, ValueError), ("Dropout", "p", "0.5", TypeError),
+    ("Dropout", "p", None, TypeError), ("Softmax", "dim", 1.5, TypeError), ("LogSoftmax", "dim", None, TypeError),
+    ("Flatten", "start_dim", None, TypeError), ("Flatten", "end_dim", "1", TypeError),
+    ("LayerNorm", "normalized_shape", (4, 4), ValueError), ("LayerNorm", "normalized_shape", (), ValueError),
+    ("Conv2d", "algo", "fft", None),
+])
+def test_other_arguments_out_of_their_domain(layer, argument, value, error):
+    kwargs = {argument: value}
+    if error is None:  # algo="fft" with a stride: a combination, not one value, is wrong
+        kwargs, error = {"algo": "fft", "stride": 2}, ValueError
+    with pytest.raises(error, match=rf"^{layer}: "):
+        CONSTRUCTORS[layer](**kwargs)
+
+
+@pytest.mark.parametrize("layer", sorted(CONSTRUCTORS))
+def test_every_swept_constructor_builds_with_good_arguments(layer):
+    assert isinstance(CONSTRUCTORS[layer](), nn.Module)
+
+
+def test_conv2d_keeps_its_arguments_as_pairs():
+    conv = nn.Conv2d(4, 6, (3, 1), stride=2, padding=[1, 0], dilation=np.int64(1))
+    assert (conv.kernel_size, conv.stride, conv.padding, conv.dilation) == ((3, 1), (2, 2), (1, 0), (1, 1))
+
+
+def test_conv2d_forward_names_itself_for_a_list_input():
+    with pytest.raises(TypeError, match="Conv2d: x must be an array"):
+        nn.Conv2d(1, 1, 1)([[1.0]])
