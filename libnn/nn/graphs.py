@@ -213,15 +213,18 @@ class GraphedModule:
         """The key of a call (each array's shape past its first `lead` dims, dtype and device; every
         other argument's value), and its arrays in _arrays order."""
         arrays: list[Any] = []
-        key = [self._describe(a, f"#{i}", arrays, lead) for i, a in enumerate(args)]
+        key = [self._describe(a, i, arrays, lead) for i, a in enumerate(args)]
         if kwargs:
             key += [(k, self._describe(kwargs[k], k, arrays, lead)) for k in sorted(kwargs)]
         return tuple(key), arrays
 
-    def _describe(self, value: Any, name: str, arrays: list[Any], lead: int) -> tuple:
+    def _describe(self, value: Any, name: int | str, arrays: list[Any], lead: int) -> tuple:
+        """One argument's part of the key; `name` is its position or keyword (formatted only for errors)."""
         if is_cupy(value):
             arrays.append(value)
             return value.shape[lead:], value.dtype, value.data.device_id
+        if isinstance(name, int):
+            name = f"#{name}"
         if hasattr(value, "shape") and hasattr(value, "dtype"):
             raise TypeError(f"{self._name}: argument {name} is a host array; CUDA graphs replay GPU work only: "
                             f"pass cupy arrays (cupy.asarray(...))")
