@@ -157,6 +157,7 @@ def test_cudnn_failure_under_auto_falls_back_visibly(rng, monkeypatch):
         raise libnn.LibraryError("cuDNN cannot run this: no engine supports this graph (simulated)")
 
     monkeypatch.setattr(backend, "graph_for", refuse)
+    libnn.get_op("conv2d").calls.clear()  # bound calls of earlier tests would not bind again
     x, w, b, bn, kwargs = make(rng, (1, 8, 6, 6, 8, 3, 3, 1, 1, 1, 1), "fp16", "NHWC")
     with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*no engine supports this graph"):
         run("auto", x, w, b, bn, kwargs, "relu")

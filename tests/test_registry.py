@@ -19,7 +19,7 @@ class Problem:
 
 
 def make_op(fail_fast: bool = False) -> Op:
-    op = Op("toy-op")
+    op = Op("toy-op", order=("fast", "slow", "gpu-only"))
 
     @op.path("fast", kind="library", device="cpu", supports=lambda p: None if p.dtype == "fp16" else "fp16 only")
     def fast(problem, value):
@@ -66,7 +66,7 @@ def test_forcing_an_unsupported_problem_names_the_reason():
 
 
 def test_no_path_error_lists_every_reason():
-    op = Op("toy-op-2")
+    op = Op("toy-op-2", order=("only",))
     op.path("only", kind="library", device="cpu", supports=lambda p: "never")(lambda p, v: v)
     with pytest.raises(NoPathError, match="only: never"):
         op.dispatch(Problem("fp32"), "auto", 0)
@@ -81,7 +81,7 @@ def test_gpu_path_is_passed_over_for_host_arrays():
 
 
 def test_a_path_slower_for_a_problem_is_tried_after_the_others():
-    op = Op("toy-deferring-op")
+    op = Op("toy-deferring-op", order=("fast", "other"))
 
     @op.path("fast", kind="custom", device="cpu", slower=lambda p: "long rows: measured slower" if p.dtype == "long" else None)
     def fast(problem, value):
@@ -95,3 +95,48 @@ def test_a_path_slower_for_a_problem_is_tried_after_the_others():
     assert op.dispatch(Problem("long"), "auto", 1) == "other"
     assert op.last_decision.passed_over == {"fast": "tried last: long rows: measured slower"}
     assert op.dispatch(Problem("long"), "fast", 1) == "fast"  # a forced path is never deferred
+
+
+def test_auto_follows_the_declared_order_not_the_registration_order():
+    op = Op("toy-ordered-op", order=("first", "second"))
+    op.path("second", kind="reference", device="cpu")(lambda problem, value: "second")
+    op.path("first", kind="library", device="cpu")(lambda problem, value: "first")
+    assert op.dispatch(Problem("fp32"), "auto", 0) == "first"
+    assert [p.name for p in op.ordered()] == ["first", "second"]
+
+
+def test_a_path_outside_the_declared_order_is_refused():
+    op = Op("toy-strict-op", order=("only",))
+    with pytest.raises(ValueError, match="path 'other' is not in the op's declared order"):
+        op.path("other", kind="library", device="cpu")
+
+
+def test_a_bound_call_fallback_is_kept_and_warned_once():
+    op = make_op(fail_fast=True)
+    with pytest.warns(FallbackWarning):
+        assert op.call("key", lambda: Problem("fp16"), "auto", 1) == ("slow", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert op.call("key", lambda: Problem("fp16"), "auto", 2) == ("slow", 2)
+    assert op.last_decision.path == "slow" and "no engine" in op.last_decision.passed_over["fast"]
+
+
+def test_a_binding_path_binds_once_per_signature_and_reads_its_arguments_at_each_call():
+    op = Op("toy-binding-op", order=("bound",))
+    binds = []
+
+    @op.path("bound", kind="library", device="cpu", binds=True)
+    def bound(problem, value):
+        binds.append(value)
+        return lambda value: ("ran", problem.dtype, value)
+
+    assert op.call(("sig", 1), lambda: Problem("fp16"), "auto", 10) == ("ran", "fp16", 10)
+    assert op.call(("sig", 1), lambda: pytest.fail("a bound signature is not checked again"), "auto", 11) \
+        == ("ran", "fp16", 11)
+    assert binds == [10] and op.calls.stats.builds == 1
+
+
+def test_an_unhashable_option_runs_unbound_after_the_checks():
+    op = make_op()
+    assert op.call(("sig", [1]), lambda: Problem("fp16"), "auto", 1) == ("fast", 1)
+    assert len(op.calls) == 0

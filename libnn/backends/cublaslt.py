@@ -78,19 +78,33 @@ class GemmPlan:
     chosen: int = 0                     # index into candidates; 0 is the heuristic's first choice
     plan_seconds: float = 0.0
 
-    def run(self, x, w, b, y, stream_ptr: int) -> None:
+    def runner(self, stream_ptr: int):
+        """run(x, w, b, y) on `stream_ptr`: one `cublasLtMatmul` with the plan's descriptors, the
+        workspace of that stream, and the bias pointer set into the descriptor only when it changed."""
         from nvmath.bindings import cublasLt
 
-        m = self.matmul
-        if b is not None and b.data.ptr != self._bias_ptr:
-            m.mm_desc_ifc.bias_pointer = self._bias_ptr = b.data.ptr
-        space = workspace(self._workspace_bytes, self._device_id, stream_ptr)
-        try:
-            cublasLt.matmul(m.handle, m.mm_desc, self._alpha, w.data.ptr, m.a_layout_ptr, x.data.ptr,
-                            m.b_layout_ptr, self._beta, y.data.ptr, m.c_layout_ptr, y.data.ptr, m.d_layout_ptr,
-                            self._algo, space.data.ptr, self._workspace_bytes, stream_ptr)
-        except cublasLt.cuBLASLtError as exc:
-            raise LibraryError(f"cuBLASLt matmul failed for {self.problem.describe()}: {exc}") from exc
+        m, matmul, error = self.matmul, cublasLt.matmul, cublasLt.cuBLASLtError
+        handle, desc, a_layout, b_layout = m.handle, m.mm_desc, m.a_layout_ptr, m.b_layout_ptr
+        c_layout, d_layout, alpha, beta = m.c_layout_ptr, m.d_layout_ptr, self._alpha, self._beta
+        size = self._workspace_bytes
+        space = workspace(size, self._device_id, stream_ptr)  # held: its pointer stays valid
+        space_ptr = space.data.ptr
+
+        def run(x, w, b, y):
+            if b is not None and b.data.ptr != self._bias_ptr:
+                m.mm_desc_ifc.bias_pointer = self._bias_ptr = b.data.ptr
+            y_ptr = y.data.ptr
+            try:
+                matmul(handle, desc, alpha, w.data.ptr, a_layout, x.data.ptr, b_layout, beta, y_ptr, c_layout,
+                       y_ptr, d_layout, self._algo, space_ptr, size, stream_ptr)
+            except error as exc:
+                raise LibraryError(f"cuBLASLt matmul failed for {self.problem.describe()}: {exc}") from exc
+        run.workspace = space
+        return run
+
+    def run(self, x, w, b, y, stream_ptr: int) -> None:
+        """One product on `stream_ptr` (for tools; bound calls keep a `runner`)."""
+        self.runner(stream_ptr)(x, w, b, y)
 
     def choose(self, index: int) -> None:
         """Run candidate `index` from now on."""
@@ -109,10 +123,10 @@ class GemmPlan:
         """Time every candidate on these operands (median of `runs`, CUDA events) and keep the fastest."""
         from libnn.bench.harness import time_gpu
 
-        stream_ptr = current_stream().ptr
+        run = self.runner(current_stream().ptr)
         for c in self.candidates:
             self.choose(c.index)
-            c.time_ms = time_gpu(lambda _: self.run(x, w, b, y, stream_ptr), [None], warmup=2, runs=runs).median_ms
+            c.time_ms = time_gpu(lambda _: run(x, w, b, y), [None], warmup=2, runs=runs).median_ms
         self.choose(min(range(len(self.candidates)), key=lambda i: self.candidates[i].time_ms))
 
 
@@ -147,11 +161,17 @@ def plan_for(problem, x, w, b, y, stream_ptr: int) -> GemmPlan:
     return _plans.get(key, lambda: _build(problem, x, w, b, y))
 
 
-def linear(problem, x, w, b):
-    """y = act(x @ w.T + b) on cuBLASLt; x (M, K), w (N, K), b (N,) C-contiguous CuPy arrays."""
+def bind_linear(problem, x, w, b):
+    """The runner of y = act(x @ w.T + b) on cuBLASLt for C-contiguous (M, K), (N, K), (N,) CuPy arrays
+    of this signature, on the current stream."""
     import cupy
 
-    y = cupy.empty((problem.M, problem.N), x.dtype)  # pool memory: always 256-byte aligned
+    shape, dtype = (problem.M, problem.N), x.dtype
     stream_ptr = current_stream().ptr
-    plan_for(problem, x, w, b, y, stream_ptr).run(x, w, b, y, stream_ptr)
-    return y
+    matmul = plan_for(problem, x, w, b, cupy.empty(shape, dtype), stream_ptr).runner(stream_ptr)
+
+    def run(x, w, b):
+        y = cupy.empty(shape, dtype)  # pool memory: always 256-byte aligned, as at planning
+        matmul(x, w, b, y)
+        return y
+    return run

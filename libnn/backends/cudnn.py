@@ -12,9 +12,12 @@ Tensors are addressed by UID in the variant pack, so a cached graph holds no arr
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from libnn.errors import LibraryError
 from libnn.runtime.cache import PlanCache
@@ -61,13 +64,62 @@ class Graph:
 
     def execute(self, buffers: dict[int, Any]) -> None:
         """Run on the stream the graph was cached for (the current one); `buffers` maps tensor UIDs to
-        CuPy arrays."""
-        pack = {uid: a.data.ptr for uid, a in buffers.items()}
-        space = workspace(self.workspace_bytes, self.device_id, self.stream_ptr)
+        CuPy arrays (or objects with `.data.ptr`)."""
+        uids = list(buffers)
+        self.executor(uids)(*(buffers[uid] for uid in uids))
+
+    def executor(self, uids: Sequence[int]) -> Callable[..., None]:
+        """execute(*arrays), the arrays in the order of `uids`, at the frontend's cheapest entry point
+        that this frontend version has (see `RawExecute`), else its generic `execute`."""
+        space = workspace(self.workspace_bytes, self.device_id, self.stream_ptr)  # held: stays valid
         try:
-            self.graph.execute(pack, space.data.ptr, handle=self.handle)
-        except _library_errors() as exc:
-            raise LibraryError(f"cuDNN execute failed: {_first_line(exc)}") from exc
+            return RawExecute(self, uids, space)
+        except (AttributeError, TypeError, *_library_errors()):  # a frontend without the raw-pointer entry
+            graph, handle, space_ptr = self.graph, self.handle, space.data.ptr
+
+            def execute(*arrays: Any) -> None:
+                try:
+                    graph.execute({uid: a.data.ptr for uid, a in zip(uids, arrays)}, space_ptr, handle=handle)
+                except _library_errors() as exc:
+                    raise LibraryError(f"cuDNN execute failed: {_first_line(exc)}") from exc
+            return execute
+
+
+class RawExecute:
+    """A graph's execute at the frontend's raw-pointer entry point, the one its own `execute` ends in
+    once it has turned the caller's dict into the backend's sorted pointer array: here that array is
+    built once per bound call and only the pointers are written per call. `libnn bench overhead`
+    ("floors") measures it against `execute` and `execute_plan_at_index`. It reaches private
+    attributes of the frontend's pygraph (1.28: `_lowered_graph._execute_with_raw_ptrs`, the variant
+    pack's sorted uids, the built plan's backend index); `Graph.executor` falls back to the public
+    `execute` where they are missing."""
+
+    def __init__(self, graph: Graph, uids: Sequence[int], space: Any):
+        g = graph.graph
+        lowered = g._lowered_graph
+        lowered._prepare_variant_pack_template()
+        order = list(lowered._get_variant_pack_uids_sorted())
+        if sorted(order) != sorted(uids):
+            raise TypeError(f"the graph's variant pack holds uids {order}, the call passes {list(uids)}")
+        plan = g._materialize_backend_plan(g._plan_index) if g._plans else None
+        self._plan_index = -1 if plan is None or plan.cpp_index is None else plan.cpp_index
+        self._execute = lowered._execute_with_raw_ptrs
+        self._slots = [order.index(uid) for uid in uids]   # argument i goes to slot _slots[i]
+        self._pointers = np.zeros(len(order), np.int64)
+        self._address, self._count = self._pointers.ctypes.data, len(order)
+        self._space, self._space_ptr = space, space.data.ptr
+        self._handle = graph.handle.backend_handle
+        self._lock = threading.Lock()
+
+    def __call__(self, *arrays: Any) -> None:
+        pointers = self._pointers
+        with self._lock:
+            for slot, a in zip(self._slots, arrays):
+                pointers[slot] = a.data.ptr
+            try:
+                self._execute(self._address, self._count, self._space_ptr, self._handle, self._plan_index)
+            except _library_errors() as exc:
+                raise LibraryError(f"cuDNN execute failed: {_first_line(exc)}") from exc
 
 
 def versions() -> str:

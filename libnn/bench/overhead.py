@@ -253,7 +253,7 @@ def _floor_culaunch():
     slots.view(np.int64)[5] = 1
     slots.view(np.int32)[12] = 1  # slot 6, low word
     pointers = np.array([slots.ctypes.data + 8 * i for i in range(7)], np.uint64)
-    function = driver.CUfunction(f.ptr)
+    function = driver.CUfunction(f.kernel.ptr)
     stream = driver.CUstream(cupy.cuda.get_current_stream().ptr)
     address = pointers.ctypes.data
 
@@ -272,21 +272,20 @@ def _floor_cublaslt():
     y = cupy.empty((16, 64), cupy.float16)
     problem = LinearProblem(16, 64, 64, "fp16", True, None, False, f"gpu:{x.device.id}")
     stream = current_stream().ptr
-    plan = cublaslt.plan_for(problem, x, w, b, y, stream)
-    return lambda: plan.run(x, w, b, y, stream)
+    run = cublaslt.plan_for(problem, x, w, b, y, stream).runner(stream)
+    return lambda: run(x, w, b, y)
 
 
 def _cudnn_conv_graph():
     import cupy
 
+    import importlib
+
     from libnn.backends import cudnn as backend
-    from libnn.ops import conv2d as conv_module
+    conv_module = importlib.import_module("libnn.ops.conv2d")
     x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
     scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
-    conv_module.conv2d(x, w, padding=1, bn=(scale, shift), activation="relu", path="cudnn")
-    problem = conv_module.op.last_problem if hasattr(conv_module.op, "last_problem") else None
-    if problem is None:
-        problem = conv_module._check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
+    problem = conv_module._check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
     graph = backend.graph_for(problem, conv_module._graph_builder(problem), problem.describe)
     y = cupy.empty((1, 8, 8, 16), cupy.float16)
     buffers = {1: x, 2: w, 3: scale, 4: shift, 5: y}

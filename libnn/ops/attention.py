@@ -38,15 +38,15 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_constant, device_of, is_cupy, min_max
-from libnn.runtime.cache import PlanCache
+from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
+                                  stream_key)
 
 LAYOUTS = ("BHSD", "BSHD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 CUDNN_DTYPES = ("fp16", "bf16")
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("attention")
+op = Op("attention", order=("cudnn", "custom", "unfused", "reference"))
 
 
 @dataclass(frozen=True)
@@ -203,32 +203,22 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
     q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (*(_call_signature(a) for a in (q, k, v, bias)), scale, causal, layout, seq_lens_q is None,
-           seq_lens_kv is None, path)
+    key = (signature(q), signature(k), signature(v), signature(bias), scale, causal, layout, seq_lens_q is None,
+           seq_lens_kv is None, path, stream_key())
 
-    def plan_call():  # the checks and the path choice, once per signature (as for linear and conv2d)
+    def prepare():
         for name, a in (("q", q), ("k", k), ("v", v)):
             if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
                 raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
                                  f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
-        problem = _check(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
-        return problem, op.resolve(problem, path)
-
-    problem, resolved = _calls.get(key, plan_call)
-    lens_q = _seq_lens(seq_lens_q, "seq_lens_q", problem.B, problem.Sq, q)
-    lens_kv = _seq_lens(seq_lens_kv, "seq_lens_kv", problem.B, problem.Skv, q)
-    return op.run(resolved, problem, q, k, v, lens_q, lens_kv, bias)
+        return _check(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
+    return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
-_calls: PlanCache = PlanCache("attention calls", maxsize=4096)
-
-
-def _call_signature(a) -> tuple | None:
-    """What the checks depend on: the array's type, shape, strides, dtype, device and alignment."""
-    if a is None:
-        return None
-    where = f"gpu:{a.data.device_id}" if is_cupy(a) else "cpu"
-    return type(a), a.shape, a.strides, a.dtype, where, _pointer(a) % 16
+def _lengths(problem: AttentionProblem, q, seq_lens_q, seq_lens_kv):
+    """The caller's sequence lengths, validated, as int32 arrays on q's device (or None)."""
+    return (_seq_lens(seq_lens_q, "seq_lens_q", problem.B, problem.Sq, q),
+            _seq_lens(seq_lens_kv, "seq_lens_kv", problem.B, problem.Skv, q))
 
 
 def _output(problem: AttentionProblem, like):
@@ -332,23 +322,33 @@ def _can_empty_rows(problem: AttentionProblem) -> bool:
             or (p.causal == "bottom_right" and p.Sq > p.Skv))
 
 
-@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support)
-def _cudnn(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
+def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     from libnn.backends import cudnn as cudnn_backend
 
     p = problem
-    o, o_bhsd = _output(p, q)
-    graph = cudnn_backend.graph_for(p, _graph_builder(p), p.describe)
-    buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: o}
-    if bias is not None:
-        buffers[_UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()
-    if p.has_seq_lens_q or p.has_seq_lens_kv:
-        buffers[_UID_LENS_Q] = lens_q if lens_q is not None else device_constant(p.B, p.Sq, np.int32)
-        buffers[_UID_LENS_KV] = lens_kv if lens_kv is not None else device_constant(p.B, p.Skv, np.int32)
-    graph.execute(buffers)
-    if _can_empty_rows(p):
-        _zero_rows_without_keys(o_bhsd, p, lens_q, lens_kv, bias)
-    return o
+    padded = p.has_seq_lens_q or p.has_seq_lens_kv
+    uids = [_UID_Q, _UID_K, _UID_V, _UID_O] + ([_UID_BIAS] if p.bias_shape else []) \
+        + ([_UID_LENS_Q, _UID_LENS_KV] if padded else [])
+    execute = cudnn_backend.graph_for(p, _graph_builder(p), p.describe).executor(uids)
+    full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
+    full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
+    contiguous_bias = bias is None or bias.flags.c_contiguous
+    empties_rows = _can_empty_rows(p)
+
+    def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
+        if not contiguous_bias:
+            bias = bias.copy()
+        o, o_bhsd = _output(p, q)
+        extra = [] if bias is None else [bias]
+        if padded:
+            extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
+        execute(q, k, v, o, *extra)
+        if empties_rows:
+            _zero_rows_without_keys(o_bhsd, p, lens_q, lens_kv, bias)
+        return o
+    return run
 
 
 # --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
@@ -358,8 +358,9 @@ def _custom_support(problem: AttentionProblem) -> str | None:
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
 
 
-def _run_kernels(launcher, problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+def _run_kernels(launcher, problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
+    lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
     o, o_bhsd = _output(p, q)
     if o.size:
         launcher(_bhsd(q, p.layout), _bhsd(k, p.layout), _bhsd(v, p.layout), o_bhsd, scale=p.scale,
@@ -375,17 +376,17 @@ def _broadcast_bias(bias, problem: AttentionProblem):
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_custom_support)
-def _custom(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     from libnn.ops.attention_kernels import flash_attention
 
-    return _run_kernels(flash_attention, problem, q, k, v, lens_q, lens_kv, bias)
+    return _run_kernels(flash_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
 @op.path("unfused", kind="custom", device="gpu", supports=_custom_support)
-def _unfused(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     from libnn.ops.attention_kernels import unfused_attention
 
-    return _run_kernels(unfused_attention, problem, q, k, v, lens_q, lens_kv, bias)
+    return _run_kernels(unfused_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
 # --- reference --------------------------------------------------------------------------------------
@@ -405,8 +406,9 @@ def allowed_keys(Sq: int, Skv: int, causal: str | None, lens_q, lens_kv, B: int,
 
 
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: AttentionProblem, q, k, v, lens_q, lens_kv, bias):
+def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
+    lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
     group = p.Hq // p.Hkv
     q64 = _bhsd(q, p.layout).astype(np.float64)
     k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)

@@ -26,14 +26,13 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of, signature
-from libnn.runtime.cache import PlanCache
+from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 LAYOUTS = ("NHWC", "NCHW")
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("conv2d")
+op = Op("conv2d", order=("cudnn", "cudnn+epilogue", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -180,24 +179,32 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
     dtype, layout and device."""
     x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
     b = None if b is None else as_array(b, "conv2d", "b")
-    key = (signature(x), signature(w), signature(b), None if bn is None else len(bn), _hashable(stride),
-           _hashable(padding), _hashable(dilation), groups, activation, layout, allow_tf32, path)
+    bn_key = None if bn is None else _bn_signature(bn)
+    key = (signature(x), signature(w), signature(b), bn_key, _hashable(stride), _hashable(padding),
+           _hashable(dilation), groups, activation, layout, allow_tf32, path, stream_key())
 
-    def plan_call():  # the checks and the path choice, once per signature (as for linear)
+    def prepare():
         problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
-        return problem, op.resolve(problem, path)
-
-    problem, resolved = _calls.get(key, plan_call)
-    scale, shift = _epilogue_vectors(bn, b, problem.K, x)
-    xp = array_module(x)
-    return op.run(resolved, problem, xp.ascontiguousarray(x), xp.ascontiguousarray(w), scale, shift)
+        _epilogue_vectors(bn, b, problem.K, x)  # validates bn
+        return problem
+    return op.call(key, prepare, path, x, w, b, bn)
 
 
-_calls: PlanCache = PlanCache("conv2d calls", maxsize=4096)
+def _bn_signature(bn) -> tuple:
+    """What the checks of `bn` read: its length, its arrays' signatures and eps."""
+    try:
+        return tuple(signature(v) if hasattr(v, "shape") else v for v in bn)
+    except TypeError:  # not a sequence: the checks say so
+        return (type(bn),)
 
 
 def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
+
+
+def _inputs(problem: ConvProblem, x, w, b, bn):
+    """C-contiguous x and w and the fp32 (scale, shift) of the epilogue, for the GPU paths."""
+    return contiguous(x), contiguous(w), *_epilogue_vectors(bn, b, problem.K, x)
 
 
 def output_shape(problem: ConvProblem) -> tuple[int, int, int, int]:
@@ -244,31 +251,49 @@ def _graph_builder(problem: ConvProblem):
     return build
 
 
-def run_cudnn_graph(problem: ConvProblem, x, w, scale, shift):
+_UIDS = (1, 2, 3, 4, 5)  # x, w, scale, shift, y in the graph _graph_builder makes
+
+
+def bind_cudnn_graph(problem: ConvProblem):
+    """run(x, w, scale, shift) -> y through the cuDNN graph of `problem` (LibraryError if cuDNN declines it)."""
     import cupy
 
     from libnn.backends import cudnn as cudnn_backend
 
-    y = cupy.empty(output_shape(problem), x.dtype)
-    graph = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe)
-    buffers = {1: x, 2: w, 5: y}
-    if problem.has_scale:
-        buffers[3] = scale
-    if problem.has_shift:
-        buffers[4] = shift
-    graph.execute(buffers)
-    return y
+    uids = [1, 2] + ([3] if problem.has_scale else []) + ([4] if problem.has_shift else []) + [5]
+    execute = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe).executor(uids)
+    shape, dtype = output_shape(problem), dtypes.parse(problem.dtype)
+
+    def run(x, w, scale, shift):
+        y = cupy.empty(shape, dtype)
+        epilogue = [v for v in (scale, shift) if v is not None]
+        execute(x, w, *epilogue, y)
+        return y
+    return run
 
 
-@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support)
-def _cudnn(problem: ConvProblem, x, w, scale, shift):
-    return run_cudnn_graph(problem, x, w, scale, shift)
+def run_cudnn_graph(problem: ConvProblem, x, w, scale, shift):
+    """y through the cuDNN graph of `problem` (for tools; bound calls keep `bind_cudnn_graph`'s runner)."""
+    return bind_cudnn_graph(problem)(x, w, scale, shift)
 
 
-@op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support)
-def _cudnn_then_epilogue(problem: ConvProblem, x, w, scale, shift):
-    y = run_cudnn_graph(problem.epilogue_only(), x, w, None, None)
-    return apply_epilogue_kernel(problem, y, scale, shift)
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
+def _cudnn(problem: ConvProblem, x, w, b, bn):
+    graph = bind_cudnn_graph(problem)
+
+    def run(x, w, b, bn):
+        return graph(*_inputs(problem, x, w, b, bn))
+    return run
+
+
+@op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
+def _cudnn_then_epilogue(problem: ConvProblem, x, w, b, bn):
+    graph = bind_cudnn_graph(problem.epilogue_only())
+
+    def run(x, w, b, bn):
+        x, w, scale, shift = _inputs(problem, x, w, b, bn)
+        return apply_epilogue_kernel(problem, graph(x, w, None, None), scale, shift)
+    return run
 
 
 def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
@@ -345,14 +370,15 @@ def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None 
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
-def _custom(problem: ConvProblem, x, w, scale, shift):
-    return launch_custom(problem, x, w, scale, shift)
+def _custom(problem: ConvProblem, x, w, b, bn):
+    return launch_custom(problem, *_inputs(problem, x, w, b, bn))
 
 
 # --- reference --------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: ConvProblem, x, w, scale, shift):
+def _reference(problem: ConvProblem, x, w, b, bn):
     p = problem
+    scale, shift = _epilogue_vectors(bn, b, p.K, x)
     x64 = x.astype(np.float64)
     w64 = w.astype(np.float64)
     if p.layout == "NCHW":  # compute in NHWC / KRSC

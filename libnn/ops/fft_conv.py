@@ -26,12 +26,12 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import as_array, device_of
+from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
 MAX_FFT_BYTES_FRACTION = 0.8  # refuse transforms whose buffers would exceed this share of free memory
 
-op = Op("fft_conv")
+op = Op("fft_conv", order=("cufft", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def _check(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
 def fft_conv2d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "valid", stride: int = 1,
                path: str = "auto") -> Any:
     """conv2d (NCHW, cross-correlation) through the FFT; see the module docstring."""
-    return _run("fft_conv2d", x, w, b, lambda kernel: _pads(mode, padding, kernel, "fft_conv2d"), stride, path, 2)
+    return _run("fft_conv2d", x, w, b, lambda kernel: _pads(mode, padding, kernel, "fft_conv2d"), stride, path, 2,
+                (mode, _hashable(padding)))
 
 
 def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "valid", causal: bool = False,
@@ -124,16 +125,23 @@ def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "
     """conv1d (N, C, L) through the FFT; `causal` pads kl-1 on the left and returns length L."""
     def pads(kernel):
         return ((kernel[0] - 1, 0),) if causal else _pads(mode, padding, kernel, "fft_conv1d")
-    return _run("fft_conv1d", x, w, b, pads, stride, path, 1)
+    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, _hashable(padding), causal))
 
 
-def _run(name, x, w, b, pads_for, stride, path, dims):
+def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
     x, w = as_array(x, name, "x"), as_array(w, name, "w")
     b = None if b is None else as_array(b, name, "b")
-    if w.ndim != dims + 2:
-        raise ValueError(f"{name}: w must be {dims + 2}-D, got shape {tuple(w.shape)}")
-    problem = _check(name, x, w, b, pads_for, stride)
-    return op.dispatch(problem, path, x, w, b)
+    key = (name, signature(x), signature(w), signature(b), stride, options, path, stream_key())
+
+    def prepare():
+        if w.ndim != dims + 2:
+            raise ValueError(f"{name}: w must be {dims + 2}-D, got shape {tuple(w.shape)}")
+        return _check(name, x, w, b, pads_for, stride)
+    return op.call(key, prepare, path, x, w, b)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def fft_shape(problem: FFTConvProblem, power_of_two: bool) -> tuple[int, ...]:

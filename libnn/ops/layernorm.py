@@ -19,6 +19,7 @@ than a block holds, e.g. 1024×65536, so for those auto tries cudnn first):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,13 @@ import numpy as np
 from libnn import dtypes
 from libnn.errors import LibraryError
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_constant, device_of, signature
+from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
+                                  stream_key)
 from libnn.runtime.cache import PlanCache
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("layer_norm")
+op = Op("layer_norm", order=("custom", "cudnn", "reference"))
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,6 @@ def _check(x, weight, bias, eps) -> LayerNormProblem:
                             device=device)
 
 
-# The checks and the path choice depend only on the arrays' types, shapes, dtypes and devices, eps
-# and the path, so they run once per such signature (as for linear and conv2d).
-_calls: PlanCache = PlanCache("layer_norm calls", maxsize=4096)
-
-
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, path: str = "auto") -> Any:
     """(x − mean) / sqrt(var + eps) · weight + bias over x's last dimension N, for x (..., N) and
     weight, bias (N,) or None; returns y with x's shape, dtype and device. `path` is "auto" or one of
@@ -94,24 +91,23 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-
     x = as_array(x, "layer_norm", "x")
     weight = None if weight is None else as_array(weight, "layer_norm", "weight")
     bias = None if bias is None else as_array(bias, "layer_norm", "bias")
-    key = (signature(x), signature(weight), signature(bias), eps, path)
-
-    def plan_call():
-        problem = _check(x, weight, bias, eps)
-        return problem, op.resolve(problem, path)
-
-    problem, resolved = _calls.get(key, plan_call)
-    rows = contiguous(x).reshape(problem.M, problem.N)
-    y = op.run(resolved, problem, rows, None if weight is None else contiguous(weight),
-               None if bias is None else contiguous(bias))
-    return y.reshape(x.shape)
+    key = (signature(x), signature(weight), signature(bias), eps, path, stream_key())
+    return op.call(key, lambda: _check(x, weight, bias, eps), path, x, weight, bias)
 
 
-def _empty(problem: LayerNormProblem, x):
-    """The result when there are no rows or no columns (nothing to normalize), else None."""
-    if problem.M == 0 or problem.N == 0:
-        return array_module(x).empty((problem.M, problem.N), x.dtype)
-    return None
+def _as_rows(run, problem: LayerNormProblem, x, weight, bias):
+    """`run` (for C-contiguous (M, N) rows and (N,) vectors) wrapped for the signature of the arrays:
+    y takes x's shape; copies only where the signature is not contiguous."""
+    contiguous_in = all(a is None or a.flags.c_contiguous for a in (x, weight, bias))
+    if x.ndim == 2 and contiguous_in:
+        return run
+    shape = x.shape
+
+    def as_rows(x, weight, bias):
+        rows = contiguous(x).reshape(problem.M, problem.N)
+        y = run(rows, None if weight is None else contiguous(weight), None if bias is None else contiguous(bias))
+        return y.reshape(shape)
+    return as_rows
 
 
 def _gpu_support(problem: LayerNormProblem) -> str | None:
@@ -173,27 +169,31 @@ _epsilons: PlanCache = PlanCache("layer_norm epsilons")
 
 
 def _cudnn(problem: LayerNormProblem, x, weight, bias):
+    """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
     import cupy
 
     from libnn.backends import cudnn as cudnn_backend
 
-    empty = _empty(problem, x)
-    if empty is not None:
-        return empty
-    misaligned = [name for name, a in (("x", x), ("weight", weight), ("bias", bias))
+    if problem.M == 0 or problem.N == 0:
+        return functools.partial(_empty_result, problem)
+    rows = contiguous(x).reshape(problem.M, problem.N)
+    misaligned = [name for name, a in (("x", rows), ("weight", weight), ("bias", bias))
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
-    graph = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe)
-    if weight is None:  # cuDNN's node requires both: the identity's ones and zeros, made once
-        weight = device_constant(problem.N, 1, x.dtype)
-    if bias is None:
-        bias = device_constant(problem.N, 0, x.dtype)
+    execute = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe).executor(
+        [X, SCALE, BIAS, EPSILON, Y])
+    # cuDNN's node requires both: the identity's ones and zeros, made once
+    ones, zeros = device_constant(problem.N, 1, x.dtype), device_constant(problem.N, 0, x.dtype)
     epsilon = _epsilons.get(problem.eps, lambda: _HostScalar(problem.eps))
-    y = cupy.empty((problem.M, problem.N), x.dtype)
-    graph.execute({X: x, SCALE: weight, BIAS: bias, EPSILON: epsilon, Y: y})
-    return y
+    shape, dtype = (problem.M, problem.N), x.dtype
+
+    def run(x, weight, bias):
+        y = cupy.empty(shape, dtype)
+        execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y)
+        return y
+    return _as_rows(run, problem, x, weight, bias)
 
 
 # --- custom path: kernels/layernorm.cu ----------------------------------------------------------------
@@ -250,26 +250,35 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def launch_custom(problem: LayerNormProblem, x, weight, bias, version: str | None = None):
-    """y for the (M, N) rows x with one version of kernels/layernorm.cu (the default: the one the
-    custom path picks)."""
+def bind_custom(problem: LayerNormProblem, x, weight, bias, version: str | None = None):
+    """The runner of one version of kernels/layernorm.cu (the default: the one the custom path picks)
+    for (M, N) rows and (N,) vectors of this signature (their alignment included)."""
     import cupy
 
-    from libnn.runtime import kernels
+    from libnn.runtime import launch
 
-    y = cupy.empty((problem.M, problem.N), x.dtype)
-    aligned = _aligned(problem, x, weight, bias, y)
+    aligned = _aligned(problem, x, weight, bias)  # y comes from CuPy's pool: 256-byte aligned
     version = version or custom_version(problem, aligned)
     if version not in custom_versions(problem, aligned):
         raise ValueError(f"layer_norm: kernels/layernorm.cu version {version!r} cannot run {problem.describe()} "
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
                          f"{custom_versions(problem, aligned)}")
     name, grid, block = _launch(version, problem, aligned)
-    kernel = kernels.function("layernorm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
-    null = np.uint64(0)
-    kernel((grid,), (block,), (x, null if weight is None else weight, null if bias is None else bias, y,
-                               np.int64(problem.M), np.int32(problem.N), np.float32(problem.eps)))
-    return y
+    kernel = launch.bind("layernorm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
+                         (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(problem.M),
+                          np.int32(problem.N), np.float32(problem.eps)))
+    shape, dtype = (problem.M, problem.N), x.dtype
+
+    def run(x, weight, bias):
+        y = cupy.empty(shape, dtype)
+        kernel(x, weight, bias, y)
+        return y
+    return run
+
+
+def launch_custom(problem: LayerNormProblem, x, weight, bias, version: str | None = None):
+    """y for the (M, N) rows x with one version of kernels/layernorm.cu (for tests and benchmarks)."""
+    return bind_custom(problem, x, weight, bias, version)(x, weight, bias)
 
 
 def _custom_slower(problem: LayerNormProblem) -> str | None:
@@ -282,27 +291,32 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
     return None
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower)
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower, binds=True)
 def _custom(problem: LayerNormProblem, x, weight, bias):
-    empty = _empty(problem, x)
-    return empty if empty is not None else launch_custom(problem, x, weight, bias)
+    if problem.M == 0 or problem.N == 0:
+        return functools.partial(_empty_result, problem)
+    rows = contiguous(x).reshape(problem.M, problem.N)
+    return _as_rows(bind_custom(problem, rows, weight, bias), problem, x, weight, bias)
 
 
-# registered after custom: `auto` tries the faster path first (see the module docstring)
-op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support)(_cudnn)
+def _empty_result(problem: LayerNormProblem, x, weight, bias):
+    """The result when there are no rows or no columns: nothing to normalize."""
+    return array_module(x).empty(x.shape, x.dtype)
+
+
+op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)(_cudnn)
 
 
 # --- reference --------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: LayerNormProblem, x, weight, bias):
-    empty = _empty(problem, x)
-    if empty is not None:
-        return empty
-    rows = x.astype(np.float64)
+    if problem.M == 0 or problem.N == 0:
+        return _empty_result(problem, x, weight, bias)
+    rows = x.reshape(problem.M, problem.N).astype(np.float64)
     centered = rows - rows.mean(axis=1, keepdims=True)
     y = centered / np.sqrt((centered * centered).mean(axis=1, keepdims=True) + problem.eps)
     if weight is not None:
         y *= weight.astype(np.float64)
     if bias is not None:
         y += bias.astype(np.float64)
-    return y.astype(x.dtype)
+    return y.astype(x.dtype).reshape(x.shape)

@@ -18,8 +18,9 @@ lets cuBLASLt use TF32 tensor cores (about 1e-3 relative error instead of 1e-6).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,14 +28,13 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature
-from libnn.runtime.cache import PlanCache
+from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues and gemm.cu's compile
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("linear")
+op = Op("linear", order=("cublaslt", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -82,41 +82,40 @@ def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
                          device=device)
 
 
-# The checks and the path choice depend only on the arrays' types, shapes, dtypes and devices and on
-# the options, so they are done once per such signature: a repeated call (a layer in a loop) only
-# looks its signature up. This keeps the Python cost of a cached call to a few microseconds.
-_calls: PlanCache = PlanCache("linear calls", maxsize=4096)
-
-
 def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, allow_tf32: bool = False,
            path: str = "auto") -> Any:
     """act(x @ w.T + b) for x (..., K), w (N, K), b (N,) or None; returns (..., N) in x's dtype, on
     x's device. `path` is "auto" or one of `libnn.paths("linear")`."""
     x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
     b = None if b is None else as_array(b, "linear", "b")
-    key = (signature(x), signature(w), signature(b), activation, allow_tf32, path)
-
-    def plan_call():
-        problem = _check(x, w, b, activation, allow_tf32)
-        return problem, op.resolve(problem, path)
-
-    problem, resolved = _calls.get(key, plan_call)
-    x2d = contiguous(x)
-    if x.ndim != 2:
-        x2d = x2d.reshape(problem.M, problem.K)
-    y = op.run(resolved, problem, x2d, contiguous(w), None if b is None else contiguous(b))
-    return y if x.ndim == 2 else y.reshape(*x.shape[:-1], problem.N)
+    key = (signature(x), signature(w), signature(b), activation, allow_tf32, path, stream_key())
+    return op.call(key, lambda: _check(x, w, b, activation, allow_tf32), path, x, w, b)
 
 
-def _degenerate(problem: LinearProblem, x, b):
-    """The result when M, N or K is 0 (no GEMM to run), else None."""
+def _as_matrices(gemm, problem: LinearProblem, x, w, b):
+    """`gemm` (a runner for C-contiguous (M, K), (N, K), (N,) arrays) wrapped for the signature of x, w
+    and b: x of any rank or strides is made a contiguous (M, K) matrix and the result given x's leading
+    dimensions. The wrapper is only added where the signature needs it."""
+    if x.ndim == 2 and x.flags.c_contiguous and w.flags.c_contiguous and (b is None or b.flags.c_contiguous):
+        return gemm
+    lead = x.shape[:-1]
+
+    def run(x, w, b):
+        y = gemm(contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b))
+        return y.reshape(*lead, problem.N)
+    return run
+
+
+def _degenerate(problem: LinearProblem, x, w, b):
+    """The result when M, N or K is 0: no GEMM to run."""
     xp = array_module(x)
+    lead = x.shape[:-1]
     if problem.M == 0 or problem.N == 0:
-        return xp.empty((problem.M, problem.N), x.dtype)
-    if problem.K == 0:  # an empty sum: every output is act(bias)
-        bias = xp.zeros(problem.N, xp.float64 if xp is np else xp.float32) if b is None else b.astype(xp.float32)
-        return activations.apply(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
-    return None
+        return xp.empty((*lead, problem.N), x.dtype)
+    # K == 0, an empty sum: every output is act(bias)
+    bias = xp.zeros(problem.N, xp.float64 if xp is np else xp.float32) if b is None else b.astype(xp.float32)
+    y = activations.apply(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
+    return y.reshape(*lead, problem.N)
 
 
 def _gpu_support(problem: LinearProblem) -> str | None:
@@ -125,40 +124,52 @@ def _gpu_support(problem: LinearProblem) -> str | None:
     return None
 
 
-@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support)
+@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support, binds=True)
 def _cublaslt(problem: LinearProblem, x, w, b):
     from libnn.backends import cublaslt
 
-    return _gemm_then_activation(cublaslt.linear, problem, x, w, b)
+    return _bind_gpu(cublaslt.bind_linear, problem, x, w, b)
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: LinearProblem, x, w, b):
-    return _gemm_then_activation(launch_custom, problem, x, w, b)
+    return _bind_gpu(bind_custom, problem, x, w, b)
 
 
-def _gemm_then_activation(gemm, problem: LinearProblem, x, w, b):
-    """`gemm` with the activation in its epilogue, or, for one it has no epilogue for, followed by an
-    element-wise pass of kernels/epilogue.cu."""
-    degenerate = _degenerate(problem, x, b)
-    if degenerate is not None:
-        return degenerate
+def _bind_gpu(bind_gemm, problem: LinearProblem, x, w, b):
+    """The runner of a GPU path: `bind_gemm(problem, x, w, b)` binds the GEMM (with the activation in its
+    epilogue, or, for one it has no epilogue for, followed by an element-wise pass of
+    kernels/epilogue.cu); empty problems need no GEMM."""
+    if problem.M == 0 or problem.N == 0 or problem.K == 0:
+        return functools.partial(_degenerate, problem)
+    x, w, b = contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b)
     if problem.activation in FUSED_ACTIVATIONS:
-        return gemm(problem, x, w, b)
-    from dataclasses import replace
+        return _as_matrices(bind_gemm(problem, x, w, b), problem, x, w, b)
+    gemm = bind_gemm(replace(problem, activation=None), x, w, b)
+    epilogue = bind_epilogue_pass(problem.dtype, problem.M * problem.N, problem.activation)
 
-    from libnn.runtime import kernels
+    def gemm_then_activation(x, w, b):
+        y = gemm(x, w, b)
+        epilogue(y)
+        return y
+    return _as_matrices(gemm_then_activation, problem, x, w, b)
 
-    y = gemm(replace(problem, activation=None), x, w, b)
-    kernel = kernels.function("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
+
+def bind_epilogue_pass(dtype: str, size: int, activation: str | None):
+    """y = act(y) in place over `size` elements, one pass of kernels/epilogue.cu."""
+    from libnn.runtime import launch
+
     null = np.uint64(0)
-    kernel((min(-(-y.size // 256), 65535 * 8),), (256,), (y, null, null, np.int64(y.size), np.int32(1),
-                                                         np.int64(1), np.int32(activations.KERNEL_CODES[problem.activation])))
-    return y
+    return launch.bind("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[dtype]}",
+                       (min(-(-size // 256), 65535 * 8),), (256,),
+                       (launch.ARRAY, null, null, np.int64(size), np.int32(1), np.int64(1),
+                        np.int32(activations.KERNEL_CODES[activation])))
 
 
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: LinearProblem, x, w, b):
+    if problem.M == 0 or problem.N == 0 or problem.K == 0:
+        return _degenerate(problem, x, w, b)
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if b is not None:
         y += b.astype(np.float64)
@@ -191,31 +202,45 @@ def custom_versions(dtype: str) -> tuple[str, ...]:
     return _VERSIONS[dtype]
 
 
-def launch_custom_version(version: str, x, w, b, activation: str | None):
-    """y = act(x @ w.T + b) with one numbered version of kernels/gemm.cu (C-contiguous CuPy arrays)."""
+def bind_custom(problem: LinearProblem, x, w, b, version: str | None = None):
+    """The runner of one version of kernels/gemm.cu (default: the custom path's) for C-contiguous
+    (M, K), (N, K) and (N,) CuPy arrays; a null bias pointer means no bias."""
     import cupy
 
-    from libnn.runtime import kernels
+    from libnn.runtime import launch
 
-    dtype = dtypes.short_name(x.dtype)
-    if version not in _VERSIONS[dtype]:
-        raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {dtype}; "
-                         f"it has {_VERSIONS[dtype]}")
-    launch = _LAUNCH[version]
-    M, K = x.shape
-    N = w.shape[0]
-    y = cupy.empty((M, N), x.dtype)
-    kernel = kernels.function("gemm.cu", f"{launch.kernel}_{dtypes.KERNEL_SUFFIX[dtype]}", launch.dynamic_smem)
-    bias = b if b is not None else np.uint64(0)  # a null pointer: no bias
-    rows_per_launch = _MAX_GRID_Y * launch.tile_m  # grid.y is limited; larger M runs in slices
-    for m0 in range(0, M, rows_per_launch):
-        rows = min(rows_per_launch, M - m0)
-        x_rows, y_rows = (x, y) if rows == M else (x[m0:m0 + rows], y[m0:m0 + rows])
-        grid = (-(-N // launch.tile_n), -(-rows // launch.tile_m), 1)
-        kernel(grid, launch.block, (x_rows, w, bias, y_rows, np.int32(rows), np.int32(N), np.int32(K),
-                                    np.int32(activations.KERNEL_CODES[activation])), shared_mem=launch.dynamic_smem)
-    return y
+    version = version or _VERSIONS[problem.dtype][-1]
+    if version not in _VERSIONS[problem.dtype]:
+        raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {problem.dtype}; "
+                         f"it has {_VERSIONS[problem.dtype]}")
+    spec, (M, N, K) = _LAUNCH[version], (problem.M, problem.N, problem.K)
+    rows_per_launch = _MAX_GRID_Y * spec.tile_m  # grid.y is limited; larger M runs in slices
+    slices = [(m0, min(rows_per_launch, M - m0)) for m0 in range(0, M, rows_per_launch)]
+    launches = [launch.bind("gemm.cu", f"{spec.kernel}_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
+                            (-(-N // spec.tile_n), -(-rows // spec.tile_m)), spec.block,
+                            (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int32(rows), np.int32(N),
+                             np.int32(K), np.int32(activations.KERNEL_CODES[problem.activation])),
+                            shared_mem=spec.dynamic_smem)
+                for _, rows in slices]
+    shape, dtype = (M, N), x.dtype
+    if len(launches) == 1:
+        (gemm,) = launches
+
+        def run(x, w, b):
+            y = cupy.empty(shape, dtype)
+            gemm(x, w, b, y)
+            return y
+        return run
+
+    def run_in_slices(x, w, b):
+        y = cupy.empty(shape, dtype)
+        for (m0, rows), gemm in zip(slices, launches):
+            gemm(x[m0:m0 + rows], w, b, y[m0:m0 + rows])
+        return y
+    return run_in_slices
 
 
-def launch_custom(problem: LinearProblem, x, w, b):
-    return launch_custom_version(_VERSIONS[problem.dtype][-1], x, w, b, problem.activation)
+def launch_custom_version(version: str, x, w, b, activation: str | None):
+    """y = act(x @ w.T + b) with one numbered version of kernels/gemm.cu (C-contiguous CuPy arrays),
+    for benchmarks and tests."""
+    return bind_custom(_check(x, w, b, activation, False), x, w, b, version)(x, w, b)

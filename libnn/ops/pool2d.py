@@ -15,13 +15,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.conv2d import LAYOUTS, _pair
+from libnn.ops.conv2d import LAYOUTS, _hashable, _pair
 from libnn.registry import Op
-from libnn.runtime.arrays import array_module, as_array, device_of
+from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("pool2d")
+op = Op("pool2d", order=("custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,9 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
 
 def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
     x = as_array(x, f"{mode}_pool2d", "x")
-    problem = _check(mode, x, kernel_size, stride, padding, count_include_pad, layout)
-    return op.dispatch(problem, path, array_module(x).ascontiguousarray(x))
+    key = (mode, signature(x), _hashable(kernel_size), _hashable(stride), _hashable(padding), count_include_pad,
+           layout, path, stream_key())
+    return op.call(key, lambda: _check(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
 
 
 def max_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
@@ -130,6 +131,7 @@ def launch_pool(problem: PoolProblem, x):
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: PoolProblem, x):
     p = problem
+    x = contiguous(x)
     xs = x.astype(np.float64)
     if p.layout == "NCHW":
         xs = xs.transpose(0, 2, 3, 1)

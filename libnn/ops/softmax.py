@@ -23,11 +23,11 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime.arrays import as_array, device_of
+from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
 
-op = Op("softmax")
+op = Op("softmax", order=("custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ def softmax(x: Any, dim: int = -1, *, log: bool = False, path: str = "auto") -> 
     """softmax (or, with log=True, log-softmax) of x along `dim`; returns an array of x's shape,
     dtype and device. `path` is "auto" or one of `libnn.paths("softmax")`."""
     x = as_array(x, "log_softmax" if log else "softmax", "x")
-    return op.dispatch(_check(x, dim, log), path, x)
+    key = (signature(x), dim, log, path, stream_key())
+    return op.call(key, lambda: _check(x, dim, log), path, x)
 
 
 def _formula(xp, x, dim: int, log: bool):

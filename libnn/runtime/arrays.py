@@ -3,6 +3,7 @@ DLPack or ``__cuda_array_interface__`` (torch tensors, JAX arrays...) taken with
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ def _dlpack_on_cuda(a: Any) -> bool | None:
 
 def as_array(a: Any, op: str, arg: str):
     """`a` as a numpy.ndarray or cupy.ndarray, sharing memory with it whenever possible."""
-    if isinstance(a, np.ndarray) or is_cupy(a):
+    if type(a) in _CUPY_TYPES or isinstance(a, np.ndarray) or is_cupy(a):
         return a
     if hasattr(a, "__cuda_array_interface__") or _dlpack_on_cuda(a):
         import cupy
@@ -68,8 +69,23 @@ def place(a: Any) -> str:
 
 
 def signature(a: Any) -> tuple | None:
-    """What an op's checks depend on: type, shape, dtype and device (None for a missing argument)."""
-    return None if a is None else (type(a), a.shape, a.dtype, place(a))
+    """What an op's checks and plans may depend on, for a bound call's key (None for a missing
+    argument): for a CuPy array its shape, strides, dtype, device and the low 8 bits of its pointer
+    (libraries choose kernels by operand alignment, up to 256 bytes); for a host array its type,
+    shape, strides and dtype."""
+    if a is None:
+        return None
+    if type(a) in _CUPY_TYPES:
+        data = a.data
+        return a.shape, a.strides, a.dtype, data.device_id, data.ptr & 255
+    return type(a), a.shape, a.strides, a.dtype
+
+
+def stream_key() -> int:
+    """The current CuPy stream's handle (0 while CuPy is not loaded): plans, handles and workspaces are
+    per stream, so a bound call is too."""
+    cupy = sys.modules.get("cupy")
+    return cupy.cuda.get_current_stream().ptr if cupy is not None else 0
 
 
 def device_of(arrays: dict[str, Any], op: str) -> str:

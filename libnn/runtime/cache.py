@@ -13,7 +13,7 @@ from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
 
-_ALL: dict[str, "PlanCache"] = {}
+_STATS: dict[str, "CacheStats"] = {}
 
 
 @dataclass
@@ -32,8 +32,7 @@ class PlanCache(Generic[T]):
         self.maxsize = maxsize
         self._items: OrderedDict[Hashable, T] = OrderedDict()
         self._lock = threading.Lock()
-        self.stats = CacheStats()
-        _ALL[name] = self
+        self.stats = register_stats(name)
 
     def get(self, key: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -58,9 +57,15 @@ class PlanCache(Generic[T]):
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
-            self.stats = CacheStats()
+            self.stats.size = 0
+
+
+def register_stats(name: str) -> CacheStats:
+    """The statistics object `cache_info()` reports under `name`, for a cache of any kind."""
+    _STATS[name] = stats = CacheStats()
+    return stats
 
 
 def cache_info() -> dict[str, CacheStats]:
     """Statistics of every plan cache libnn has created in this process."""
-    return {name: cache.stats for name, cache in _ALL.items()}
+    return dict(_STATS)

@@ -1,0 +1,75 @@
+"""Kernel launches with their arguments packed once, for bound calls.
+
+A bound call knows everything about its launches but the arrays' pointers: the kernel, the grid, the
+block, the shared memory, the stream and every scalar argument. `bind(...)` packs all of it once; each
+launch then writes the pointers into their slots and calls `cuLaunchKernel` through cuda-bindings with
+the address of the packed argument array. CuPy's `RawKernel.__call__` converts every argument again
+on every launch, several times the cost (`libnn bench overhead`, "floors").
+
+Argument slots are 8 bytes each; the driver copies each parameter's own size from its slot (4 bytes for
+an int32 or float32, stored in the slot's low bytes on a little-endian host) when the launch is issued,
+so the slots may be rewritten as soon as `cuLaunchKernel` returns. A lock keeps two threads launching
+through one bound call (the same stream) from mixing their pointers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from libnn.errors import LibraryError
+
+ARRAY = object()  # an argument that is an array: its device pointer is written at each launch (None: null)
+
+
+class Launch:
+    """One kernel with fixed geometry and scalars; `launch(*arrays)` passes the arrays' pointers in the
+    order of the ARRAY placeholders."""
+
+    __slots__ = ("_launch", "_function", "_grid", "_block", "_smem", "_stream", "_slots", "_pointers",
+                 "_address", "_array_slots", "_lock", "_success", "name")
+
+    def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
+                 stream_ptr: int, args: Sequence[Any]):
+        from cuda.bindings import driver
+
+        self.name = name
+        self._launch = driver.cuLaunchKernel
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._function = driver.CUfunction(function.kernel.ptr)
+        self._grid = (*grid, *(1,) * (3 - len(grid)))
+        self._block = (*block, *(1,) * (3 - len(block)))
+        self._smem = shared_mem
+        self._stream = driver.CUstream(stream_ptr)
+        self._slots = np.zeros(len(args), np.uint64)
+        self._array_slots = [i for i, a in enumerate(args) if a is ARRAY]
+        for i, a in enumerate(args):
+            if a is not ARRAY:
+                self._slots[i:i + 1].view(np.asarray(a).dtype)[0] = a  # the value in the slot's low bytes
+        self._pointers = np.array([self._slots.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
+        self._address = self._pointers.ctypes.data  # read once: .ctypes costs microseconds per access
+        self._lock = threading.Lock()
+
+    def __call__(self, *arrays: Any) -> None:
+        slots = self._slots
+        with self._lock:
+            for i, a in zip(self._array_slots, arrays):
+                slots[i] = 0 if a is None else a.data.ptr
+            (err,) = self._launch(self._function, *self._grid, *self._block, self._smem, self._stream, self._address, 0)
+        if err is not self._success:
+            raise LibraryError(f"launching {self.name} failed: {err.name}")
+
+
+def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], *,
+         shared_mem: int = 0, stream_ptr: int | None = None) -> Launch:
+    """A packed launch of kernels/<file>'s `kernel` on the stream (default: the current one). `args`
+    lists the kernel's parameters in order: ARRAY for each array (passed at launch), NumPy scalars
+    (np.int32, np.int64, np.float32, np.uint64) for the rest."""
+    from libnn.runtime import kernels
+    from libnn.runtime.stream import current_stream
+
+    function = kernels.function(file, kernel, shared_mem)
+    return Launch(function, f"kernels/{file}:{kernel}", grid, block, shared_mem,
+                  current_stream().ptr if stream_ptr is None else stream_ptr, args)
