@@ -179,6 +179,85 @@ def _sequential_conv():
     return (lambda: model(x)), torch_call
 
 
+def _seed_cnn_models(batch: int):
+    import torch
+
+    from libnn.models import SeedCNN
+    from libnn.models.train_seed_cnn import torch_model
+    model = SeedCNN.pretrained(dtype="fp16", device="gpu")
+    x = _normal((batch, 1, 28, 28))
+    peer = torch_model().cuda().eval().half().to(memory_format=torch.channels_last)
+    tx = _torch(x).contiguous(memory_format=torch.channels_last)
+    return model, x, peer, tx
+
+
+def _eager(model, args, peer, peer_args):
+    import torch
+
+    def torch_call():
+        with torch.inference_mode():
+            return peer(*peer_args)
+    return (lambda: model(*args)), torch_call
+
+
+def _seed_cnn_eager(batch: int):
+    def setup():
+        model, x, peer, tx = _seed_cnn_models(batch)
+        return _eager(model, (x,), peer, (tx,))
+    return setup
+
+
+def _graph_replay():
+    """libnn's graph replay with caller-filled buffers against PyTorch's CUDA graph of the same model."""
+    import torch
+
+    model, x, peer, tx = _seed_cnn_models(1)
+    graphed = model.graphed()
+    buffers = graphed.inputs(x)
+    torch_graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        for _ in range(3):
+            peer(tx)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch_graph):
+            peer(tx)
+    return (lambda: graphed(*buffers)), torch_graph.replay
+
+
+def _encoder_eager():
+    import torch
+    from transformers import BertConfig as HFConfig, BertModel
+
+    from libnn.bench.models import ENCODER, SEQ
+    from libnn.models import BertConfig, BertEncoder
+    model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype="fp16", device="gpu")
+    ids = _rng().integers(0, ENCODER["vocab_size"], (1, SEQ), dtype="int64")
+    peer = BertModel(HFConfig(**ENCODER), add_pooling_layer=False).cuda().eval().half()
+    return _eager(model, (ids,), peer, (_torch(ids),))
+
+
+def _depthwise_blocks():
+    """Four EfficientNet-style blocks (1x1 expand, 3x3 depthwise, 1x1 project, BN and SiLU) at batch 1."""
+    import torch
+
+    from libnn.nn import BatchNorm2d, Conv2d, Sequential, SiLU
+    kw = dict(dtype="fp16", device="gpu")
+    layers, peers = [], []
+    for c in (32, 32, 64, 64):
+        layers += [Conv2d(c, 4 * c, 1, bias=False, seed=1, **kw), BatchNorm2d(4 * c, **kw), SiLU(),
+                   Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c, bias=False, seed=2, **kw), BatchNorm2d(4 * c, **kw),
+                   SiLU(), Conv2d(4 * c, c if c == 32 else 64, 1, bias=False, seed=3, **kw),
+                   BatchNorm2d(c if c == 32 else 64, **kw)]
+        peers += [torch.nn.Conv2d(c, 4 * c, 1, bias=False), torch.nn.BatchNorm2d(4 * c), torch.nn.SiLU(),
+                  torch.nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c, bias=False), torch.nn.BatchNorm2d(4 * c),
+                  torch.nn.SiLU(), torch.nn.Conv2d(4 * c, c if c == 32 else 64, 1, bias=False),
+                  torch.nn.BatchNorm2d(c if c == 32 else 64)]
+    model = Sequential(*layers)
+    peer = torch.nn.Sequential(*peers).cuda().eval().half().to(memory_format=torch.channels_last)
+    x = _normal((1, 28, 28, 32))
+    return _eager(model, (x,), peer, (_torch(x).permute(0, 3, 1, 2),))
+
+
 OPS = [
     Case("op", "linear cublaslt", _linear("cublaslt")),
     Case("op", "linear custom", _linear("custom")),
@@ -195,6 +274,14 @@ OPS = [
     Case("layer", "Embedding", _embedding),
     Case("layer", "Linear", _linear_layer),
     Case("layer", "Sequential(Conv2d, BatchNorm2d, ReLU)", _sequential_conv),
+    Case("graph", "SeedCNN bs1 graph replay, caller-filled buffers (peer: torch.cuda.graph replay)", _graph_replay),
+]
+
+MODELS = [
+    Case("model", "SeedCNN fp16 bs1 eager", _seed_cnn_eager(1)),
+    Case("model", "SeedCNN fp16 bs64 eager", _seed_cnn_eager(64)),
+    Case("model", "encoder (MiniLM shape) fp16 bs1 eager (peer: HF transformers)", _encoder_eager),
+    Case("model", "depthwise blocks x4 fp16 bs1 eager", _depthwise_blocks),
 ]
 
 
@@ -382,7 +469,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     calls = 300 if quick else 2000
     print("host cost of a cached call (µs per call, back-to-back calls; GPU work tiny)", file=sys.stderr)
     floors = _floor_rows(calls)
-    rows = _op_rows(OPS, calls)
+    rows = _op_rows(OPS, calls) + _op_rows(MODELS, max(calls // 10, 50))
     print(harness.format_table(floors, ["floor", "us per call", "note"]))
     print()
     print(harness.format_table(rows, ["group", "case", "libnn us", "peer us", "speed vs peer", "note"]))
