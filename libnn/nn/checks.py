@@ -25,7 +25,8 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int or a NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -35,7 +36,7 @@ def _at_least(minimum: int) -> str:
 
 def size(layer: str, name: str, value: Any, minimum: int | None = 1) -> int:
     """An int (a NumPy integer too) >= minimum, if there is one."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{layer}: {name} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{layer}: {name} must be {_at_least(minimum)}, got {value}")
@@ -45,7 +46,7 @@ def size(layer: str, name: str, value: Any, minimum: int | None = 1) -> int:
 def pair(layer: str, name: str, value: Any, minimum: int) -> tuple[int, int]:
     """An int or a pair of ints, each >= minimum, as a pair."""
     items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(items) != 2 or not all(_is_int(v) for v in items):
+    if len(items) != 2 or not all(is_int(v) for v in items):
         raise TypeError(f"{layer}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
     if min(items) < minimum:
         raise ValueError(f"{layer}: {name} must be {_at_least(minimum)} or a pair of them, got {value!r}")
@@ -56,8 +57,10 @@ def positive_float(layer: str, name: str, value: Any) -> float:
     """A finite real number > 0 (eps)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{layer}: {name} must be a real number, got {type(value).__name__} {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{layer}: {name} must be a finite number > 0, got {value!r}")
+    if not value > 0:  # NaN included
+        raise ValueError(f"{layer}: {name} must be > 0, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{layer}: {name} must be finite, got {value!r}")
     return float(value)
 
 

@@ -12,13 +12,12 @@ from libnn.ops.layernorm import layer_norm
 
 
 def _features(normalized_shape: Any) -> tuple[int]:
-    """(N,) from N or (N,): libnn normalizes over the last dimension only."""
-    if isinstance(normalized_shape, (tuple, list)):
-        if len(normalized_shape) != 1:
-            raise ValueError("LayerNorm: normalized_shape must be N or (N,) (libnn normalizes over the last "
-                             f"dimension only), got {normalized_shape!r}")
-        (normalized_shape,) = normalized_shape
-    return (checks.size("LayerNorm", "normalized_shape", normalized_shape),)
+    """(N,) from N or (N,) (NumPy integers too)."""
+    items = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else (normalized_shape,)
+    if len(items) != 1 or not checks.is_int(items[0]) or items[0] < 1:
+        raise ValueError("LayerNorm: normalized_shape must be N or (N,) with N >= 1 (libnn normalizes over the "
+                         f"last dimension only), got {normalized_shape!r}")
+    return (int(items[0]),)
 
 
 class LayerNorm(Module):
