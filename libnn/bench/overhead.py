@@ -393,17 +393,12 @@ def _floor_cudnn_execute_at_index():
 
 
 def _floor_cudnn_raw():
-    from libnn.runtime.handles import workspace
+    """libnn's own executor: the frontend's raw-pointer entry point where it has one (RawExecute)."""
     graph, buffers = _cudnn_conv_graph()
-    g = graph.graph
-    lowered = g._lowered_graph
-    lowered._prepare_variant_pack_template()
-    order = list(lowered._get_variant_pack_uids_sorted())
-    pointers = np.array([buffers[uid].data.ptr for uid in order], np.int64)
-    space = workspace(graph.workspace_bytes).data.ptr
-    handle = graph.handle.backend_handle
-    address, n = pointers.ctypes.data, len(order)
-    return lambda: lowered._execute_with_raw_ptrs(address, n, space, handle, -1)
+    execute = graph.executor(list(buffers))
+    arrays = list(buffers.values())
+    print(f"  cuDNN executor in use: {type(execute).__name__}", file=sys.stderr)
+    return lambda: execute(*arrays)
 
 
 def _captured_graph():
@@ -446,7 +441,7 @@ FLOORS = [
     ("cuBLASLt matmul (libnn's plan, raw binding)", _floor_cublaslt),
     ("cuDNN frontend execute(dict)", _floor_cudnn_execute),
     ("cuDNN frontend execute_plan_at_index(dict)", _floor_cudnn_execute_at_index),
-    ("cuDNN frontend raw-pointer execute", _floor_cudnn_raw),
+    ("cuDNN frontend raw-pointer execute (libnn's executor)", _floor_cudnn_raw),
     ("CUDA graph launch: cupy Graph.launch", _floor_graph_cupy),
     ("CUDA graph launch: cuda-bindings cudaGraphLaunch", _floor_graph_raw),
 ]

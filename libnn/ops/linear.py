@@ -142,10 +142,10 @@ def _bind_gpu(bind_gemm, problem: LinearProblem, x, w, b):
     kernels/epilogue.cu); empty problems need no GEMM."""
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
         return functools.partial(_degenerate, problem)
-    x, w, b = contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b)
+    matrices = (contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b))
     if problem.activation in FUSED_ACTIVATIONS:
-        return _as_matrices(bind_gemm(problem, x, w, b), problem, x, w, b)
-    gemm = bind_gemm(replace(problem, activation=None), x, w, b)
+        return _as_matrices(bind_gemm(problem, *matrices), problem, x, w, b)
+    gemm = bind_gemm(replace(problem, activation=None), *matrices)
     epilogue = bind_epilogue_pass(problem.dtype, problem.M * problem.N, problem.activation)
 
     def gemm_then_activation(x, w, b):
