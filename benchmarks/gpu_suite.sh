@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
 #   BENCH="attention models" PLANS=attention bash benchmarks/gpu_suite.sh bench   # a subset
 #   BENCH_QUICK=1 bash benchmarks/gpu_suite.sh bench                              # small shapes (smoke test)
+#   JOBS=0 bash benchmarks/gpu_suite.sh tests                                     # the suite serially (default: -n 6)
 #
 # On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
 # are installed into /tmp/site first and libnn runs from this working tree.
@@ -34,11 +35,13 @@ run() {  # run NAME CMD...: append the output to $OUT/NAME.txt and remember a fa
 }
 run info python3 -m libnn info
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  run pytest python3 -m pytest -q -p no:cacheprovider --durations=15 "$@"
+  # pytest-xdist (on the device image) runs the suite in ${JOBS:-6} processes; JOBS=0 runs it serially
+  xdist=(); [ "${JOBS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null && xdist=(-n "${JOBS:-6}")
+  run pytest python3 -m pytest -q -p no:cacheprovider --durations=15 "${xdist[@]}" "$@"
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  for op in ${BENCH:-linear conv fftconv attention models}; do
+  for op in ${BENCH:-overhead linear conv fftconv attention models}; do
     run bench python3 -m libnn bench "$op" ${BENCH_QUICK:+--quick} --json "$OUT/bench_$op.json"
   done
   run info python3 -m libnn run cnn --dtype fp16
