@@ -243,15 +243,14 @@ def _depthwise_blocks():
     from libnn.nn import BatchNorm2d, Conv2d, Sequential, SiLU
     kw = dict(dtype="fp16", device="gpu")
     layers, peers = [], []
-    for c in (32, 32, 64, 64):
-        layers += [Conv2d(c, 4 * c, 1, bias=False, seed=1, **kw), BatchNorm2d(4 * c, **kw), SiLU(),
-                   Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c, bias=False, seed=2, **kw), BatchNorm2d(4 * c, **kw),
-                   SiLU(), Conv2d(4 * c, c if c == 32 else 64, 1, bias=False, seed=3, **kw),
-                   BatchNorm2d(c if c == 32 else 64, **kw)]
-        peers += [torch.nn.Conv2d(c, 4 * c, 1, bias=False), torch.nn.BatchNorm2d(4 * c), torch.nn.SiLU(),
-                  torch.nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c, bias=False), torch.nn.BatchNorm2d(4 * c),
-                  torch.nn.SiLU(), torch.nn.Conv2d(4 * c, c if c == 32 else 64, 1, bias=False),
-                  torch.nn.BatchNorm2d(c if c == 32 else 64)]
+    for cin, cout in ((32, 32), (32, 32), (32, 64), (64, 64)):
+        wide = 4 * cin
+        layers += [Conv2d(cin, wide, 1, bias=False, seed=1, **kw), BatchNorm2d(wide, **kw), SiLU(),
+                   Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False, seed=2, **kw), BatchNorm2d(wide, **kw),
+                   SiLU(), Conv2d(wide, cout, 1, bias=False, seed=3, **kw), BatchNorm2d(cout, **kw)]
+        peers += [torch.nn.Conv2d(cin, wide, 1, bias=False), torch.nn.BatchNorm2d(wide), torch.nn.SiLU(),
+                  torch.nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False), torch.nn.BatchNorm2d(wide),
+                  torch.nn.SiLU(), torch.nn.Conv2d(wide, cout, 1, bias=False), torch.nn.BatchNorm2d(cout)]
     model = Sequential(*layers)
     peer = torch.nn.Sequential(*peers).cuda().eval().half().to(memory_format=torch.channels_last)
     x = _normal((1, 28, 28, 32))
@@ -438,7 +437,10 @@ def _floor_graph_raw():
     graph, stream = _captured_graph()
     exec_handle = runtime.cudaGraphExec_t(graph.graphExec)
     raw_stream = runtime.cudaStream_t(stream.ptr)
-    return lambda: runtime.cudaGraphLaunch(exec_handle, raw_stream)
+
+    def launch():  # holds graph and stream: the raw handles die with them (a launch after that crashes)
+        return runtime.cudaGraphLaunch(exec_handle, raw_stream), graph, stream
+    return launch
 
 
 def _floor_torch_empty():
