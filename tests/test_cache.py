@@ -27,6 +27,7 @@ def test_time_paths_rows_ratios_and_declined_paths(monkeypatch):
 
     times = {"lib": 2.0, "ours": 4.0}
     monkeypatch.setattr(harness, "time_gpu", lambda fn, inputs, **kw: harness.Timing(fn(None), 0, 0, 1))
+    monkeypatch.setattr(harness, "time_per_call", lambda fn, **kw: 2 * fn())  # the host doubles it
 
     def declined(_):
         raise LibraryError("no engine supports this graph\nthe backend log")
@@ -37,4 +38,5 @@ def test_time_paths_rows_ratios_and_declined_paths(monkeypatch):
                               errors=(LibraryError,))
     assert [r["path"] for r in rows] == ["lib", "ours", "other lib"] and all(r["case"] == "c" for r in rows)
     assert rows[0]["TFLOP/s"] == 2e9 / 2e-3 / 1e12 and rows[1]["lib/x"] == 0.5
+    assert rows[0]["per-call ms"] == 4.0 and rows[1]["per-call ms"] == 8.0
     assert rows[2]["note"] == "no engine supports this graph" and "ms" not in rows[2]

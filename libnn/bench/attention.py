@@ -132,7 +132,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
         cupy.get_default_memory_pool().free_all_blocks()
     harness.progress(len(cases) + 1, len(cases) + 1, "host time per cached call")
     host = _host_overhead()
-    print(harness.format_table(rows, ["case", "causal", "dtype", "path", "ms", "TFLOP/s", "%ceil", "cudnn/x", "GB/s",
+    print(harness.format_table(rows, ["case", "causal", "dtype", "path", "ms", "per-call ms", "TFLOP/s", "%ceil", "cudnn/x", "GB/s",
                                       "note"]))
     print(_targets(rows, host))
     if json_path:

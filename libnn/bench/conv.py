@@ -139,7 +139,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
         cupy.get_default_memory_pool().free_all_blocks()
     harness.progress(len(cases) + 1, len(cases) + 1, "pooling")
     rows += _pool_rows(ceilings, quick)
-    print(harness.format_table(rows, ["case", "N", "dtype", "path", "ms", "TFLOP/s", "%ceil", "cudnn/x", "GB/s",
+    print(harness.format_table(rows, ["case", "N", "dtype", "path", "ms", "per-call ms", "TFLOP/s", "%ceil", "cudnn/x", "GB/s",
                                       "%copy", "note"]))
     print(_targets(rows))
     if json_path:

@@ -151,7 +151,8 @@ class Result:
 
 def time_paths(paths: dict[str, Callable[[Any], Any]], row: dict[str, Any], *, flops: int, ceilings: "Ceilings",
                baseline: str, errors: tuple[type[BaseException], ...], note_chars: int = 60) -> list[dict[str, Any]]:
-    """One row per path (`row` plus the path's name) with its median ms, TFLOP/s and % of the bf16
+    """One row per path (`row` plus the path's name) with its median GPU time (ms), its per-call time
+    as a user sees it (per-call ms: back-to-back calls, nothing pre-queued), TFLOP/s and % of the bf16
     GEMM ceiling, and "<baseline>/x": the baseline path's time over this one's. A path that raises one
     of `errors` (a library declining the case) gets its message's first line as the row's note."""
     rows = []
@@ -164,7 +165,8 @@ def time_paths(paths: dict[str, Callable[[Any], Any]], row: dict[str, Any], *, f
             rows.append(result)
             continue
         tflops = flops / t.median_s / 1e12
-        result.update({"ms": t.median_ms, "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
+        result.update({"ms": t.median_ms, "per-call ms": time_per_call(lambda: fn(None), calls=20, repeats=3, warmup=2),
+                       "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
         rows.append(result)
     base = next((r.get("ms") for r in rows if r["path"] == baseline), None)
     for r in rows:

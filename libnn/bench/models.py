@@ -109,6 +109,7 @@ def _rows_for(case: Case, ceilings: harness.Ceilings) -> list[dict[str, Any]]:
         row = {"model": case.model, "batch": case.batch, "dtype": case.dtype, "path": path, **extra}
         try:
             row["ms"] = harness.time_gpu(fn, [None], warmup=3, runs=30).median_ms
+            row["per-call ms"] = harness.time_per_call(lambda: fn(None), calls=20, repeats=3, warmup=2)
         except (LibnnError, RuntimeError) as exc:
             row["note"] = str(exc).splitlines()[0][:70]
         rows.append(row)
@@ -269,7 +270,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     cupy.get_default_memory_pool().free_all_blocks()
     harness.progress(len(cases) + 2, len(cases) + 2, "cold start")
     cold = _cold_start()
-    print(harness.format_table(rows, ["model", "batch", "dtype", "path", "ms", "x libnn graph", "first call s",
+    print(harness.format_table(rows, ["model", "batch", "dtype", "path", "ms", "per-call ms", "x libnn graph", "first call s",
                                       "warm-up s", "capture s", "note"]))
     print(_format_server(server))
     print(_targets(rows, cold, server))
