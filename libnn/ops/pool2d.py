@@ -102,30 +102,41 @@ def _gpu_support(problem: PoolProblem) -> str | None:
     return None
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: PoolProblem, x):
-    return launch_pool(problem, x)
+    return bind_pool(problem, x)
 
 
-def launch_pool(problem: PoolProblem, x):
-    """kernels/pool2d.cu: the 16-byte NHWC kernel for max pooling, the general one otherwise."""
+def bind_pool(problem: PoolProblem, x):
+    """The runner of kernels/pool2d.cu for x of this signature: the 16-byte NHWC kernel for max pooling,
+    the general one otherwise; a strided x is made contiguous first."""
     import cupy
 
     from libnn.ops.conv2d import element_strides
-    from libnn.runtime import kernels
+    from libnn.runtime import launch
 
     p = problem
-    y = cupy.empty(p.output_shape(), x.dtype)
     vectorized = p.mode == "max" and p.layout == "NHWC"
     name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
     lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
     threads_per_image = p.P * p.Q * -(-p.C // lanes)
-    kernel = kernels.function("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}")
     ints = [p.N, p.H, p.W, p.C, p.P, p.Q, *p.kernel, *p.stride, *p.padding, int(p.count_include_pad)]
     strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.C, p.P, p.Q)]
-    kernel((min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
-           (x, y, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))
-    return y
+    kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
+                         (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
+                         (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))
+    shape, dtype, contiguous_input = p.output_shape(), x.dtype, x.flags.c_contiguous
+
+    def run(x):
+        y = cupy.empty(shape, dtype)
+        kernel(x if contiguous_input else cupy.ascontiguousarray(x), y)
+        return y
+    return run
+
+
+def launch_pool(problem: PoolProblem, x):
+    """y for x with kernels/pool2d.cu (for benchmarks and tests; bound calls keep `bind_pool`'s runner)."""
+    return bind_pool(problem, x)(x)
 
 
 @op.path("reference", kind="reference", device="cpu")
