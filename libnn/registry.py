@@ -182,11 +182,11 @@ class Bound:
 
     def __call__(self, *args: Any) -> Any:
         self.op.last_decision = self.decision
-        if not self._pending:
-            return self.run(*args)
         try:
             return self.run(*args)
         except LibraryError as exc:
+            if not self._pending:
+                raise
             self._failed(self.decision.path, exc)
             self._bind_next(args)
             return self(*args)
@@ -236,6 +236,11 @@ class BoundCalls:
     def clear(self) -> None:
         self._items.clear()
         self.stats.size = 0
+
+
+def option_key(value: Any) -> Any:
+    """An option as part of a bound call's key: a list (stride=[2, 2]) as the tuple it means."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _others(reasons: dict[str, str], ran: str) -> dict[str, str]:

@@ -62,12 +62,6 @@ class Graph:
     device_id: int = 0
     stream_ptr: int = 0
 
-    def execute(self, buffers: dict[int, Any]) -> None:
-        """Run on the stream the graph was cached for (the current one); `buffers` maps tensor UIDs to
-        CuPy arrays (or objects with `.data.ptr`)."""
-        uids = list(buffers)
-        self.executor(uids)(*(buffers[uid] for uid in uids))
-
     def executor(self, uids: Sequence[int]) -> Callable[..., None]:
         """execute(*arrays), the arrays in the order of `uids`, at the frontend's cheapest entry point
         that this frontend version has (see `RawExecute`), else its generic `execute`."""

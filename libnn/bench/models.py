@@ -223,22 +223,10 @@ def _server_loop(quick: bool) -> dict[str, Any]:
     return found
 
 
-def _wall_seconds(fn: Callable[[], Any], *, calls: int = 1, repeats: int = 3) -> float:
-    """Seconds per call of `fn` as a server sees it: back-to-back, nothing queued before, one
-    synchronisation at the end; the median of `repeats` (after one untimed round)."""
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    fn()
-    times = []
-    for _ in range(repeats):
-        stream.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        stream.synchronize()
-        times.append((time.perf_counter() - start) / calls)
-    return sorted(times)[len(times) // 2]
+def _wall_seconds(fn: Callable[[], Any], *, calls: int = 1) -> float:
+    """Seconds per call of `fn` as a server sees it (harness.time_per_call: back-to-back, nothing queued
+    before, one synchronisation at the end; the median of 3 after one untimed call)."""
+    return harness.time_per_call(fn, calls=calls, repeats=3, warmup=1) / 1e3
 
 
 def _format_server(server: dict[str, Any]) -> str:

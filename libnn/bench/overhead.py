@@ -379,8 +379,12 @@ def _cudnn_conv_graph():
 
 
 def _floor_cudnn_execute():
+    """The frontend's own generic execute, given the uid -> pointer dict."""
+    from libnn.runtime.handles import workspace
     graph, buffers = _cudnn_conv_graph()
-    return lambda: graph.execute(buffers)
+    pack = {uid: a.data.ptr for uid, a in buffers.items()}
+    space = workspace(graph.workspace_bytes).data.ptr
+    return lambda: graph.graph.execute(pack, space, handle=graph.handle)
 
 
 def _floor_cudnn_execute_at_index():

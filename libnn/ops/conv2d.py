@@ -25,7 +25,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.ops import activations
-from libnn.registry import Op
+from libnn.registry import Op, option_key
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 LAYOUTS = ("NHWC", "NCHW")
@@ -180,8 +180,8 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
     x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
     b = None if b is None else as_array(b, "conv2d", "b")
     bn_key = None if bn is None else _bn_signature(bn)
-    key = (signature(x), signature(w), signature(b), bn_key, _hashable(stride), _hashable(padding),
-           _hashable(dilation), groups, activation, layout, allow_tf32, path, stream_key())
+    key = (signature(x), signature(w), signature(b), bn_key, option_key(stride), option_key(padding),
+           option_key(dilation), groups, activation, layout, allow_tf32, path, stream_key())
 
     def prepare():
         problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
@@ -197,9 +197,6 @@ def _bn_signature(bn) -> tuple:
     except TypeError:  # not a sequence: the checks say so
         return (type(bn),)
 
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _inputs(problem: ConvProblem, x, w, b, bn):
@@ -270,11 +267,6 @@ def bind_cudnn_graph(problem: ConvProblem):
         execute(x, w, *epilogue, y)
         return y
     return run
-
-
-def run_cudnn_graph(problem: ConvProblem, x, w, scale, shift):
-    """y through the cuDNN graph of `problem` (for tools; bound calls keep `bind_cudnn_graph`'s runner)."""
-    return bind_cudnn_graph(problem)(x, w, scale, shift)
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.registry import Op
+from libnn.registry import Op, option_key
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
@@ -117,7 +117,7 @@ def fft_conv2d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "
                path: str = "auto") -> Any:
     """conv2d (NCHW, cross-correlation) through the FFT; see the module docstring."""
     return _run("fft_conv2d", x, w, b, lambda kernel: _pads(mode, padding, kernel, "fft_conv2d"), stride, path, 2,
-                (mode, _hashable(padding)))
+                (mode, option_key(padding)))
 
 
 def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "valid", causal: bool = False,
@@ -125,7 +125,7 @@ def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "
     """conv1d (N, C, L) through the FFT; `causal` pads kl-1 on the left and returns length L."""
     def pads(kernel):
         return ((kernel[0] - 1, 0),) if causal else _pads(mode, padding, kernel, "fft_conv1d")
-    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, _hashable(padding), causal))
+    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, option_key(padding), causal))
 
 
 def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
@@ -139,9 +139,6 @@ def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
         return _check(name, x, w, b, pads_for, stride)
     return op.call(key, prepare, path, x, w, b)
 
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def fft_shape(problem: FFTConvProblem, power_of_two: bool) -> tuple[int, ...]:

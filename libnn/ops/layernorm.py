@@ -152,7 +152,7 @@ def _graph_builder(problem: LayerNormProblem):
 
 class _HostScalar:
     """A float32 in host memory, for a pass-by-value graph input: cuDNN reads the value through the
-    pointer when the graph is launched. It looks like an array to backends.cudnn.Graph.execute,
+    pointer when the graph is launched. It looks like an array to backends.cudnn.Graph.executor,
     which takes `.data.ptr` of every buffer."""
 
     def __init__(self, value: float):

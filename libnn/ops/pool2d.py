@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.conv2d import LAYOUTS, _hashable, _pair
-from libnn.registry import Op
+from libnn.ops.conv2d import LAYOUTS, _pair
+from libnn.registry import Op, option_key
 from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -78,7 +78,7 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
 
 def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
     x = as_array(x, f"{mode}_pool2d", "x")
-    key = (mode, signature(x), _hashable(kernel_size), _hashable(stride), _hashable(padding), count_include_pad,
+    key = (mode, signature(x), option_key(kernel_size), option_key(stride), option_key(padding), count_include_pad,
            layout, path, stream_key())
     return op.call(key, lambda: _check(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
 
