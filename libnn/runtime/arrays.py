@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from libnn.errors import LibnnError
+from libnn.runtime.device import gpu_missing
 
 
 _CUPY_TYPES: set[type] = set()  # the cupy array types seen so far: later checks are one set lookup
@@ -82,10 +83,11 @@ def signature(a: Any) -> tuple | None:
 
 
 def stream_key() -> int:
-    """The current CuPy stream's handle (0 while CuPy is not loaded): plans, handles and workspaces are
-    per stream, so a bound call is too."""
+    """The current CuPy stream's handle (0 where there is no GPU, or CuPy is not loaded: CuPy can be
+    installed on a machine without a driver, where asking for a stream raises): plans, handles and
+    workspaces are per stream, so a bound call is too."""
     cupy = sys.modules.get("cupy")
-    return cupy.cuda.get_current_stream().ptr if cupy is not None else 0
+    return 0 if cupy is None or gpu_missing() else cupy.cuda.get_current_stream().ptr
 
 
 def device_of(arrays: dict[str, Any], op: str) -> str:
