@@ -86,3 +86,21 @@ def test_attention_and_softmax_and_pooling_through_the_front_end(rng):
     image = random_normal(rng, (1, 4, 4, 3), "fp64")
     assert max_pool2d(image, 2).shape == (1, 2, 2, 3)
     assert max_pool2d(image, 2, 1).shape == (1, 3, 3, 3)
+
+
+def test_the_stream_key_is_0_where_cupy_is_installed_but_there_is_no_gpu(monkeypatch, rng):
+    """CuPy without a driver raises on any stream query: host calls must not ask (README set-up)."""
+    import sys
+    import types
+
+    from libnn.runtime import arrays
+
+    def no_stream():
+        raise RuntimeError("cudaErrorInsufficientDriver")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=no_stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(arrays, "gpu_missing", lambda: "no NVIDIA driver is installed")
+    assert arrays.stream_key() == 0
+    x, w = random_normal(rng, (3, 4), "fp64"), random_normal(rng, (2, 4), "fp64")
+    np.testing.assert_allclose(linear(x, w), x @ w.T, rtol=1e-12)
