@@ -57,12 +57,21 @@ def _run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from libnn.runtime.device import gpu_missing
 
+    if args.only is not None:
+        from libnn.bench.models import PARTS
+
+        parts = [p.strip() for p in args.only.split(",")]
+        if args.op != "models" or not all(p in PARTS for p in parts):
+            print(f"libnn bench: --only takes parts of `bench models` among {', '.join(PARTS)}, comma-separated; "
+                  f"got {args.only!r} for `bench {args.op}`", file=sys.stderr)
+            return 2
     if reason := gpu_missing():
         print(f"libnn bench needs a GPU: {reason}", file=sys.stderr)
         return 2
     import importlib
 
-    importlib.import_module(f"libnn.bench.{args.op}").run(quick=args.quick, json_path=args.json)
+    options = {} if args.only is None else {"only": args.only}
+    importlib.import_module(f"libnn.bench.{args.op}").run(quick=args.quick, json_path=args.json, **options)
     return 0
 
 
@@ -141,6 +150,8 @@ def parser() -> argparse.ArgumentParser:
                    "cost of a cached call of every op against PyTorch's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fftconv: and a heat map PNG beside it)")
+    s.add_argument("--only", metavar="PARTS", help="models only: the parts to run, comma-separated, among "
+                   "cnn, block, encoder, server, cold (default all)")
     s.set_defaults(func=_bench)
 
     s = sub.add_parser("plans", help="the plans a library's heuristics offer for one problem (GPU only)",
