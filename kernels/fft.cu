@@ -1,5 +1,6 @@
 /*
-Batched complex-to-complex FFT in fp32, power-of-two lengths, in the style of llm.c dev/cuda.
+Batched complex-to-complex FFT in fp32, power-of-two lengths, in the style of llm.c dev/cuda (versions 1-3),
+and the element-wise passes fft_conv's cuFFT path runs around cuFFT's transforms (4-6).
 
     in, out   complex64 as interleaved (re, im) float pairs (cf32 below, 8-byte aligned)
     transform b (0 <= b < batch), element e (0 <= e < n = 2^log2n):
@@ -64,6 +65,25 @@ Versions:
    (-n/2, n/2], then sincospif(2k/n) on an exact float argument (n <= 2^25), so large n lose no accuracy
    to the argument. One grid-stride pass, memory-bound.
 
+The kernels below serve fft_conv (libnn/ops/fft_conv.py), around cuFFT's real-to-complex transforms:
+one pass each before, between and after them, so that a bound call launches pad, R2C, multiply, C2R,
+crop and nothing else. Spatial shapes are 2-D; the 1-D op passes H = kh = Fh = 1.
+
+4) fft_pad_{f32,f16,bf16}
+   Zero-padded fp32 copies of x and w in one buffer of rows_x + rows_w rows of Fh x Fw, the input of one
+   batched R2C transform: row r < rows_x (r = n*C + c) holds x[n, c] at offset (ph, pw), row rows_x + r
+   (r = k*C + c) holds w[k, c] at (0, 0); everything else is written 0 (cuFFT may reuse the buffer's
+   contents, and a reused workspace must not carry the last call's values). The cast to fp32 happens here.
+5) fft_cmul
+   Y[n, k, f] = sum_c X[n, c, f] * conj(W[k, c, f]) for every frequency bin f < bins, with X the first
+   N*C spectra of `spectra` and W the K*C after them (cross-correlation: the filter spectrum conjugated).
+   One thread per (n, k, f), f fastest (coalesced); for the few channel pairs it is used for (C*K <= 16,
+   libnn/ops/fft_conv.py GEMM_CHANNEL_PAIRS) the c loop is short and its re-reads of X hit L1.
+6) fft_crop_{f32,f16,bf16}
+   out[n, k, p, q] = T(y[n, k, p, q] * scale + bias[k]) for p < OH, q < OW of the C2R output y (N*K rows of
+   Fh x Fw): the crop, the 1/(Fh*Fw) normalisation cuFFT leaves out, the bias (null: none) and the cast
+   to the output dtype in one pass. bias has the output's dtype and is added in fp32.
+
 LAUNCH (n = 2^log2n; dynamic shared memory in bytes; grid may be smaller than the number of work items:
 every kernel grid-strides, so any grid >= 1 is correct; a grid of about one resident wave amortizes the
 twiddle table best):
@@ -72,11 +92,19 @@ twiddle table best):
     fft_radix4_c2c    256                          ceil(batch / P)         (P*n + n/2) * 8   (<= 48 KB)
                       (P = 256 / min(max(n/4, 1), 256): n=2,4: 256; n<=1024: 1024/n; else 1)
     fft_twiddle       256                          ceil(batch*n1*n2/256)   0
+    fft_pad_*         256                          ceil(total/256)         0     (total = rows*Fh*Fw)
+    fft_cmul          256                          ceil(N*K*bins/256)      0
+    fft_crop_*        256                          ceil(total/256)         0     (total = N*K*OH*OW)
 parameters:
     fft_radix2_c2c, fft_radix4_c2c: (const cf32* in, cf32* out, int log2n, int batch,
                                      long long elem_stride, long long batch_stride, int inverse)
     fft_twiddle:                    (cf32* data, int log2n1, int log2n2, long long batch_stride, int batch,
                                      int inverse)
+    fft_pad_*:                      (const T* x, const T* w, float* out, long long rows_x, long long total,
+                                     int H, int W, int ph, int pw, int kh, int kw, int Fh, int Fw)
+    fft_cmul:                       (const cf32* spectra, cf32* y, int N, int C, int K, long long bins)
+    fft_crop_*:                     (const float* y, const T* bias, T* out, long long total, int K, int OH,
+                                     int OW, int Fh, int Fw, float scale)
 */
 #include "common.cuh"
 
@@ -258,3 +286,78 @@ fft_twiddle(cf32* data, int log2n1, int log2n2, i64 batch_stride, int batch, int
         *q = cmul(*q, {c, sgn * s});
     }
 }
+
+// ---- 4) fft_conv: x and w zero-padded into one fp32 buffer, the input of one batched R2C ----------------
+template <class DT>
+__device__ __forceinline__ void fft_pad(const typename DT::T* x, const typename DT::T* w, float* out, i64 rows_x,
+                                        i64 total, int H, int W, int ph, int pw, int kh, int kw, int Fh, int Fw) {
+    const i64 plane = (i64)Fh * Fw;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const i64 r = idx / plane;
+        const int rem = (int)(idx - r * plane);
+        const int i = rem / Fw, j = rem - i * Fw;
+        float v = 0.f;
+        if (r < rows_x) {
+            const int ii = i - ph, jj = j - pw;
+            if (ii >= 0 && ii < H && jj >= 0 && jj < W) v = DT::ld(x[r * H * W + (i64)ii * W + jj]);
+        } else if (i < kh && j < kw) {
+            v = DT::ld(w[(r - rows_x) * kh * kw + i * kw + j]);
+        }
+        out[idx] = v;
+    }
+}
+
+#define FFT_PAD(SUFFIX, DT)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+    fft_pad_##SUFFIX(const DT::T* x, const DT::T* w, float* out, i64 rows_x, i64 total, int H, int W,      \
+                     int ph, int pw, int kh, int kw, int Fh, int Fw) {                                     \
+        fft_pad<DT>(x, w, out, rows_x, total, H, W, ph, pw, kh, kw, Fh, Fw);                                \
+    }
+FFT_PAD(f32, dt_f32)
+FFT_PAD(f16, dt_f16)
+FFT_PAD(bf16, dt_bf16)
+
+// ---- 5) fft_conv: Y[n, k] = sum_c X[n, c] * conj(W[k, c]) per frequency bin ----------------------------
+extern "C" __global__ void __launch_bounds__(256)
+fft_cmul(const cf32* spectra, cf32* y, int N, int C, int K, i64 bins) {
+    const i64 total = (i64)N * K * bins;
+    const cf32* wf = spectra + (i64)N * C * bins;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const i64 nk = idx / bins, f = idx - nk * bins;
+        const int n = (int)(nk / K), k = (int)(nk - (i64)n * K);
+        const cf32* xs = spectra + (i64)n * C * bins + f;
+        const cf32* ws = wf + (i64)k * C * bins + f;
+        cf32 acc = {0.f, 0.f};
+        for (int c = 0; c < C; ++c) {
+            const cf32 a = xs[c * bins], b = ws[c * bins];
+            acc.re += a.re * b.re + a.im * b.im;   // a * conj(b)
+            acc.im += a.im * b.re - a.re * b.im;
+        }
+        y[idx] = acc;
+    }
+}
+
+// ---- 6) fft_conv: crop, normalise, add the bias and cast, one pass -------------------------------------
+template <class DT>
+__device__ __forceinline__ void fft_crop(const float* y, const typename DT::T* bias, typename DT::T* out, i64 total,
+                                         int K, int OH, int OW, int Fh, int Fw, float scale) {
+    const i64 plane = (i64)OH * OW;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+        const i64 nk = idx / plane;
+        const int rem = (int)(idx - nk * plane);
+        const int p = rem / OW, q = rem - p * OW;
+        float v = y[nk * Fh * Fw + (i64)p * Fw + q] * scale;
+        if (bias) v += DT::ld(bias[(int)(nk % K)]);
+        out[idx] = DT::st(v);
+    }
+}
+
+#define FFT_CROP(SUFFIX, DT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256)                                                      \
+    fft_crop_##SUFFIX(const float* y, const DT::T* bias, DT::T* out, i64 total, int K, int OH, int OW,     \
+                      int Fh, int Fw, float scale) {                                                       \
+        fft_crop<DT>(y, bias, out, total, K, OH, OW, Fh, Fw, scale);                                       \
+    }
+FFT_CROP(f32, dt_f32)
+FFT_CROP(f16, dt_f16)
+FFT_CROP(bf16, dt_bf16)

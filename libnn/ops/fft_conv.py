@@ -3,35 +3,65 @@
 They compute exactly what conv2d (NCHW, stride 1, dilation 1, groups 1) computes, a cross-correlation
 of x (N, C, H, W) with w (K, C, kh, kw) plus bias, but in O(HW log HW) per channel pair instead of
 O(HW·kh·kw): both are zero-padded to an FFT size F ≥ the padded input, transformed, multiplied per
-frequency as a batched complex matrix product (C → K for every frequency, one cuBLAS batched GEMM,
-not a loop), transformed back and cropped. For cross-correlation the filter spectrum is conjugated.
+frequency (Y[n, k] = Σ_c X[n, c] · conj(W[k, c]); the filter spectrum is conjugated for
+cross-correlation), transformed back and cropped.
 
-`mode`: "valid" (with `padding`), "same" (output H×W), "full" (output H+kh-1 × W+kw-1).
-fp32; fp16/bf16 inputs are computed in fp32 and rounded once. fft_conv1d is the 1-D case on
-(N, C, L); `causal=True` pads kl-1 on the left only, so y[t] depends on x[≤ t] (long convolutions).
+`mode`: "valid" (with `padding`: an int or one int per spatial dim, ≥ 0), "same" (output H×W), "full"
+(output H+kh-1 × W+kw-1); `padding` applies to "valid" only and must be left at 0 with the others.
+fp32; fp16/bf16 inputs are computed in fp32 and rounded once. fft_conv1d is the 1-D case on (N, C, L);
+`causal=True` pads kl-1 on the left only, so y[t] depends on x[≤ t] (long convolutions); it sets the
+padding itself, so `mode` and `padding` must be left at "valid" and 0 (anything else is a ValueError).
+
+NaN and Inf spread: a transform mixes every input value into every frequency, so one NaN or Inf in
+image n of x makes every output of image n NaN (all K channels), and one in filter k of w makes
+channel k of every image NaN. conv2d poisons only the outputs whose window reads the bad value. This is
+a property of the FFT, not emulated away: check inputs with `isfinite` first where it matters.
 
 Paths, in `auto` order:
-- cufft:     cuFFT through CuPy (real-to-complex transforms, FFT sizes rounded up to 2,3,5,7-smooth
-             numbers, CuPy's plan cache).
-- custom:    our FFT (kernels/fft.cu, complex-to-complex, power-of-two sizes).
+- cufft:     cuFFT's real-to-complex transforms (FFT sizes rounded up to 2,3,5,7-smooth numbers).
+             Bound per signature (see libnn.registry): the first call sizes the problem, checks the
+             memory it needs against free GPU memory, creates its two cuFFT plans and its workspaces
+             (padded inputs, spectra, the inverse transform's output). A later call launches
+               1. fft_pad (kernels/fft.cu): x and w, cast to fp32 and zero-padded, into one buffer;
+               2. one batched R2C transform of it (x's and w's spectra at once);
+               3. the spectrum product: fft_cmul for C·K ≤ GEMM_CHANNEL_PAIRS, else a batched GEMM
+                  (CuPy's matmul, cuBLAS) on transposed copies of the spectra;
+               4. one batched C2R transform;
+               5. fft_crop: crop, 1/F normalisation, bias and cast into a new output array.
+             The filter spectrum is computed at every call (w's contents may change between calls).
+             The workspaces belong to the bound call and are reused by every call on its stream (the
+             stream is part of the signature): calls on one stream run in order on the GPU, and calls
+             from several threads on one stream take the bound call's lock while they launch. A bound
+             call holds its workspaces until it is dropped (`op.calls` keeps the last MAX_BOUND_CALLS
+             signatures; `libnn.get_op("fft_conv").calls.clear()` releases them all).
+- custom:    our FFT (kernels/fft.cu, complex-to-complex, power-of-two sizes); bound for its size and
+             memory check, CuPy element-wise steps per call.
 - reference: numpy.fft in float64.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from libnn import dtypes
-from libnn.registry import Op, option_key
+from libnn.registry import Op
+from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
-MAX_FFT_BYTES_FRACTION = 0.8  # refuse transforms whose buffers would exceed this share of free memory
+# cuFFT plans and kernels/fft.cu index one spatial dimension with an int
+MAX_PADDED = 2**31 - 1
+# A bound cufft call keeps its workspaces (several times the padded input): a few dozen signatures,
+# not the registry's default thousands.
+MAX_BOUND_CALLS = 32
 
-op = Op("fft_conv", order=("cufft", "custom", "reference"))
+op = Op("fft_conv", order=("cufft", "custom", "reference"), max_calls=MAX_BOUND_CALLS)
 
 
 @dataclass(frozen=True)
@@ -47,8 +77,12 @@ class FFTConvProblem:
     device: str
 
     def describe(self) -> str:
-        return (f"fft_conv{len(self.spatial)}d N={self.N} C={self.C} K={self.K} input {self.spatial} "
+        return (f"{self.name} N={self.N} C={self.C} K={self.K} input {self.spatial} "
                 f"kernel {self.kernel} pads {self.pads} {self.dtype}")
+
+    @property
+    def name(self) -> str:
+        return f"fft_conv{len(self.spatial)}d"
 
     @property
     def padded(self) -> tuple[int, ...]:
@@ -59,30 +93,59 @@ class FFTConvProblem:
         return tuple(p - k + 1 for p, k in zip(self.padded, self.kernel))
 
 
-def smooth_size(n: int, primes: tuple[int, ...] = (2, 3, 5, 7)) -> int:
-    """The smallest m ≥ n whose prime factors are all in `primes` (fast cuFFT sizes)."""
-    m = n
-    while True:
-        r = m
-        for p in primes:
-            while r % p == 0:
-                r //= p
-        if r == 1:
-            return m
-        m += 1
+def smooth_size(n: int) -> int:
+    """The smallest m ≥ n whose prime factors are all 2, 3, 5 or 7 (fast cuFFT sizes): the least of
+    p·2^a ≥ n over the products p of powers of 3, 5 and 7 below the next power of two, O(log³ n)."""
+    best = 1 << max(n - 1, 0).bit_length()
+    p7 = 1
+    while p7 < best:
+        p5 = p7
+        while p5 < best:
+            p3 = p5
+            while p3 < best:
+                fits = p3 << (-(-n // p3) - 1).bit_length() if p3 < n else p3  # p3·2^a, the least ≥ n
+                best = min(best, fits)
+                p3 *= 3
+            p5 *= 5
+        p7 *= 7
+    return best
 
 
-def _pads(mode: str, padding, kernel: tuple[int, ...], name: str) -> tuple[tuple[int, int], ...]:
+def _padding(name: str, padding: Any, dims: int) -> tuple[int, ...]:
+    """`padding` as `dims` Python ints ≥ 0."""
+    def integer(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+    if integer(padding):
+        pad = (int(padding),) * dims
+    elif isinstance(padding, (tuple, list)) and all(integer(p) for p in padding):
+        pad = tuple(int(p) for p in padding)
+    else:
+        raise TypeError(f"{name}: padding must be an int or a tuple of {dims} ints, got "
+                        f"{type(padding).__name__} {padding!r}")
+    if len(pad) != dims or any(p < 0 for p in pad):
+        raise ValueError(f"{name}: padding must be an int >= 0 or a tuple of {dims} ints >= 0, got {padding!r}")
+    return pad
+
+
+def _options(name: str, mode: str, padding: Any, dims: int) -> tuple[int, ...]:
+    """Checks mode and padding (before the bound-call lookup: 2.0 == 2 would find padding=2's call);
+    returns the padding as ints."""
     if mode not in MODES:
         raise ValueError(f"{name}: mode must be one of {MODES}, got {mode!r}")
+    pad = _padding(name, padding, dims)
+    if mode != "valid" and any(pad):
+        raise ValueError(f"{name}: padding applies to mode='valid' only; mode={mode!r} pads itself, got "
+                         f"padding={padding!r}")
+    return pad
+
+
+def _pads(mode: str, pad: tuple[int, ...], kernel: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     if mode == "same":
         return tuple(((k - 1) // 2, k // 2) for k in kernel)
     if mode == "full":
         return tuple((k - 1, k - 1) for k in kernel)
-    pad = (padding,) * len(kernel) if isinstance(padding, (int, np.integer)) else tuple(padding)
-    if len(pad) != len(kernel) or any(int(p) != p or p < 0 for p in pad):
-        raise ValueError(f"{name}: padding must be an int or {len(kernel)} ints >= 0, got {padding!r}")
-    return tuple((int(p), int(p)) for p in pad)
+    return tuple((p, p) for p in pad)
 
 
 def _check(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
@@ -107,6 +170,9 @@ def _check(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
     pads = pads_for(kernel)
     problem = FFTConvProblem(x.shape[0], x.shape[1], w.shape[0], spatial, kernel, pads, b is not None,
                              dtypes.short_name(x.dtype), device_of({"x": x, "w": w, "b": b}, name))
+    if max(problem.padded) > MAX_PADDED:
+        raise ValueError(f"{name}: padding {pads} makes the padded input {problem.padded}; FFT convolution "
+                         f"handles at most {MAX_PADDED} (2**31 - 1) per dimension")
     if any(o < 1 for o in problem.out):
         raise ValueError(f"{name}: kernel {kernel} is larger than the padded input {problem.padded}; "
                          f"pad x or use mode='same' or mode='full'")
@@ -115,17 +181,25 @@ def _check(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
 
 def fft_conv2d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "valid", stride: int = 1,
                path: str = "auto") -> Any:
-    """conv2d (NCHW, cross-correlation) through the FFT; see the module docstring."""
-    return _run("fft_conv2d", x, w, b, lambda kernel: _pads(mode, padding, kernel, "fft_conv2d"), stride, path, 2,
-                (mode, option_key(padding)))
+    """conv2d (NCHW, cross-correlation) through the FFT; see the module docstring (modes, padding, and
+    how one NaN or Inf spreads to every output of its image or filter)."""
+    pad = _options("fft_conv2d", mode, padding, 2)
+    return _run("fft_conv2d", x, w, b, lambda kernel: _pads(mode, pad, kernel), stride, path, 2, (mode, pad))
 
 
 def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "valid", causal: bool = False,
                stride: int = 1, path: str = "auto") -> Any:
-    """conv1d (N, C, L) through the FFT; `causal` pads kl-1 on the left and returns length L."""
+    """conv1d (N, C, L) through the FFT; `causal` pads kl-1 on the left and returns length L (mode and
+    padding must then be left at 'valid' and 0). NaN/Inf spread as the module docstring says."""
+    pad = _options("fft_conv1d", mode, padding, 1)
+    if causal and (mode != "valid" or any(pad)):
+        bad = f"mode={mode!r}" if mode != "valid" else f"padding={padding!r}"
+        raise ValueError(f"fft_conv1d: causal=True pads kl-1 on the left itself; mode and padding must be "
+                         f"left at 'valid' and 0, got {bad}")
+
     def pads(kernel):
-        return ((kernel[0] - 1, 0),) if causal else _pads(mode, padding, kernel, "fft_conv1d")
-    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, option_key(padding), causal))
+        return ((kernel[0] - 1, 0),) if causal else _pads(mode, pad, kernel)
+    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, pad, bool(causal)))
 
 
 def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
@@ -140,27 +214,34 @@ def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
     return op.call(key, prepare, path, x, w, b)
 
 
-
 def fft_shape(problem: FFTConvProblem, power_of_two: bool) -> tuple[int, ...]:
     return tuple(1 << (p - 1).bit_length() if power_of_two else smooth_size(p) for p in problem.padded)
 
 
-def _check_memory(problem: FFTConvProblem, shape: tuple[int, ...]) -> None:
-    """Refuse, with the size needed, transforms whose buffers would not fit in free GPU memory."""
-    import cupy
-
-    bins = int(np.prod(shape))
-    needed = 8 * bins * (problem.N * problem.C + problem.K * problem.C + 2 * problem.N * problem.K)
-    free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
-    if needed > MAX_FFT_BYTES_FRACTION * free:
-        raise MemoryError(f"{problem.describe()}: the padded transforms ({shape}) need {needed / 2**30:.1f} GiB, "
-                          f"{free / 2**30:.1f} GiB is free; use libnn.ops.conv2d or a smaller batch")
-
-
-# Up to this many channel pairs the contraction is a broadcast multiply-and-sum; above it, one batched
-# GEMM over frequencies. A GEMM per frequency with C = K = 1 is millions of 1x1 products: on the H100
-# it made a 2048² single-channel convolution 6× slower than CuPy's fftconvolve.
+# Up to this many channel pairs the contraction is one pass over the spectra (fft_cmul on the GPU, a
+# broadcast multiply-and-sum on the host); above it, one batched GEMM over frequencies. A GEMM per
+# frequency with C = K = 1 is millions of 1x1 products: on the H100 it made a 2048² single-channel
+# convolution 6× slower than CuPy's fftconvolve.
 GEMM_CHANNEL_PAIRS = 16
+
+
+def transform_bytes(problem: FFTConvProblem, shape: tuple[int, ...], real_bytes: int, broadcast: bool) -> int:
+    """The bytes a call allocates for transforms of `shape` with reals of `real_bytes` (complex twice
+    that): the padded inputs and outputs and their spectra, the GEMM's transposed copies when the
+    channels take the GEMM, else (`broadcast`) the N·K·C product a broadcast multiply makes before its sum."""
+    p = problem
+    size, bins = math.prod(shape), math.prod(shape[:-1]) * (shape[-1] // 2 + 1)
+    inputs, outputs = (p.N + p.K) * p.C, p.N * p.K
+    total = (inputs + outputs) * (size * real_bytes + bins * 2 * real_bytes)
+    if p.C * p.K > GEMM_CHANNEL_PAIRS:
+        total += (inputs + p.K * p.C + outputs) * bins * 2 * real_bytes
+    elif broadcast:
+        total += p.N * p.K * p.C * bins * 2 * real_bytes
+    return total + outputs * math.prod(p.out) * np.dtype(dtypes.parse(p.dtype)).itemsize
+
+
+def _require(problem: FFTConvProblem, shape: tuple[int, ...], nbytes: int, device: str) -> None:
+    memory.require(nbytes, device, problem.name, f"padding x {problem.spatial} to the FFT size {shape}")
 
 
 def _contract(xf, wf, xp):
@@ -189,7 +270,7 @@ def _finish(y, problem, b, dtype, xp):
 
 
 def _real_fft_conv(problem, x, w, b, xp, compute):
-    """The cuFFT / numpy path: real-to-complex transforms of size fft_shape."""
+    """The numpy path (and the GPU's for empty problems): real-to-complex transforms of size fft_shape."""
     axes = tuple(range(2, 2 + len(problem.spatial)))
     shape = fft_shape(problem, power_of_two=False)
     xf = xp.fft.rfftn(_pad(x.astype(compute), problem, xp), s=shape, axes=axes)
@@ -204,12 +285,90 @@ def _gpu_support(problem: FFTConvProblem) -> str | None:
     return None
 
 
-@op.path("cufft", kind="library", device="gpu", supports=_gpu_support)
+@op.path("cufft", kind="library", device="gpu", supports=_gpu_support, binds=True)
 def _cufft(problem, x, w, b):
     import cupy
 
-    _check_memory(problem, fft_shape(problem, power_of_two=False))
-    return _real_fft_conv(problem, x, w, b, cupy, cupy.float32)
+    if min(problem.N, problem.C, problem.K) == 0:  # nothing to transform: CuPy's FFT handles empty axes
+        return functools.partial(_real_fft_conv, problem, xp=cupy, compute=cupy.float32)
+    return bind_cufft(problem, x, w, b)
+
+
+def _planar(values: tuple) -> tuple:
+    """A 1-D problem's (L,) as the 2-D (1, L) the kernels take."""
+    return values if len(values) == 2 else (1, *values)
+
+
+def bind_cufft(problem: FFTConvProblem, x, w, b):
+    """The cufft path's runner for arrays of this signature (see the module docstring for its launches)."""
+    import cupy
+    from cupy.cuda import cufft
+
+    from libnn.runtime import launch
+
+    p = problem
+    shape = fft_shape(p, power_of_two=False)
+    _require(p, shape, transform_bytes(p, shape, 4, broadcast=False), "gpu")
+    rows_in, rows_x, rows_y = (p.N + p.K) * p.C, p.N * p.C, p.N * p.K
+    half = (*shape[:-1], shape[-1] // 2 + 1)  # the R2C spectrum's shape
+    padded = cupy.empty((rows_in, *shape), cupy.float32)
+    spectra = cupy.empty((rows_in, *half), cupy.complex64)
+    product = cupy.empty((rows_y, *half), cupy.complex64)
+    back = cupy.empty((rows_y, *shape), cupy.float32)
+    if len(shape) == 1:  # Plan1d made here, not taken from CuPy's plan cache: its work area is this call's
+        forward = cufft.Plan1d(shape[0], cufft.CUFFT_R2C, rows_in)
+        inverse = cufft.Plan1d(shape[0], cufft.CUFFT_C2R, rows_y)
+    else:
+        from cupyx.scipy.fftpack import get_fft_plan
+
+        forward = get_fft_plan(padded, axes=(-2, -1), value_type="R2C")
+        inverse = get_fft_plan(product, shape=shape, axes=(-2, -1), value_type="C2R")
+
+    (H, W), (kh, kw), (OH, OW), (Fh, Fw) = (_planar(v) for v in (p.spatial, p.kernel, p.out, shape))
+    ph, pw = _planar(tuple(before for before, _ in p.pads))
+    suffix = dtypes.KERNEL_SUFFIX[p.dtype]
+    pad = launch.bind("fft.cu", f"fft_pad_{suffix}", (_grid(padded.size),), (256,),
+                      (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(rows_x), np.int64(padded.size),
+                       *(np.int32(v) for v in (H, W, ph, pw, kh, kw, Fh, Fw))))
+    out_shape = (p.N, p.K, *p.out)
+    crop = launch.bind("fft.cu", f"fft_crop_{suffix}", (_grid(math.prod(out_shape)),), (256,),
+                       (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(math.prod(out_shape)),
+                        *(np.int32(v) for v in (p.K, OH, OW, Fh, Fw)), np.float32(1 / math.prod(shape))))
+    if p.C * p.K <= GEMM_CHANNEL_PAIRS:
+        cmul = launch.bind("fft.cu", "fft_cmul", (_grid(product.size),), (256,),
+                           (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in (p.N, p.C, p.K)),
+                            np.int64(math.prod(half))))
+
+        def multiply():
+            cmul(spectra, product)
+    else:
+        xf, wf = spectra[:rows_x].reshape(p.N, p.C, *half), spectra[rows_x:].reshape(p.K, p.C, *half)
+        product_nk = product.reshape(p.N, p.K, *half)
+
+        def multiply():
+            cupy.copyto(product_nk, _contract(xf, wf, cupy))
+
+    dtype, forward_dir, inverse_dir = x.dtype, cufft.CUFFT_FORWARD, cufft.CUFFT_INVERSE
+    strided = [a is not None and not a.flags.c_contiguous for a in (x, w, b)]
+    lock = threading.Lock()
+
+    def run(x, w, b):
+        if any(strided):
+            x, w, b = (cupy.ascontiguousarray(a) if s else a for a, s in zip((x, w, b), strided))
+        y = cupy.empty(out_shape, dtype)
+        with lock:  # the workspaces: one call at a time launches into them
+            pad(x, w, padded)
+            forward.fft(padded, spectra, forward_dir)
+            multiply()
+            inverse.fft(product, back, inverse_dir)
+            crop(back, b, y)
+        return y
+    return run
+
+
+def _grid(total: int) -> int:
+    """Blocks of 256 for a grid-stride pass over `total` elements (capped: each thread loops)."""
+    return max(1, min(-(-total // 256), 65535 * 8))
 
 
 def _custom_support(problem: FFTConvProblem) -> str | None:
@@ -222,14 +381,19 @@ def _custom_support(problem: FFTConvProblem) -> str | None:
     return None
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_custom_support)
+@op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)
 def _custom(problem, x, w, b):
+    shape = fft_shape(problem, power_of_two=True)
+    # complex64 buffers of the full size and their copies between axes: about the bytes of the float64
+    # reals and complex128 half-spectra the reference counts
+    _require(problem, shape, transform_bytes(problem, shape, 8, broadcast=True), "gpu")
+    return functools.partial(_run_custom, problem, shape)
+
+
+def _run_custom(problem, shape, x, w, b):
     import cupy
 
     from libnn.ops.fft_kernels import fft_c2c
-
-    shape = fft_shape(problem, power_of_two=True)
-    _check_memory(problem, shape)
 
     def fftn(a, inverse=False):  # complex-to-complex along each spatial axis, last axis first
         for axis in range(a.ndim - 1, 1, -1):
@@ -251,4 +415,6 @@ def _custom(problem, x, w, b):
 
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem, x, w, b):
+    shape = fft_shape(problem, power_of_two=False)
+    _require(problem, shape, transform_bytes(problem, shape, 8, broadcast=True), "cpu")
     return _real_fft_conv(problem, x, w, b, np, np.float64)
