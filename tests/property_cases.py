@@ -1,0 +1,408 @@
+"""Hypothesis strategies for every op, shared by the property tests (test_properties_gpu.py and
+test_properties_reference.py); not a test module itself.
+
+A strategy draws a `Spec`: the op, its shapes and options (sizes of 1, primes and non-multiples of 8
+among them), the dtype, how each input lies in device memory (contiguous, every other element, one
+element past an aligned start, rows padded) and a seed for the values. `build(spec, base_seed)`
+turns it into a `Case`: host inputs drawn from N(0, 1) (never all zeros) and a `call(arrays, path)`
+that runs the op on NumPy or CuPy arrays, with everything else fixed. A failing example prints its
+Spec, which rebuilds the same inputs under the same LIBNN_TEST_SEED.
+
+Tolerances (relative L2 error against the float64 reference, `conftest.rel_error`):
+- fp32 1e-5; TF32 (allow_tf32=True) 1e-3; fp16 and bf16 1e-2 (libnn.dtypes.TOLERANCE);
+- FFT convolutions in fp32 1e-5 · log2(2·F), F the largest padded length (the FFT's error grows
+  with log F);
+- max pooling exact (a max of the same values);
+- layer_norm on cuDNN in fp32 2e-5 (its sums keep ~2 ulps less, 1.004e-5 seen on the H100);
+- GEMM-like ops (linear, conv2d, fft_conv) also pass when the error relative to the size of the
+  summed terms (the op on |inputs|, no activation) is within the tolerance: random signs can cancel
+  an output down to far below its terms, where no fp32 accumulation is 1e-5-accurate;
+- fp32 GELU/SiLU epilogues also pass at a maximum absolute error of 2e-5: cuBLASLt's and cuDNN's
+  evaluate tanh/exp approximately (5e-6 measured), which a tiny output turns into a large relative error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from hypothesis import strategies as st
+
+from libnn import dtypes
+from libnn.ops import (attention, avg_pool2d, conv2d, fft_conv1d, fft_conv2d, layer_norm, linear, max_pool2d,
+                       softmax)
+
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+# small sizes, with 1, primes and non-multiples of 8 over-represented
+SMALL = st.one_of(st.sampled_from([1, 2, 3, 5, 7, 8, 11, 13, 16, 17]), st.integers(1, 24))
+TINY = st.one_of(st.sampled_from([1, 2, 3, 5, 7]), st.integers(1, 8))
+VIEWS = ("contiguous", "strided", "offset")          # any strides (the op copies what it must)
+ROW_VIEWS = ("contiguous", "padded_rows", "offset")  # last dimension contiguous (attention)
+FP32_APPROXIMATE_ACTIVATIONS = ("gelu", "silu", "gelu_erf")
+APPROXIMATE_ACTIVATION_ABS_ERROR = 2e-5
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a strategy drew: the op's name and every choice, printed by hypothesis on a failure."""
+    op: str
+    params: dict = field(hash=False)
+
+    def __repr__(self) -> str:
+        return f"Spec({self.op!r}, {self.params!r})"
+
+
+@dataclass
+class Case:
+    op: str                                      # the registry's op name
+    call: Callable[[dict, str], Any]             # call(arrays, path) -> output
+    arrays: dict[str, Any]                       # host inputs (None: not passed)
+    dtype: str
+    tolerance: float
+    views: dict[str, str] = field(default_factory=dict)  # how each input lies on the device
+    magnitude: Callable[[dict], Any] | None = None       # the op on |inputs| (the summed terms' size)
+    approximate_activation: bool = False
+    exact: bool = False
+    path_tolerance: dict[str, float] = field(default_factory=dict)  # a path's own, where measured looser
+
+    def tolerance_for(self, path: str) -> float:
+        return self.path_tolerance.get(path, self.tolerance)
+
+
+def accepts(function: Callable, name: str) -> bool:
+    """Whether a public function takes keyword `name` (options other helpers are adding, e.g.
+    residual=): drawn only where the signature has it."""
+    return name in inspect.signature(function).parameters
+
+
+def tolerance(dtype: str, allow_tf32: bool = False) -> float:
+    return dtypes.TOLERANCE["tf32" if allow_tf32 and dtype == "fp32" else dtype]
+
+
+def normal(rng: np.random.Generator, shape, dtype: str, scale: float = 1.0) -> np.ndarray:
+    """N(0, scale²) in `dtype`; zeros (rare after rounding) are replaced so no input is all zeros."""
+    a = rng.standard_normal(shape) * scale
+    a[a == 0] = scale
+    return a.astype(dtypes.parse(dtype))
+
+
+def _host_abs(a):
+    if a is None:
+        return None
+    return np.abs(a.astype(np.float64)).astype(a.dtype)
+
+
+# --- linear -------------------------------------------------------------------------------------------
+@st.composite
+def linear_specs(draw, dtypes_=GPU_DTYPES):
+    from libnn.ops.linear import ACTIVATIONS
+
+    dtype = draw(st.sampled_from(dtypes_))
+    p = dict(lead=draw(st.lists(SMALL, min_size=0, max_size=2)), N=draw(SMALL), K=draw(SMALL), dtype=dtype,
+             bias=draw(st.booleans()), activation=draw(st.sampled_from(ACTIVATIONS)),
+             allow_tf32=dtype == "fp32" and draw(st.booleans()),
+             x_view=draw(st.sampled_from(VIEWS)), w_view=draw(st.sampled_from(VIEWS)),
+             residual=accepts(linear, "residual") and draw(st.booleans()),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("linear", p)
+
+
+def _build_linear(p, rng) -> Case:
+    lead, N, K, dtype = tuple(p["lead"]), p["N"], p["K"], p["dtype"]
+    arrays = {"x": normal(rng, (*lead, K), dtype), "w": normal(rng, (N, K), dtype, 1 / math.sqrt(K)),
+              "b": normal(rng, (N,), dtype) if p["bias"] else None,
+              "residual": normal(rng, (*lead, N), dtype) if p["residual"] else None}
+
+    def call(a, path, activation=p["activation"]):
+        extra = {} if a["residual"] is None else {"residual": a["residual"]}
+        return linear(a["x"], a["w"], a["b"], activation, allow_tf32=p["allow_tf32"], path=path, **extra)
+
+    def magnitude(a):
+        return call({k: _host_abs(v) for k, v in a.items()}, "reference", activation=None)
+
+    return Case("linear", call, arrays, dtype, tolerance(dtype, p["allow_tf32"]),
+                views={"x": p["x_view"], "w": p["w_view"]}, magnitude=magnitude,
+                approximate_activation=p["activation"] in FP32_APPROXIMATE_ACTIVATIONS)
+
+
+# --- conv2d -------------------------------------------------------------------------------------------
+@st.composite
+def conv2d_specs(draw, dtypes_=GPU_DTYPES):
+    from libnn.ops.conv2d import ACTIVATIONS
+
+    dtype = draw(st.sampled_from(dtypes_))
+    kind = draw(st.sampled_from(["dense", "dense", "grouped", "depthwise"]))
+    if kind == "depthwise":
+        groups = draw(TINY)
+        cg, kg = 1, 1
+    else:
+        groups = 1 if kind == "dense" else draw(st.integers(2, 4))
+        cg, kg = draw(TINY), draw(TINY)
+    R, S = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    dilation = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    # the input at least as large as the dilated kernel after padding
+    H = draw(st.integers(max(1, dilation[0] * (R - 1) + 1 - 2 * padding[0]), 13))
+    W = draw(st.integers(max(1, dilation[1] * (S - 1) + 1 - 2 * padding[1]), 13))
+    p = dict(N=draw(st.integers(1, 3)), H=H, W=W, C=groups * cg, K=groups * kg, R=R, S=S, groups=groups,
+             stride=stride, padding=padding, dilation=dilation, dtype=dtype,
+             layout=draw(st.sampled_from(["NHWC", "NCHW"])), bias=draw(st.booleans()),
+             bn=draw(st.sampled_from([None, "scale_shift", "batchnorm"])),
+             activation=draw(st.sampled_from(ACTIVATIONS)), allow_tf32=dtype == "fp32" and draw(st.booleans()),
+             x_view=draw(st.sampled_from(VIEWS)), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("conv2d", p)
+
+
+def _build_conv2d(p, rng) -> Case:
+    N, H, W, C, K, R, S, groups, dtype = (p[k] for k in ("N", "H", "W", "C", "K", "R", "S", "groups", "dtype"))
+    x_shape = (N, H, W, C) if p["layout"] == "NHWC" else (N, C, H, W)
+    w_shape = (K, R, S, C // groups) if p["layout"] == "NHWC" else (K, C // groups, R, S)
+    fan_in = R * S * C // groups
+    arrays = {"x": normal(rng, x_shape, dtype), "w": normal(rng, w_shape, dtype, 1 / math.sqrt(fan_in)),
+              "b": normal(rng, (K,), dtype) if p["bias"] else None}
+    if p["bn"] == "scale_shift":
+        arrays.update(bn0=normal(rng, (K,), "fp32"), bn1=normal(rng, (K,), "fp32"))
+    elif p["bn"] == "batchnorm":
+        arrays.update(bn0=normal(rng, (K,), "fp32"), bn1=normal(rng, (K,), "fp32"), bn2=normal(rng, (K,), "fp32"),
+                      bn3=(0.5 + rng.random(K)).astype(np.float32))
+
+    def bn_of(a):
+        if p["bn"] == "scale_shift":
+            return (a["bn0"], a["bn1"])
+        if p["bn"] == "batchnorm":
+            return (a["bn0"], a["bn1"], a["bn2"], a["bn3"], 1e-5)
+        return None
+
+    def call(a, path):
+        return conv2d(a["x"], a["w"], a["b"], stride=p["stride"], padding=p["padding"], dilation=p["dilation"],
+                      groups=groups, bn=bn_of(a), activation=p["activation"], layout=p["layout"],
+                      allow_tf32=p["allow_tf32"], path=path)
+
+    def magnitude(a):
+        """conv(|x|, |w|)·|scale| + |shift| (the batch norm folded to (scale, shift) first)."""
+        from libnn.ops.conv2d import _epilogue_vectors
+
+        scale, shift = _epilogue_vectors(bn_of(a), a["b"], K, a["x"])
+        terms = conv2d(_host_abs(a["x"]), _host_abs(a["w"]), stride=p["stride"], padding=p["padding"],
+                       dilation=p["dilation"], groups=groups, layout=p["layout"], path="reference")
+        terms = terms.astype(np.float64)
+        axis = (1, 1, 1, K) if p["layout"] == "NHWC" else (1, K, 1, 1)
+        if scale is not None:
+            terms = terms * np.abs(scale).reshape(axis)
+        if shift is not None:
+            terms = terms + np.abs(shift).reshape(axis)
+        return terms
+
+    return Case("conv2d", call, arrays, dtype, tolerance(dtype, p["allow_tf32"]), views={"x": p["x_view"]},
+                magnitude=magnitude, approximate_activation=p["activation"] in FP32_APPROXIMATE_ACTIVATIONS)
+
+
+# --- attention ----------------------------------------------------------------------------------------
+@st.composite
+def attention_specs(draw, dtypes_=GPU_DTYPES):
+    dtype = draw(st.sampled_from(dtypes_))
+    B, Hkv, group = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3]))
+    Sq, Skv = draw(SMALL), draw(SMALL)
+    D = draw(st.one_of(st.sampled_from([8, 16, 32, 40, 64, 72, 128]), st.integers(1, 40)))
+    lens = draw(st.sampled_from([None, "q", "kv", "both"]))
+    bias = draw(st.sampled_from([None, "key_padding", "relative", "full"]))
+    p = dict(B=B, Hq=Hkv * group, Hkv=Hkv, Sq=Sq, Skv=Skv, D=D, dtype=dtype,
+             layout=draw(st.sampled_from(["BHSD", "BSHD"])),
+             causal=draw(st.sampled_from([False, True, "bottom_right"])), lens=lens, bias=bias,
+             scale=draw(st.sampled_from([None, None, 0.5, 0.125])),
+             view=draw(st.sampled_from(ROW_VIEWS)), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("attention", p)
+
+
+def _build_attention(p, rng) -> Case:
+    B, Hq, Hkv, Sq, Skv, D, dtype = (p[k] for k in ("B", "Hq", "Hkv", "Sq", "Skv", "D", "dtype"))
+
+    def shape(H, S):
+        return (B, H, S, D) if p["layout"] == "BHSD" else (B, S, H, D)
+
+    arrays = {"q": normal(rng, shape(Hq, Sq), dtype), "k": normal(rng, shape(Hkv, Skv), dtype),
+              "v": normal(rng, shape(Hkv, Skv), dtype), "seq_lens_q": None, "seq_lens_kv": None, "attn_bias": None}
+    if p["lens"] in ("q", "both"):
+        arrays["seq_lens_q"] = rng.integers(0, Sq + 1, B).astype(np.int32)
+    if p["lens"] in ("kv", "both"):
+        arrays["seq_lens_kv"] = rng.integers(0, Skv + 1, B).astype(np.int32)
+    bias_shapes = {"key_padding": (B, 1, 1, Skv), "relative": (1, Hq, Sq, Skv), "full": (B, Hq, Sq, Skv)}
+    if p["bias"]:
+        arrays["attn_bias"] = normal(rng, bias_shapes[p["bias"]], dtype)
+
+    def call(a, path):
+        return attention(a["q"], a["k"], a["v"], scale=p["scale"], causal=p["causal"], seq_lens_q=a["seq_lens_q"],
+                         seq_lens_kv=a["seq_lens_kv"], attn_bias=a["attn_bias"], layout=p["layout"], path=path)
+
+    return Case("attention", call, arrays, dtype, tolerance(dtype),
+                views={"q": p["view"], "k": p["view"], "v": p["view"]})
+
+
+# --- layer_norm ---------------------------------------------------------------------------------------
+@st.composite
+def layer_norm_specs(draw, dtypes_=GPU_DTYPES):
+    N = draw(st.one_of(SMALL, st.sampled_from([63, 64, 129, 384, 768, 1000, 1024, 1025, 1031, 2048, 4104, 5003])))
+    p = dict(lead=draw(st.lists(TINY, min_size=0, max_size=2)), N=N, dtype=draw(st.sampled_from(dtypes_)),
+             weight=draw(st.booleans()), bias=draw(st.booleans()), eps=draw(st.sampled_from([1e-5, 1e-12, 0.1])),
+             shift=draw(st.sampled_from([0.0, 3.0])), x_view=draw(st.sampled_from(VIEWS)),
+             residual=accepts(layer_norm, "residual") and draw(st.booleans()),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("layer_norm", p)
+
+
+def _build_layer_norm(p, rng) -> Case:
+    lead, N, dtype = tuple(p["lead"]), p["N"], p["dtype"]
+    x = (rng.standard_normal((*lead, N)) + p["shift"]).astype(dtypes.parse(dtype))  # a mean far from 0 too
+    arrays = {"x": x, "weight": normal(rng, (N,), dtype) if p["weight"] else None,
+              "bias": normal(rng, (N,), dtype) if p["bias"] else None,
+              "residual": normal(rng, (*lead, N), dtype) if p["residual"] else None}
+
+    def call(a, path):
+        extra = {} if a["residual"] is None else {"residual": a["residual"]}
+        return layer_norm(a["x"], a["weight"], a["bias"], eps=p["eps"], path=path, **extra)
+
+    # cuDNN's fp32 sums keep ~2 ulps less than ours (1.004e-5 seen at 5x1023 on the H100, see
+    # test_layernorm_gpu.py): it gets 2e-5
+    return Case("layer_norm", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]},
+                path_tolerance={"cudnn": 2e-5} if dtype == "fp32" else {})
+
+
+# --- softmax ------------------------------------------------------------------------------------------
+@st.composite
+def softmax_specs(draw, dtypes_=GPU_DTYPES):
+    shape = draw(st.lists(st.one_of(SMALL, st.sampled_from([127, 1000, 1025])), min_size=1, max_size=3)
+                 .filter(lambda s: math.prod(s) <= 40000))
+    p = dict(shape=shape, dim=draw(st.integers(-len(shape), len(shape) - 1)), log=draw(st.booleans()),
+             dtype=draw(st.sampled_from(dtypes_)), scale=draw(st.sampled_from([1.0, 8.0])),
+             x_view=draw(st.sampled_from(VIEWS)), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("softmax", p)
+
+
+def _build_softmax(p, rng) -> Case:
+    arrays = {"x": normal(rng, tuple(p["shape"]), p["dtype"], p["scale"])}
+
+    def call(a, path):
+        return softmax(a["x"], p["dim"], log=p["log"], path=path)
+
+    return Case("softmax", call, arrays, p["dtype"], tolerance(p["dtype"]), views={"x": p["x_view"]})
+
+
+# --- pooling ------------------------------------------------------------------------------------------
+@st.composite
+def pool2d_specs(draw, dtypes_=GPU_DTYPES):
+    kernel = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    padding = (draw(st.integers(0, kernel[0] // 2)), draw(st.integers(0, kernel[1] // 2)))
+    p = dict(mode=draw(st.sampled_from(["max", "avg"])), N=draw(st.integers(1, 3)),
+             H=draw(st.integers(max(1, kernel[0] - 2 * padding[0]), 13)),
+             W=draw(st.integers(max(1, kernel[1] - 2 * padding[1]), 13)), C=draw(SMALL), kernel=kernel,
+             stride=draw(st.one_of(st.none(), st.tuples(st.integers(1, 3), st.integers(1, 3)))), padding=padding,
+             count_include_pad=draw(st.booleans()), layout=draw(st.sampled_from(["NHWC", "NCHW"])),
+             dtype=draw(st.sampled_from(dtypes_)), x_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("pool2d", p)
+
+
+def _build_pool2d(p, rng) -> Case:
+    shape = (p["N"], p["H"], p["W"], p["C"]) if p["layout"] == "NHWC" else (p["N"], p["C"], p["H"], p["W"])
+    arrays = {"x": normal(rng, shape, p["dtype"])}
+
+    def call(a, path):
+        if p["mode"] == "max":
+            return max_pool2d(a["x"], p["kernel"], p["stride"], p["padding"], layout=p["layout"], path=path)
+        return avg_pool2d(a["x"], p["kernel"], p["stride"], p["padding"], count_include_pad=p["count_include_pad"],
+                          layout=p["layout"], path=path)
+
+    return Case("pool2d", call, arrays, p["dtype"], tolerance(p["dtype"]), views={"x": p["x_view"]},
+                exact=p["mode"] == "max")
+
+
+# --- fft_conv -----------------------------------------------------------------------------------------
+@st.composite
+def fft_conv_specs(draw, dtypes_=GPU_DTYPES):
+    dims = draw(st.sampled_from([1, 2]))
+    kernel = tuple(draw(st.integers(1, 7)) for _ in range(dims))
+    causal = dims == 1 and draw(st.booleans())
+    # causal pads kl-1 on the left itself: mode and padding stay at their defaults
+    mode = "valid" if causal else draw(st.sampled_from(["valid", "same", "full"]))
+    padding = tuple(draw(st.integers(0, 3)) for _ in range(dims)) if mode == "valid" and not causal else 0
+    pad = padding if isinstance(padding, tuple) else (0,) * dims
+    least = [1 if mode != "valid" or causal else max(1, k - 2 * q) for k, q in zip(kernel, pad)]
+    spatial = tuple(draw(st.integers(lo, 29)) for lo in least)
+    p = dict(dims=dims, N=draw(st.integers(1, 2)), C=draw(st.integers(1, 4)), K=draw(st.integers(1, 5)),
+             spatial=spatial, kernel=kernel, mode=mode, causal=causal,
+             padding=list(padding) if isinstance(padding, tuple) else padding, bias=draw(st.booleans()),
+             dtype=draw(st.sampled_from(dtypes_)), x_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("fft_conv", p)
+
+
+def _build_fft_conv(p, rng) -> Case:
+    N, C, K, dtype = p["N"], p["C"], p["K"], p["dtype"]
+    fan_in = C * math.prod(p["kernel"])
+    arrays = {"x": normal(rng, (N, C, *p["spatial"]), dtype),
+              "w": normal(rng, (K, C, *p["kernel"]), dtype, 1 / math.sqrt(fan_in)),
+              "b": normal(rng, (K,), dtype) if p["bias"] else None}
+
+    def call(a, path):
+        if p["dims"] == 2:
+            return fft_conv2d(a["x"], a["w"], a["b"], padding=p["padding"], mode=p["mode"], path=path)
+        return fft_conv1d(a["x"], a["w"], a["b"], padding=p["padding"], mode=p["mode"], causal=p["causal"],
+                          path=path)
+
+    def magnitude(a):
+        return call({k: _host_abs(v) for k, v in a.items()}, "reference")
+
+    longest = max(n + 2 * k for n, k in zip(p["spatial"], p["kernel"]))
+    tol = 1e-5 * math.log2(2 * longest) if dtype == "fp32" else tolerance(dtype)
+    return Case("fft_conv", call, arrays, dtype, tol, views={"x": p["x_view"]}, magnitude=magnitude)
+
+
+STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
+              "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
+              "fft_conv": fft_conv_specs}
+_BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
+             "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
+             "fft_conv": _build_fft_conv}
+
+
+def build(spec: Spec, base_seed: int) -> Case:
+    """The inputs of `spec`, drawn from the run's base seed and the spec's own seed."""
+    return _BUILDERS[spec.op](spec.params, np.random.default_rng([base_seed, spec.params["seed"]]))
+
+
+# --- device placement ---------------------------------------------------------------------------------
+def _same_bits(a):
+    """A view of `a` as unsigned integers of its itemsize: copies move bits, whatever the dtype (bf16)."""
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind in "fV" else a
+
+
+def to_device(a, view: str = "contiguous"):
+    """`a` (host) on the GPU laid out as `view` says: "contiguous"; "strided" (every other element of a
+    twice-as-wide buffer along the last axis); "offset" (one element past a 256-byte aligned start:
+    misaligned for 16-byte loads); "padded_rows" (the last axis contiguous, rows 8 elements apart
+    more than its length, as in a packed QKV projection)."""
+    import cupy
+
+    if a is None:
+        return None
+    if view == "contiguous" or a.ndim == 0 or a.size == 0:
+        return cupy.asarray(a)
+    if view == "strided":
+        base = cupy.zeros((*a.shape[:-1], 2 * a.shape[-1]), a.dtype)
+        out = base[..., ::2]
+    elif view == "offset":
+        out = cupy.zeros(a.size + 1, a.dtype)[1:].reshape(a.shape)
+    elif view == "padded_rows":
+        out = cupy.zeros((*a.shape[:-1], a.shape[-1] + 8), a.dtype)[..., :a.shape[-1]]
+    else:
+        raise ValueError(f"to_device: unknown view {view!r}")
+    _same_bits(out)[...] = cupy.asarray(_same_bits(np.ascontiguousarray(a)))
+    return out
+
+
+def on_device(case: Case) -> dict:
+    return {name: to_device(a, case.views.get(name, "contiguous")) for name, a in case.arrays.items()}
