@@ -55,7 +55,8 @@ from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
-# cuFFT plans and kernels/fft.cu index one spatial dimension with an int
+# cuFFT plans (CuPy's take int sizes) and kernels/fft.cu index one spatial dimension, and the cufft path
+# one whole transform, with an int
 MAX_PADDED = 2**31 - 1
 # A bound cufft call keeps its workspaces (several times the padded input): a few dozen signatures,
 # not the registry's default thousands.
@@ -285,7 +286,15 @@ def _gpu_support(problem: FFTConvProblem) -> str | None:
     return None
 
 
-@op.path("cufft", kind="library", device="gpu", supports=_gpu_support, binds=True)
+def _cufft_support(problem: FFTConvProblem) -> str | None:
+    if reason := _gpu_support(problem):
+        return reason
+    if math.prod(fft_shape(problem, power_of_two=False)) > MAX_PADDED:
+        return f"one transform of {fft_shape(problem, power_of_two=False)} points is more than cuFFT's int sizes hold"
+    return None
+
+
+@op.path("cufft", kind="library", device="gpu", supports=_cufft_support, binds=True)
 def _cufft(problem, x, w, b):
     import cupy
 
