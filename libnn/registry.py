@@ -239,8 +239,16 @@ class BoundCalls:
 
 
 def option_key(value: Any) -> Any:
-    """An option as part of a bound call's key: a list (stride=[2, 2]) as the tuple it means."""
-    return tuple(value) if isinstance(value, list) else value
+    """An option as part of a bound call's key, with the type of each value: 1.0 and True equal 1 as
+    keys, so stride=1.0 would otherwise find the bound call of stride=1 and skip the checks that
+    refuse it. A list (stride=[2, 2]) keys as the tuple it means; an int is its own key (the common
+    case, kept to one type test on the per-call path)."""
+    kind = type(value)
+    if kind is int:
+        return value
+    if kind is tuple or kind is list:
+        return (*map(type, value), *value)
+    return (kind, value)
 
 
 def _others(reasons: dict[str, str], ran: str) -> dict[str, str]:

@@ -98,6 +98,116 @@ def test_with_a_driver_the_runtime_error_is_kept(fake_cupy, monkeypatch):
     assert device_module.gpu_missing().startswith("no CUDA device (cudaErrorInsufficientDriver")
 
 
+# --- ops: conv2d, max_pool2d, avg_pool2d, attention ----------------------------------------------
+# Each case uses shapes no other test binds, so that the first call of its signature runs the checks.
+
+OP_INTS = [(1.5, TypeError, "got float 1.5"), (None, TypeError, "got NoneType None"),
+           (np.array([1, 1]), TypeError, "got ndarray"), ("1", TypeError, "got str '1'"),
+           (True, TypeError, "got bool True"), ([1, 1.5], TypeError, r"got list \[1, 1.5\]"),
+           ((1, 1, 1), TypeError, "got tuple"), ({1: 2}, TypeError, "got dict")]
+
+
+@pytest.mark.parametrize("argument", ["stride", "padding", "dilation"])
+@pytest.mark.parametrize("value, error, got", OP_INTS, ids=repr)
+def test_conv2d_sizes_of_the_wrong_type_are_type_errors(argument, value, error, got):
+    from libnn.ops.conv2d import conv2d
+
+    with pytest.raises(error, match=rf"^conv2d: {argument} must be an int or a pair of ints, {got}"):
+        conv2d(np.ones((1, 7, 5, 2)), np.ones((3, 3, 3, 2)), **{argument: value})
+
+
+@pytest.mark.parametrize("value, error", [(1.5, TypeError), (None, TypeError), (True, TypeError),
+                                          (np.array(1), TypeError), (0, ValueError), (-2, ValueError)], ids=repr)
+def test_conv2d_groups_must_be_a_positive_int(value, error):
+    from libnn.ops.conv2d import conv2d
+
+    with pytest.raises(error, match=r"^conv2d: groups must be (an int|a positive int), got"):
+        conv2d(np.ones((1, 7, 5, 2)), np.ones((3, 3, 3, 2)), groups=value)
+
+
+def test_a_float_option_is_refused_even_after_its_int_twin_was_bound():
+    from libnn.ops.conv2d import conv2d
+
+    x, w = np.ones((1, 7, 6, 2)), np.ones((3, 3, 3, 2))
+    conv2d(x, w, stride=1, groups=1)  # 1.0 and True equal 1 as dict keys: the key carries their types
+    for options in (dict(stride=1.0), dict(stride=[1, 1.0]), dict(groups=True)):
+        with pytest.raises(TypeError, match="must be an int"):
+            conv2d(x, w, **options)
+
+
+@pytest.mark.parametrize("layout, w_shape", [("NHWC", (3, 0, 3, 2)), ("NHWC", (3, 3, 0, 2)), ("NCHW", (3, 2, 3, 0))])
+def test_conv2d_refuses_a_zero_size_kernel_instead_of_returning_zeros(layout, w_shape):
+    from libnn.ops.conv2d import conv2d
+
+    x = np.ones((1, 5, 5, 2)) if layout == "NHWC" else np.ones((1, 2, 5, 5))
+    with pytest.raises(ValueError, match=r"^conv2d: w's kernel must be at least 1x1, got \dx\d"):
+        conv2d(x, np.ones(w_shape), b=np.ones(3), layout=layout)
+
+
+def test_conv2d_reference_refuses_huge_padding_before_allocating():
+    from libnn.ops.conv2d import conv2d
+
+    with pytest.raises(MemoryError, match=r"^conv2d: padding \(1000000, 1000000\) on x of 1x5x5x2 .* needs .* "
+                                          r"\(\d+ bytes\), more than the .* of host RAM available$"):
+        conv2d(np.ones((1, 5, 5, 2), np.float32), np.ones((3, 3, 3, 2), np.float32), padding=10**6)
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+@pytest.mark.parametrize("argument", ["kernel_size", "stride", "padding"])
+@pytest.mark.parametrize("value, error, got", [v for v in OP_INTS if v[0] is not None], ids=repr)
+def test_pooling_sizes_of_the_wrong_type_are_named_by_the_pooling_op(pool, argument, value, error, got):
+    from libnn import ops
+
+    kwargs = {"kernel_size": 2, argument: value}
+    with pytest.raises(error, match=rf"^{pool}: {argument} must be an int or a pair of ints, {got}"):
+        getattr(ops, pool)(np.ones((1, 5, 7, 2)), **kwargs)
+
+
+def test_pooling_kernel_size_none_is_a_type_error():
+    from libnn.ops import max_pool2d
+
+    with pytest.raises(TypeError, match=r"^max_pool2d: kernel_size must be an int or a pair of ints, got NoneType"):
+        max_pool2d(np.ones((1, 5, 7, 2)), None)
+
+
+def test_pooling_reference_refuses_what_would_not_fit_before_allocating():
+    from libnn.ops import avg_pool2d
+
+    x = np.ones((1, 2000, 2000, 1), np.float32)  # 1001·1001 windows of 1000·1000 taps each, stacked: 8 TB
+    with pytest.raises(MemoryError, match=r"^avg_pool2d: kernel_size \(1000, 1000\) at stride \(1, 1\) on x of "
+                                          r"1x2000x2000x1 .* needs .*, more than the .* of host RAM available$"):
+        avg_pool2d(x, 1000, stride=1)
+
+
+@pytest.mark.parametrize("scale, error", [("0.5", TypeError), (np.array(0.5), TypeError), (np.array([0.5]), TypeError),
+                                          (True, TypeError), (1 + 2j, TypeError), (float("nan"), ValueError),
+                                          (float("inf"), ValueError)], ids=repr)
+def test_attention_scale_must_be_a_finite_real_number(scale, error):
+    from libnn.ops import attention
+
+    q = np.ones((1, 1, 3, 4))
+    with pytest.raises(error, match=r"^attention: scale must be a finite number or None \(1/sqrt\(D\)\), got"):
+        attention(q, q, q, scale=scale)
+
+
+def test_attention_scale_true_is_refused_after_scale_1_was_bound():
+    from libnn.ops import attention
+
+    q = np.ones((1, 1, 3, 5))
+    attention(q, q, q, scale=1)
+    with pytest.raises(TypeError, match="scale must be a finite number or None"):
+        attention(q, q, q, scale=True)
+
+
+def test_attention_reference_refuses_huge_scores_before_allocating():
+    from libnn.ops import attention
+
+    q = np.ones((1, 1, 10**6, 1), np.float32)
+    with pytest.raises(MemoryError, match=r"^attention: the 1000000x1000000 scores of 1x1 \(B x Hq\) heads .* needs "
+                                          r".* \(\d+ bytes\), more than the .* of host RAM available$"):
+        attention(q, q, q)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

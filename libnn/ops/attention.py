@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.registry import Op
+from libnn.registry import Op, option_key
+from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
                                   stream_key)
 
@@ -179,17 +180,39 @@ def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> Att
             raise ValueError(f"attention: bias must have shape (B, Hq, Sq, Skv) = {full}, each of the first "
                              f"three dimensions possibly 1 (broadcast), got {tuple(bias.shape)}")
         bias_shape = tuple(int(n) for n in bias.shape)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating))
-                              or not math.isfinite(scale)):
-        raise ValueError(f"attention: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    _check_scale(scale)
     device = device_of({"q": q, "k": k, "v": v, "bias": bias}, "attention")
     arrays = [a for a in (qv, kv, vv, bias) if a is not None]
     aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _element_strides(a)[:-1])
                   for a in arrays)
-    return AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
-                            _element_strides(qv), _element_strides(kv), _element_strides(vv),
-                            float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
-                            has_lens_q, has_lens_kv, bias_shape, aligned, device)
+    problem = AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
+                               _element_strides(qv), _element_strides(kv), _element_strides(vv),
+                               float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
+                               has_lens_q, has_lens_kv, bias_shape, aligned, device)
+    if device == "cpu":  # host arrays run on the reference path
+        _reference_fits(problem)
+    return problem
+
+
+def _check_scale(scale: Any) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"attention: scale must be a finite number or None (1/sqrt(D)), got "
+                        f"{type(scale).__name__} {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"attention: scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+
+
+def _reference_fits(p: AttentionProblem) -> None:
+    """Refuse a problem whose reference computation would not fit in host RAM before any of it is
+    allocated: the reference forms the S×S scores in float64, and holds about three arrays of their
+    size at once (scores, masked scores, weights), beside q, o and k, v repeated to every query head."""
+    scores = p.B * p.Hq * p.Sq * p.Skv
+    vectors = p.B * p.Hq * p.D * (2 * p.Sq + 2 * p.Skv)
+    memory.require(8 * (3 * scores + vectors), "cpu", "attention",
+                   f"the {p.Sq}x{p.Skv} scores of {p.B}x{p.Hq} (B x Hq) heads (the reference path's float64 "
+                   "buffers)")
 
 
 def _pointer(a) -> int:
@@ -203,7 +226,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
     q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (signature(q), signature(k), signature(v), signature(bias), scale, causal, layout, seq_lens_q is None,
+    key = (signature(q), signature(k), signature(v), signature(bias), option_key(scale), causal, layout, seq_lens_q is None,
            seq_lens_kv is None, path, stream_key())
 
     def prepare():

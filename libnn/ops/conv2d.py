@@ -26,6 +26,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op, option_key
+from libnn.runtime import memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 LAYOUTS = ("NHWC", "NCHW")
@@ -89,11 +90,28 @@ def _strides(layout: str, C: int, H: int, W: int) -> list[int]:
     return [H * W * C, 1, W * C, C] if layout == "NHWC" else [C * H * W, H * W, W, 1]
 
 
-def _pair(name: str, value: int | Sequence[int], minimum: int) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
-    if len(pair) != 2 or any(int(v) != v or v < minimum for v in pair):
-        raise ValueError(f"conv2d: {name} must be an int or a pair of ints >= {minimum}, got {value!r}")
+def _is_int(value: Any) -> bool:
+    """An int or a NumPy integer; not a bool (stride=True is a slip, not 1), a float or an array."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _pair(op_name: str, name: str, value: int | Sequence[int], minimum: int) -> tuple[int, int]:
+    """An int or a pair (tuple or list) of ints, each >= minimum, as a pair: a TypeError for a float,
+    None, a string or an array, a ValueError for a value below the minimum."""
+    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
+    if len(pair) != 2 or not all(_is_int(v) for v in pair):
+        raise TypeError(f"{op_name}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
+    if min(pair) < minimum:
+        raise ValueError(f"{op_name}: {name} must be an int or a pair of ints >= {minimum}, got {value!r}")
     return int(pair[0]), int(pair[1])
+
+
+def _groups(groups: Any) -> int:
+    if not _is_int(groups):
+        raise TypeError(f"conv2d: groups must be an int, got {type(groups).__name__} {groups!r}")
+    if groups < 1:
+        raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
+    return int(groups)
 
 
 def fold_batchnorm(gamma, beta, running_mean, running_var, eps: float):
@@ -144,13 +162,16 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
             raise TypeError(f"conv2d: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
     activations.check("conv2d", activation, ACTIVATIONS)
-    if int(groups) != groups or groups < 1:
-        raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
-    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    groups = _groups(groups)
+    stride, padding = _pair("conv2d", "stride", stride, 1), _pair("conv2d", "padding", padding, 0)
+    dilation = _pair("conv2d", "dilation", dilation, 1)
     if layout == "NHWC":
         (N, H, W, C), (K, R, S, Cg) = x.shape, w.shape
     else:
         (N, C, H, W), (K, Cg, R, S) = x.shape, w.shape
+    if R == 0 or S == 0:  # a sum over no taps: the output would be zeros (or the bias) and look fine
+        raise ValueError(f"conv2d: w's kernel must be at least 1x1, got {R}x{S} (w shape {tuple(w.shape)}, "
+                         f"layout {layout})")
     if C % groups:
         raise ValueError(f"conv2d: groups={groups} does not divide x's {C} channels (layout {layout})")
     if K % groups:
@@ -167,9 +188,23 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
                          f"{H + 2 * padding[0]}x{W + 2 * padding[1]} input")
     device = device_of({"x": x, "w": w, "b": b}, "conv2d")
     has_bn = bn is not None
-    return ConvProblem(N, H, W, C, K, R, S, P, Q, stride, padding, dilation, int(groups), dtypes.short_name(x.dtype),
-                       layout, has_scale=has_bn, has_shift=has_bn or b is not None, activation=activation,
-                       allow_tf32=bool(allow_tf32), device=device)
+    problem = ConvProblem(N, H, W, C, K, R, S, P, Q, stride, padding, dilation, groups, dtypes.short_name(x.dtype),
+                          layout, has_scale=has_bn, has_shift=has_bn or b is not None, activation=activation,
+                          allow_tf32=bool(allow_tf32), device=device)
+    if device == "cpu":  # host arrays run on the reference path
+        _reference_fits(problem)
+    return problem
+
+
+def _reference_fits(p: ConvProblem) -> None:
+    """Refuse a problem whose reference computation would not fit in host RAM before any of it is
+    allocated (huge padding would otherwise reach np.pad). The reference holds x padded, one window
+    of it and the output in float64 at once, the output twice (accumulator and einsum's result)."""
+    padded = p.N * (p.H + 2 * p.padding[0]) * (p.W + 2 * p.padding[1]) * p.C
+    window, output = p.N * p.P * p.Q * p.C, p.N * p.P * p.Q * p.K
+    memory.require(8 * (padded + window + 2 * output), "cpu", "conv2d",
+                   f"padding {p.padding} on x of {p.N}x{p.H}x{p.W}x{p.C} (N, H, W, C) (the reference path's "
+                   "float64 buffers)")
 
 
 def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
@@ -181,7 +216,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
     b = None if b is None else as_array(b, "conv2d", "b")
     bn_key = None if bn is None else _bn_signature(bn)
     key = (signature(x), signature(w), signature(b), bn_key, option_key(stride), option_key(padding),
-           option_key(dilation), groups, activation, layout, allow_tf32, path, stream_key())
+           option_key(dilation), option_key(groups), activation, layout, allow_tf32, path, stream_key())
 
     def prepare():
         problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)

@@ -17,6 +17,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops.conv2d import LAYOUTS, _pair
 from libnn.registry import Op, option_key
+from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -61,9 +62,9 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
         raise ValueError(f"{name}: x must be 4-D ({', '.join(layout)}), got shape {tuple(x.shape)}")
     if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
         raise TypeError(f"{name}: x must be a floating-point array, got {x.dtype}")
-    kernel = _pair("kernel_size", kernel_size, 1)
-    stride = kernel if stride is None else _pair("stride", stride, 1)
-    padding = _pair("padding", padding, 0)
+    kernel = _pair(name, "kernel_size", kernel_size, 1)
+    stride = kernel if stride is None else _pair(name, "stride", stride, 1)
+    padding = _pair(name, "padding", padding, 0)
     if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
         raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
     N, H, W, C = x.shape if layout == "NHWC" else (x.shape[0], x.shape[2], x.shape[3], x.shape[1])
@@ -72,8 +73,22 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
     if P < 1 or Q < 1:
         raise ValueError(f"{name}: the {kernel[0]}x{kernel[1]} window is larger than the padded "
                          f"{H + 2 * padding[0]}x{W + 2 * padding[1]} input")
-    return PoolProblem(mode, N, H, W, C, P, Q, kernel, stride, padding, bool(count_include_pad),
-                       dtypes.short_name(x.dtype), layout, device_of({"x": x}, name))
+    problem = PoolProblem(mode, N, H, W, C, P, Q, kernel, stride, padding, bool(count_include_pad),
+                          dtypes.short_name(x.dtype), layout, device_of({"x": x}, name))
+    if problem.device == "cpu":  # host arrays run on the reference path
+        _reference_fits(problem)
+    return problem
+
+
+def _reference_fits(p: PoolProblem) -> None:
+    """Refuse a problem whose reference computation would not fit in host RAM before any of it is
+    allocated. The reference holds x and x padded in float64, and stacks every window position of
+    the output: kh·kw output-sized arrays (a large kernel at a small stride multiplies them)."""
+    padded = p.N * (p.H + 2 * p.padding[0]) * (p.W + 2 * p.padding[1]) * p.C
+    output = p.N * p.P * p.Q * p.C
+    memory.require(8 * (p.N * p.H * p.W * p.C + padded + (p.kernel[0] * p.kernel[1] + 2) * output), "cpu",
+                   f"{p.mode}_pool2d", f"kernel_size {p.kernel} at stride {p.stride} on x of "
+                   f"{p.N}x{p.H}x{p.W}x{p.C} (N, H, W, C) (the reference path's float64 buffers)")
 
 
 def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
