@@ -51,10 +51,12 @@ LAUNCH (every kernel takes the same parameters)
     (const T* x, T* y, long long outer, long long n, long long inner, int log)
     T = float (f32), double (f64) or unsigned short (f16/bf16 bits); log != 0 for log_softmax.
 
-    kernel              block                                 grid
-    softmax_warp*       (128, 1, 1)                           min(ceil(outer / (128 / L)), 65535)
-    softmax_block_*     (512 or 1024, 1, 1)                   min(outer, 65535)
-    softmax_cols_*      (32, Y, 1), Y a power of 2 <= 16      min(ceil(outer inner / 32), 65535)
+    kernel              block                                         grid
+    softmax_warp*       (128, 1, 1)                                   min(ceil(outer / (128 / L)), 65535)
+    softmax_block_*     (min(1024, power of 2 >= n / 8), 1, 1)        min(outer, 65535)
+    softmax_cols_*      (32, Y, 1), Y = min(16, power of 2 >= n / 8)  min(ceil(outer inner / 32), 65535)
+
+    softmax_block_* takes any multiple of 32 threads up to 1024, softmax_cols_* any Y up to 16.
 
     Rows, and tiles of 32 slices, are grid-strided: any grid >= 1 is correct. Preconditions: n >= 1,
     outer >= 1, inner >= 1, outer n inner < 2^63 (all offsets are 64-bit); softmax_warp* needs

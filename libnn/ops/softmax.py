@@ -5,13 +5,20 @@ it stays finite where softmax underflows to 0.
 x is any array of 1 or more dimensions; `dim` counts as in PyTorch (negative from the end) and
 refers to the array's own axes (an NHWC image batch has its channels at dim=-1). y has x's shape,
 dtype and device. Semantics follow PyTorch: NaN anywhere in a slice makes the whole slice NaN, and a
-slice that is all -inf gives NaN.
+slice that is all -inf (or holds +inf) gives NaN.
 
 Paths, in `auto` order:
-- custom:    CuPy array arithmetic on the GPU (CuPy's generated elementwise and reduction kernels,
+- custom:    kernels/softmax.cu, one launch: x seen as (outer, n, inner) around `dim`, a row per warp
+             group in registers for the last dim up to n = 1024, a row per block beyond, threads over
+             the inner positions otherwise (see the kernel file). fp16/bf16/fp32 compute in fp32, fp64
+             in fp64. A strided x is copied to a contiguous one first (one more pass, as pool2d does),
+             so every layout is taken.
+- cupy:      CuPy array arithmetic on the GPU (CuPy's generated elementwise and reduction kernels,
              hence kind "library"): max, subtract, exp, sum, one pass each; fp16/bf16 inputs are
-             computed in fp32 and rounded once at the end.
-- reference: NumPy in float64, rounded to x's dtype once at the end.
+             computed in fp32 and rounded once at the end. Kept to compare against: about 200 us per
+             call from Python, where custom's bound call is one allocation and one launch.
+- reference: NumPy in float64, rounded to x's dtype once at the end; it refuses, before allocating,
+             an x whose float64 copy and temporaries would not fit in host RAM.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
+from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
 
-op = Op("softmax", order=("custom", "reference"))
+op = Op("softmax", order=("custom", "cupy", "reference"))
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,19 @@ class SoftmaxProblem:
     @property
     def bytes_moved(self) -> int:
         return 2 * int(np.prod(self.shape)) * np.dtype(dtypes.parse(self.dtype)).itemsize
+
+    @property
+    def outer(self) -> int:
+        """The slices before `dim`: x is (outer, n, inner) around it."""
+        return int(np.prod(self.shape[:self.dim], dtype=object))
+
+    @property
+    def n(self) -> int:
+        return self.shape[self.dim]
+
+    @property
+    def inner(self) -> int:
+        return int(np.prod(self.shape[self.dim + 1:], dtype=object))
 
 
 def _check(x, dim, log: bool) -> SoftmaxProblem:
@@ -86,14 +107,82 @@ def _gpu_support(problem: SoftmaxProblem) -> str | None:
     return None
 
 
-@op.path("custom", kind="library", device="gpu", supports=_gpu_support)
-def _custom(problem: SoftmaxProblem, x):
+# --- custom path: kernels/softmax.cu -----------------------------------------------------------------
+KERNEL_SUFFIX = {**dtypes.KERNEL_SUFFIX, "fp64": "f64"}  # softmax.cu also builds fp64 kernels
+WARP_MAX_N = 1024              # softmax_warp* up to here (32 lanes x its largest VPT), softmax_block_* beyond
+_WARP_VPTS = (1, 2, 4, 8, 16, 32)  # what kernels/softmax.cu builds
+_WARP_BLOCK = 128
+COLS_MAX_Y = 16                # kernels/softmax.cu's COLS_MAX_Y: threads per slice in softmax_cols_*
+_MAX_BLOCKS = 65535            # rows and tiles are grid-strided; this many blocks fill any GPU
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def custom_launch(problem: SoftmaxProblem) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(kernel name without the dtype suffix, grid, block) from kernels/softmax.cu's LAUNCH table."""
+    outer, n, inner = problem.outer, problem.n, problem.inner
+    if inner == 1 and n <= WARP_MAX_N:
+        lanes = min(32, _pow2_at_least(n))  # the kernel derives the same group size from n
+        vpt = next(v for v in _WARP_VPTS if lanes * v >= n)
+        return (f"softmax_warp{vpt}", (min(_ceil_div(outer, _WARP_BLOCK // lanes), _MAX_BLOCKS),),
+                (_WARP_BLOCK,))
+    if inner == 1:
+        # about 8 elements a thread before the block grows to 1024: long rows, often few of them, get
+        # every thread a block may have (not yet tuned on the H100)
+        return "softmax_block", (min(outer, _MAX_BLOCKS),), (min(1024, _pow2_at_least(_ceil_div(n, 8))),)
+    # threads per slice: about n / 8, so short slices (3 channels) leave no thread without an element
+    y = min(COLS_MAX_Y, _pow2_at_least(_ceil_div(n, 8)))
+    return "softmax_cols", (min(_ceil_div(outer * inner, 32), _MAX_BLOCKS),), (32, y)
+
+
+def bind_custom(problem: SoftmaxProblem, x):
+    """The runner of kernels/softmax.cu for x of this signature: y from CuPy's pool, one packed
+    launch; a strided x is made contiguous first."""
+    import cupy
+
+    from libnn.runtime import launch
+
+    shape, dtype = problem.shape, x.dtype
+    if 0 in shape:  # no slice to normalise, nothing to launch
+        return lambda x: cupy.empty(shape, dtype)
+    name, grid, block = custom_launch(problem)
+    kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid, block,
+                         (launch.ARRAY, launch.ARRAY, np.int64(problem.outer), np.int64(problem.n),
+                          np.int64(problem.inner), np.int32(problem.log)))
+    contiguous_input = x.flags.c_contiguous
+
+    def run(x):
+        y = cupy.empty(shape, dtype)
+        kernel(x if contiguous_input else cupy.ascontiguousarray(x), y)
+        return y
+    return run
+
+
+op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)(bind_custom)
+
+
+# --- cupy path ---------------------------------------------------------------------------------------
+@op.path("cupy", kind="library", device="gpu", supports=_gpu_support)
+def _cupy(problem: SoftmaxProblem, x):
     import cupy
 
     compute = cupy.float64 if problem.dtype == "fp64" else cupy.float32  # fp16/bf16: exp and sum in fp32
     return _formula(cupy, x.astype(compute, copy=False), problem.dim, problem.log).astype(x.dtype, copy=False)
 
 
+# --- reference ---------------------------------------------------------------------------------------
+REFERENCE_COPIES = 4  # float64 arrays of x's size alive at once: x's copy, x - max, exp, the quotient
+
+
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: SoftmaxProblem, x):
+    memory.require(REFERENCE_COPIES * x.size * 8, "cpu", "log_softmax" if problem.log else "softmax",
+                   f"x of shape {problem.shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries "
+                   "of its size)")
     return _formula(np, x.astype(np.float64), problem.dim, problem.log).astype(x.dtype, copy=False)
