@@ -1,17 +1,21 @@
 /*
-Kernels for a linear layer's forward pass, y = act(x @ w.T + b), in the style of llm.c dev/cuda.
+Kernels for a linear layer's forward pass, y = act(x @ w.T + b + r), in the style of llm.c dev/cuda.
 
     x    (M, K) row-major, row stride exactly K
     w    (N, K) row-major, row stride exactly K   (nn.Linear weight layout: both operands K-contiguous, "TN")
     bias (N,)   or a null pointer (no bias)
+    r    (M, N) row-major, row stride exactly N, or a null pointer: the residual (a skip connection)
     y    (M, N) row-major, row stride exactly N
 
-    y[m,n] = act( sum_k x[m,k]*w[n,k] + bias[n] )
+    y[m,n] = act( sum_k x[m,k]*w[n,k] + bias[n] + r[m,n] )
 
-Accumulation is always fp32; bias and activation are applied in fp32 and the result is rounded to the
-output dtype once. act (runtime int) is libnn's activation code (kernels/common.cuh): 0 none, 1 relu,
-2 relu6, 3 gelu, tanh approximation 0.5*v*(1+tanh(sqrt(2/pi)*(v+0.044715*v^3))) (what cuBLASLt's GELU
-epilogue computes), 4 silu.
+The residual is added before the activation (the ResNet convention, and the order of cuBLASLt's
+epilogue, act(A*B + beta*C + bias)). Accumulation is always fp32; bias, residual and activation are
+applied in fp32 and the result is rounded to the output dtype once. act (runtime int) is libnn's
+activation code (kernels/common.cuh): 0 none, 1 relu, 3 gelu, the tanh approximation
+0.5*v*(1+tanh(sqrt(2/pi)*(v+0.044715*v^3))) (what cuBLASLt's GELU epilogue computes), 5 gelu_erf, the
+exact 0.5*v*(1+erf(v/sqrt(2))). Each kernel compiles only some of them (ACTS below); a code it does not
+compile is the identity.
 M, N, K may be any positive ints: all edges are bounds-checked or zero-filled, nothing outside the tensors
 is read or written. fp16/bf16 are passed as raw 16-bit storage (unsigned short).
 
@@ -56,14 +60,21 @@ Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via tor
 Compile-time tuning knobs (defaults are what the LAUNCH table assumes; leave them alone in the library):
 -DGEMM3_BM/BN/BK/WM/WN/STAGES (BK 32 or 64), -DGEMM2_BK (8 or 16), -DGEMM2_MINB (blocks/SM bound).
 
+Activations compiled (the epilogue is inlined for every accumulator a thread holds, and gemm3's 128
+accumulators leave no registers to spare, see kernels/common.cuh ACT_LINEAR):
+    gemm1_naive_*                 none, relu, gelu, gelu_erf
+    gemm2_tiled_f32, gemm3_mma_*  none, relu, gelu
+    gemm3_mma_gelu_erf_*          none, gelu_erf   (the same kernel as gemm3_mma_*, erf in its epilogue)
+
 LAUNCH (all kernels take the same parameters, no extra ones):
-    (const T* x, const T* w, const T* bias_or_null, T* y, int M, int N, int K, int act)
+    (const T* x, const T* w, const T* bias_or_null, const T* residual_or_null, T* y, int M, int N, int K,
+     int act)
     T = float (f32) or unsigned short (f16/bf16 bits)
 
     kernel              block        grid                              dynamic smem   notes
     gemm1_naive_*       (32, 8, 1)   (ceil(N/32),  ceil(M/8),   1)     0              M <= 524280 (grid.y <= 65535)
     gemm2_tiled_f32     (256, 1, 1)  (ceil(N/128), ceil(M/128), 1)     0              33792 B static smem
-    gemm3_mma_f16/bf16  (256, 1, 1)  (ceil(N/256), ceil(M/128), 1)     98304          > 48 KB: set the kernel's
+    gemm3_mma_*         (256, 1, 1)  (ceil(N/256), ceil(M/128), 1)     98304          > 48 KB: set the kernel's
                                                                                       max dynamic smem attribute
                                                                                       (cudaFuncAttributeMaxDynamic-
                                                                                       SharedMemorySize / CuPy
@@ -72,7 +83,7 @@ LAUNCH (all kernels take the same parameters, no extra ones):
     General form for gemm3: block = 32*WM*WN, grid = (ceil(N/BN), ceil(M/BM)), smem = STAGES*(BM+BN)*BK*2.
     gemm2/gemm3: M <= 65535*128 (grid.y). No alignment precondition for any kernel: y stores are
     vectorized only where the address allows it, x/w vector loads are chosen in-kernel as described
-    above. y must not alias x, w or bias.
+    above. y must not alias x, w, bias or the residual.
 */
 
 #include "common.cuh"
@@ -82,11 +93,17 @@ namespace gk {
 using namespace libnn;
 
 // ---------------------------------------------------------------------------------------------------
-// The one epilogue every kernel uses: bias + activation in fp32, round once, bounds-checked store of
-// y[m,n] (and y[m,n+1] when pair). A pair goes out as one 2-element store when its address allows.
-template <class DT>
-__device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T* bias, int M, int N,
-                                         int m, int n, float v0, float v1, bool pair, int act) {
+// The activations each kernel compiles (a mask of kernels/common.cuh's codes): gelu_erf gets kernels of
+// its own, so that the kernels for the other activations keep their registers.
+enum : unsigned { ACTS_FUSED = ACT_LINEAR, ACTS_ERF = (1u << 0) | (1u << 5), ACTS_NAIVE = ACT_LINEAR | (1u << 5) };
+
+// The one epilogue every kernel uses: bias, residual and activation in fp32, round once, bounds-checked
+// store of y[m,n] (and y[m,n+1] when pair). A pair is read from the residual and written to y as one
+// 2-element access where the address allows (r and y have the same row stride, so they agree on it
+// unless one of them is misaligned).
+template <class DT, unsigned ACTS>
+__device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T* bias, const typename DT::T* res,
+                                         int M, int N, int m, int n, float v0, float v1, bool pair, int act) {
     typedef typename DT::T T;
     struct alignas(2 * sizeof(T)) T2 { T a, b; };
     if (m >= M || n >= N) return;
@@ -95,10 +112,22 @@ __device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T
         v0 += DT::ld(bias[n]);
         if (two) v1 += DT::ld(bias[n + 1]);
     }
-    T* p = y + ((i64)m * N + n);
-    const T o0 = DT::st(apply_act<ACT_LINEAR>(v0, act));
+    const i64 at = (i64)m * N + n;
+    if (res) {
+        const T* q = res + at;
+        if (two && ((u64)q & (2 * sizeof(T) - 1)) == 0) {
+            const T2 t = *reinterpret_cast<const T2*>(q);
+            v0 += DT::ld(t.a);
+            v1 += DT::ld(t.b);
+        } else {
+            v0 += DT::ld(q[0]);
+            if (two) v1 += DT::ld(q[1]);
+        }
+    }
+    T* p = y + at;
+    const T o0 = DT::st(apply_act<ACTS>(v0, act));
     if (!two) { p[0] = o0; return; }
-    const T o1 = DT::st(apply_act<ACT_LINEAR>(v1, act));
+    const T o1 = DT::st(apply_act<ACTS>(v1, act));
     if (((u64)p & (2 * sizeof(T) - 1)) == 0) {
         T2 t; t.a = o0; t.b = o1;
         *reinterpret_cast<T2*>(p) = t;
@@ -111,8 +140,8 @@ __device__ __forceinline__ void epilogue(typename DT::T* y, const typename DT::T
 // 1) naive
 template <class DT>
 __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
-                                           const typename DT::T* __restrict__ bias, typename DT::T* __restrict__ y,
-                                           int M, int N, int K, int act) {
+                                           const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ res,
+                                           typename DT::T* __restrict__ y, int M, int N, int K, int act) {
     const int n = blockIdx.x * blockDim.x + threadIdx.x;
     const int m = blockIdx.y * blockDim.y + threadIdx.y;
     if (m >= M || n >= N) return;
@@ -120,7 +149,7 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
     const typename DT::T* wr = w + (i64)n * K;
     float acc = 0.f;
     for (int k = 0; k < K; k++) acc += DT::ld(xr[k]) * DT::ld(wr[k]);
-    epilogue<DT>(y, bias, M, N, m, n, acc, 0.f, false, act);
+    epilogue<DT, ACTS_NAIVE>(y, bias, res, M, N, m, n, acc, 0.f, false, act);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -143,8 +172,8 @@ struct alignas(16) g2_smem {
 
 template <bool AL>
 __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const float* __restrict__ w,
-                                           const float* __restrict__ bias, float* __restrict__ y,
-                                           int M, int N, int K, int act, g2_smem& sm) {
+                                           const float* __restrict__ bias, const float* __restrict__ res,
+                                           float* __restrict__ y, int M, int N, int K, int act, g2_smem& sm) {
     static_assert(G2_BK == 8 || G2_BK == 16, "GEMM2_BK must be 8 or 16");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     // a warp covers 4 (rows) x 8 (cols) threads: per k it reads 8 distinct A float4s and 16 B float4s
@@ -233,7 +262,7 @@ __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const fl
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
             const int n = n0 + (j >> 2) * 64 + tx * 4 + (j & 3);
-            epilogue<dt_f32>(y, bias, M, N, m, n, acc[i][j], acc[i][j + 1], true, act);
+            epilogue<dt_f32, ACTS_FUSED>(y, bias, res, M, N, m, n, acc[i][j], acc[i][j + 1], true, act);
         }
     }
 }
@@ -272,10 +301,10 @@ __device__ __forceinline__ int swz(int r, int c) {
 
 extern __shared__ u32x4 dsmem[];   // u32x4: 16-byte aligned, as cp.async needs
 
-template <class DT, int BM, int BN, int BK, int WM, int WN, int STAGES, bool AL>
+template <class DT, unsigned ACTS, int BM, int BN, int BK, int WM, int WN, int STAGES, bool AL>
 __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16* __restrict__ w,
-                                           const u16* __restrict__ bias, u16* __restrict__ y,
-                                           int M, int N, int K, int act) {
+                                           const u16* __restrict__ bias, const u16* __restrict__ res,
+                                           u16* __restrict__ y, int M, int N, int K, int act) {
     constexpr int NT = 32 * WM * WN;
     constexpr int WTM = BM / WM, WTN = BN / WN;    // warp tile
     constexpr int MI = WTM / 16, NI = WTN / 8;     // mma tiles per warp
@@ -442,21 +471,21 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16*
 #pragma unroll
         for (int j = 0; j < NI; j++) {
             const int n = n0 + wn * WTN + j * 8 + t * 2;
-            epilogue<DT>(y, bias, M, N, m, n, acc[i][j][0], acc[i][j][1], true, act);
-            epilogue<DT>(y, bias, M, N, m + 8, n, acc[i][j][2], acc[i][j][3], true, act);
+            epilogue<DT, ACTS>(y, bias, res, M, N, m, n, acc[i][j][0], acc[i][j][1], true, act);
+            epilogue<DT, ACTS>(y, bias, res, M, N, m + 8, n, acc[i][j][2], acc[i][j][3], true, act);
         }
     }
 }
 
-template <class DT>
+template <class DT, unsigned ACTS>
 __device__ __forceinline__ void gemm3_entry(const u16* __restrict__ x, const u16* __restrict__ w,
-                                            const u16* __restrict__ bias, u16* __restrict__ y,
-                                            int M, int N, int K, int act) {
+                                            const u16* __restrict__ bias, const u16* __restrict__ res,
+                                            u16* __restrict__ y, int M, int N, int K, int act) {
     const bool al = (K & 7) == 0 && (((u64)x | (u64)w) & 15) == 0;
     if (al)
-        gemm3_body<DT, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, true>(x, w, bias, y, M, N, K, act);
+        gemm3_body<DT, ACTS, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, true>(x, w, bias, res, y, M, N, K, act);
     else
-        gemm3_body<DT, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, false>(x, w, bias, y, M, N, K, act);
+        gemm3_body<DT, ACTS, GEMM3_BM, GEMM3_BN, GEMM3_BK, GEMM3_WM, GEMM3_WN, GEMM3_STAGES, false>(x, w, bias, res, y, M, N, K, act);
 }
 
 }  // namespace gk
@@ -464,11 +493,11 @@ __device__ __forceinline__ void gemm3_entry(const u16* __restrict__ x, const u16
 // ---------------------------------------------------------------------------------------------------
 // exported kernels (extern "C": the launcher looks them up by these names)
 #define GEMM_PARAMS(T) const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias, \
-                       T* __restrict__ y, int M, int N, int K, int act
+                       const T* __restrict__ residual, T* __restrict__ y, int M, int N, int K, int act
 
 #define GEMM1(name, DT)                                                                   \
     extern "C" __global__ void name(GEMM_PARAMS(gk::DT::T)) {                             \
-        gk::gemm1_body<gk::DT>(x, w, bias, y, M, N, K, act);                              \
+        gk::gemm1_body<gk::DT>(x, w, bias, residual, y, M, N, K, act);                    \
     }
 GEMM1(gemm1_naive_f32, dt_f32)
 GEMM1(gemm1_naive_f16, dt_f16)
@@ -477,13 +506,15 @@ GEMM1(gemm1_naive_bf16, dt_bf16)
 extern "C" __global__ void __launch_bounds__(256, GEMM2_MINB) gemm2_tiled_f32(GEMM_PARAMS(float)) {
     __shared__ gk::g2_smem sm;
     const bool al = (K & 3) == 0 && ((((gk::u64)x) | ((gk::u64)w)) & 15) == 0;
-    if (al) gk::gemm2_body<true>(x, w, bias, y, M, N, K, act, sm);
-    else gk::gemm2_body<false>(x, w, bias, y, M, N, K, act, sm);
+    if (al) gk::gemm2_body<true>(x, w, bias, residual, y, M, N, K, act, sm);
+    else gk::gemm2_body<false>(x, w, bias, residual, y, M, N, K, act, sm);
 }
 
-#define GEMM3(name, DT)                                                                   \
+#define GEMM3(name, DT, ACTS)                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM3_THREADS, 1) name(GEMM_PARAMS(gk::u16)) { \
-        gk::gemm3_entry<gk::DT>(x, w, bias, y, M, N, K, act);                             \
+        gk::gemm3_entry<gk::DT, gk::ACTS>(x, w, bias, residual, y, M, N, K, act);         \
     }
-GEMM3(gemm3_mma_f16, dt_f16)
-GEMM3(gemm3_mma_bf16, dt_bf16)
+GEMM3(gemm3_mma_f16, dt_f16, ACTS_FUSED)
+GEMM3(gemm3_mma_bf16, dt_bf16, ACTS_FUSED)
+GEMM3(gemm3_mma_gelu_erf_f16, dt_f16, ACTS_ERF)
+GEMM3(gemm3_mma_gelu_erf_bf16, dt_bf16, ACTS_ERF)

@@ -6,12 +6,17 @@ bias runs along the output features. So libnn computes the transposed product
 where x.T is a free view of the row-major x, and writes it into y.T, the column-major view of a
 row-major (M, N) output buffer allocated from CuPy's pool. The output never needs a copy.
 
+Residual. cuBLASLt computes D = epilogue(alpha·A·B + beta·C + bias). A residual r (the output's shape)
+is C, with beta = 1, read through r.T as y is written through y.T; D is the fresh output (C and D
+distinct, one layout). Without one, C is D itself and beta = 0.
+
 Plans. A `GemmPlan` (one nvmath Matmul, planned once) is cached per problem, operand alignment,
 device and stream. Alignment is part of the key because cuBLASLt picks kernels for the alignment of
-the pointers seen at planning time. nvmath does the planning (heuristics, descriptors, algorithms);
-the hot call then goes straight to `cublasLtMatmul` through nvmath's low-level bindings with the
-plan's descriptors, because `Matmul.execute` spends tens of microseconds per call on bookkeeping
-(a new event, logging checks, workspace checks) that a cached inference plan does not need.
+the pointers seen at planning time (the residual's included: it is planned as C). nvmath does the
+planning (heuristics, descriptors, algorithms); the hot call then goes straight to `cublasLtMatmul`
+through nvmath's low-level bindings with the plan's descriptors, because `Matmul.execute` spends tens of
+microseconds per call on bookkeeping (a new event, logging checks, workspace checks) that a cached
+inference plan does not need.
 """
 
 from __future__ import annotations
@@ -79,8 +84,9 @@ class GemmPlan:
     plan_seconds: float = 0.0
 
     def runner(self, stream_ptr: int):
-        """run(x, w, b, y) on `stream_ptr`: one `cublasLtMatmul` with the plan's descriptors, the
-        workspace of that stream, and the bias pointer set into the descriptor only when it changed."""
+        """run(x, w, b, y, r=None) on `stream_ptr`: one `cublasLtMatmul` with the plan's descriptors, the
+        workspace of that stream, and the bias pointer set into the descriptor only when it changed; the
+        residual r, planned for, is C (else C is y)."""
         from nvmath.bindings import cublasLt
 
         m, matmul, error = self.matmul, cublasLt.matmul, cublasLt.cuBLASLtError
@@ -90,21 +96,22 @@ class GemmPlan:
         space = workspace(size, self._device_id, stream_ptr)  # held: its pointer stays valid
         space_ptr = space.data.ptr
 
-        def run(x, w, b, y):
+        def run(x, w, b, y, r=None):
             if b is not None and b.data.ptr != self._bias_ptr:
                 m.mm_desc_ifc.bias_pointer = self._bias_ptr = b.data.ptr
             y_ptr = y.data.ptr
             try:
-                matmul(handle, desc, alpha, w.data.ptr, a_layout, x.data.ptr, b_layout, beta, y_ptr, c_layout,
-                       y_ptr, d_layout, self._algo, space_ptr, size, stream_ptr)
+                matmul(handle, desc, alpha, w.data.ptr, a_layout, x.data.ptr, b_layout, beta,
+                       y_ptr if r is None else r.data.ptr, c_layout, y_ptr, d_layout, self._algo, space_ptr, size,
+                       stream_ptr)
             except error as exc:
                 raise LibraryError(f"cuBLASLt matmul failed for {self.problem.describe()}: {exc}") from exc
         run.workspace = space
         return run
 
-    def run(self, x, w, b, y, stream_ptr: int) -> None:
+    def run(self, x, w, b, y, stream_ptr: int, r=None) -> None:
         """One product on `stream_ptr` (for tools; bound calls keep a `runner`)."""
-        self.runner(stream_ptr)(x, w, b, y)
+        self.runner(stream_ptr)(x, w, b, y, r)
 
     def choose(self, index: int) -> None:
         """Run candidate `index` from now on."""
@@ -119,18 +126,18 @@ class GemmPlan:
         self._bias_ptr = None
         self.choose(self.chosen)
 
-    def autotune(self, x, w, b, y, runs: int = 10) -> None:
+    def autotune(self, x, w, b, y, runs: int = 10, r=None) -> None:
         """Time every candidate on these operands (median of `runs`, CUDA events) and keep the fastest."""
         from libnn.bench.harness import time_gpu
 
         run = self.runner(current_stream().ptr)
         for c in self.candidates:
             self.choose(c.index)
-            c.time_ms = time_gpu(lambda _: run(x, w, b, y), [None], warmup=2, runs=runs).median_ms
+            c.time_ms = time_gpu(lambda _: run(x, w, b, y, r), [None], warmup=2, runs=runs).median_ms
         self.choose(min(range(len(self.candidates)), key=lambda i: self.candidates[i].time_ms))
 
 
-def _build(problem, x, w, b, y) -> GemmPlan:
+def _build(problem, x, w, b, y, r) -> GemmPlan:
     import time
 
     from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulOptions
@@ -140,7 +147,9 @@ def _build(problem, x, w, b, y) -> GemmPlan:
                             memory_limit=config.cublaslt_workspace_bytes, device_id=current_device_id())
     start = time.perf_counter()
     try:
-        matmul = Matmul(w, x.T, c=y.T, beta=0.0, options=options, stream=current_stream())
+        # planned in place on C: the residual's layout and alignment are C's, and D (y) has the same layout
+        c = y if r is None else r
+        matmul = Matmul(w, x.T, c=c.T, beta=0.0 if r is None else 1.0, options=options, stream=current_stream())
         epilog = _epilog(problem.has_bias, problem.activation)
         algorithms = matmul.plan(epilog=epilog, epilog_inputs={"bias": b} if b is not None else None,
                                  stream=current_stream())
@@ -150,28 +159,29 @@ def _build(problem, x, w, b, y) -> GemmPlan:
     plan = GemmPlan(problem, matmul, [Candidate(i, a) for i, a in enumerate(algorithms)],
                     plan_seconds=time.perf_counter() - start)
     if config.autotune and len(plan.candidates) > 1:
-        plan.autotune(x, w, b, y)
+        plan.autotune(x, w, b, y, r=r)
     return plan
 
 
-def plan_for(problem, x, w, b, y, stream_ptr: int) -> GemmPlan:
+def plan_for(problem, x, w, b, y, stream_ptr: int, r=None) -> GemmPlan:
     """The plan for `problem` with these operands' alignment on the given stream (the device is in
-    the problem)."""
-    key = (problem, _alignment(x), _alignment(w), b is not None and _alignment(b), stream_ptr)
-    return _plans.get(key, lambda: _build(problem, x, w, b, y))
+    the problem); r is the residual when the problem has one."""
+    key = (problem, _alignment(x), _alignment(w), b is not None and _alignment(b), r is not None and _alignment(r),
+           stream_ptr)
+    return _plans.get(key, lambda: _build(problem, x, w, b, y, r))
 
 
-def bind_linear(problem, x, w, b):
-    """The runner of y = act(x @ w.T + b) on cuBLASLt for C-contiguous (M, K), (N, K), (N,) CuPy arrays
-    of this signature, on the current stream."""
+def bind_linear(problem, x, w, b, r=None):
+    """The runner of y = act(x @ w.T + b + r) on cuBLASLt for C-contiguous (M, K), (N, K), (N,), (M, N)
+    CuPy arrays of this signature, on the current stream."""
     import cupy
 
     shape, dtype = (problem.M, problem.N), x.dtype
     stream_ptr = current_stream().ptr
-    matmul = plan_for(problem, x, w, b, cupy.empty(shape, dtype), stream_ptr).runner(stream_ptr)
+    matmul = plan_for(problem, x, w, b, cupy.empty(shape, dtype), stream_ptr, r).runner(stream_ptr)
 
-    def run(x, w, b):
+    def run(x, w, b, r):
         y = cupy.empty(shape, dtype)  # pool memory: always 256-byte aligned, as at planning
-        matmul(x, w, b, y)
+        matmul(x, w, b, y, r)
         return y
     return run

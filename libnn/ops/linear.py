@@ -1,15 +1,20 @@
-"""linear: y = act(x @ w.T + b), the fully connected layer as one GEMM with a fused epilogue.
+"""linear: y = act(x @ w.T + b + residual), the fully connected layer as one GEMM with a fused epilogue.
 
-x is (..., K), w is (N, K) (PyTorch's (out_features, in_features)), b is (N,) or None.
+x is (..., K), w is (N, K) (PyTorch's (out_features, in_features)), b is (N,) or None, residual is None
+or an array of the output's shape (..., N), added before the activation (the ResNet convention; a
+transformer's post-norm skip connection, `x + linear(h)`, is `linear(h, w, b, residual=x)`).
 Activations: None, "relu", "gelu", the tanh approximation 0.5·v·(1 + tanh(√(2/π)·(v + 0.044715·v³)))
 that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's nn.GELU() and BERT.
-The first three are fused into the GEMM's epilogue; cuBLASLt has no erf GELU, and compiling one into
-gemm.cu's epilogue costs the main loop registers, so on the GPU "gelu_erf" is a second, memory-bound
-pass (kernels/epilogue.cu) after the GEMM with its bias.
+"gelu" is never substituted for "gelu_erf".
 
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
-- cublaslt:  cuBLASLt through nvmath-python, bias and activation fused in its epilogue.
-- custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32.
+- cublaslt:  cuBLASLt through nvmath-python: D = epilogue(A·B + β·C + bias) in one call, with the
+             residual as C (β = 1) and bias, relu or gelu in the epilogue. cuBLASLt has no erf GELU, so
+             "gelu_erf" is the GEMM (with the residual) followed by one memory-bound pass that adds the
+             bias and applies the GELU (kernels/epilogue.cu bias_act_rows).
+- custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32; bias, residual
+             and activation in the kernel's epilogue, "gelu_erf" included for fp16/bf16 (kernels of
+             their own, gemm3_mma_gelu_erf_*); fp32 "gelu_erf" takes the GEMM + pass route.
 - reference: NumPy in float64, rounded to the input dtype once at the end.
 
 fp16/bf16 accumulate in fp32 on the GPU paths. fp32 is exact fp32 unless `allow_tf32=True`, which
@@ -28,10 +33,11 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op
+from libnn.runtime import memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
-FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues and gemm.cu's compile
+FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
 op = Op("linear", order=("cublaslt", "custom", "reference"))
@@ -48,9 +54,11 @@ class LinearProblem:
     activation: str | None
     allow_tf32: bool
     device: str           # "cpu" or "gpu:N"
+    has_residual: bool = False
 
     def describe(self) -> str:
-        epilogue = "+".join(filter(None, ["bias" if self.has_bias else None, self.activation])) or "no epilogue"
+        epilogue = "+".join(filter(None, ["bias" if self.has_bias else None,
+                                          "residual" if self.has_residual else None, self.activation])) or "no epilogue"
         return f"linear M={self.M} N={self.N} K={self.K} {self.dtype} ({epilogue})"
 
     @property
@@ -58,7 +66,7 @@ class LinearProblem:
         return 2 * self.M * self.N * self.K
 
 
-def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
+def _check(x, w, b, activation, allow_tf32: bool, residual=None) -> LinearProblem:
     if w.ndim != 2:
         raise ValueError(f"linear: w must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
     if x.ndim < 1:
@@ -69,53 +77,64 @@ def _check(x, w, b, activation, allow_tf32: bool) -> LinearProblem:
                          f"(w is (out_features, in_features) = {tuple(w.shape)}, x is {tuple(x.shape)})")
     if b is not None and tuple(b.shape) != (N,):
         raise ValueError(f"linear: b must have shape ({N},) to match w's out_features, got {tuple(b.shape)}")
+    out_shape = (*x.shape[:-1], N)
+    if residual is not None and tuple(residual.shape) != out_shape:
+        raise ValueError(f"linear: residual must have the output's shape {out_shape} (x's leading dimensions, "
+                         f"w's out_features), got {tuple(residual.shape)}")
     if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
         raise TypeError(f"linear: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
-    for name, a in (("w", w), ("b", b)):
+    for name, a in (("w", w), ("b", b), ("residual", residual)):
         if a is not None and a.dtype != x.dtype:
             raise TypeError(f"linear: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
     activations.check("linear", activation, ACTIVATIONS)
-    device = device_of({"x": x, "w": w, "b": b}, "linear")
+    device = device_of({"x": x, "w": w, "b": b, "residual": residual}, "linear")
     return LinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                          has_bias=b is not None, activation=activation, allow_tf32=bool(allow_tf32),
-                         device=device)
+                         device=device, has_residual=residual is not None)
 
 
-def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, allow_tf32: bool = False,
-           path: str = "auto") -> Any:
-    """act(x @ w.T + b) for x (..., K), w (N, K), b (N,) or None; returns (..., N) in x's dtype, on
-    x's device. `path` is "auto" or one of `libnn.paths("linear")`."""
+def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, residual: Any = None,
+           allow_tf32: bool = False, path: str = "auto") -> Any:
+    """act(x @ w.T + b + residual) for x (..., K), w (N, K), b (N,) or None, residual (..., N) or None;
+    returns a new (..., N) array in x's dtype, on x's device (the residual is read, never written).
+    `path` is "auto" or one of `libnn.paths("linear")`."""
     x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
     b = None if b is None else as_array(b, "linear", "b")
-    key = (signature(x), signature(w), signature(b), activation, allow_tf32, path, stream_key())
-    return op.call(key, lambda: _check(x, w, b, activation, allow_tf32), path, x, w, b)
+    r = None if residual is None else as_array(residual, "linear", "residual")
+    key = (signature(x), signature(w), signature(b), signature(r), activation, allow_tf32, path, stream_key())
+    return op.call(key, lambda: _check(x, w, b, activation, allow_tf32, r), path, x, w, b, r)
 
 
-def _as_matrices(gemm, problem: LinearProblem, x, w, b):
-    """`gemm` (a runner for C-contiguous (M, K), (N, K), (N,) arrays) wrapped for the signature of x, w
-    and b: x of any rank or strides is made a contiguous (M, K) matrix and the result given x's leading
-    dimensions. The wrapper is only added where the signature needs it."""
-    if x.ndim == 2 and x.flags.c_contiguous and w.flags.c_contiguous and (b is None or b.flags.c_contiguous):
+def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
+    """`gemm` (a runner for C-contiguous (M, K), (N, K), (N,), (M, N) arrays) wrapped for the signature
+    of x, w, b and r: x and r of any rank or strides are made contiguous matrices and the result given
+    x's leading dimensions. The wrapper is only added where the signature needs it."""
+    if (x.ndim == 2 and x.flags.c_contiguous and w.flags.c_contiguous and (b is None or b.flags.c_contiguous)
+            and (r is None or r.flags.c_contiguous)):
         return gemm
     lead = x.shape[:-1]
 
-    def run(x, w, b):
-        y = gemm(contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b))
+    def run(x, w, b, r):
+        y = gemm(contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b),
+                 None if r is None else contiguous(r).reshape(problem.M, problem.N))
         return y.reshape(*lead, problem.N)
     return run
 
 
-def _degenerate(problem: LinearProblem, x, w, b):
+def _degenerate(problem: LinearProblem, x, w, b, r):
     """The result when M, N or K is 0: no GEMM to run."""
     xp = array_module(x)
     lead = x.shape[:-1]
     if problem.M == 0 or problem.N == 0:
         return xp.empty((*lead, problem.N), x.dtype)
-    # K == 0, an empty sum: every output is act(bias)
-    bias = xp.zeros(problem.N, xp.float64 if xp is np else xp.float32) if b is None else b.astype(xp.float32)
-    y = activations.apply(xp.broadcast_to(bias, (problem.M, problem.N)), problem.activation).astype(x.dtype)
-    return y.reshape(*lead, problem.N)
+    # K == 0, an empty sum: every output is act(bias + residual)
+    v = xp.zeros((problem.M, problem.N), xp.float64 if xp is np else xp.float32)
+    if b is not None:
+        v += b.astype(v.dtype)
+    if r is not None:
+        v += r.reshape(problem.M, problem.N).astype(v.dtype)
+    return activations.apply(v, problem.activation).astype(x.dtype).reshape(*lead, problem.N)
 
 
 def _gpu_support(problem: LinearProblem) -> str | None:
@@ -124,55 +143,71 @@ def _gpu_support(problem: LinearProblem) -> str | None:
     return None
 
 
+# cuBLASLt computes D = epilogue(alpha·A·B + beta·C + bias): the bias is "added before applying the final
+# postprocessing" (cublasLtEpilogue_t) and nvmath's matmul is documented as F(alpha·a @ b + beta·c) with F
+# the epilog, so C = residual, beta = 1 is act(x @ w.T + b + residual), the op's order, for every fused
+# activation. (test_linear_gpu's residual tests check this against the reference on the device.)
 @op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support, binds=True)
-def _cublaslt(problem: LinearProblem, x, w, b):
+def _cublaslt(problem: LinearProblem, x, w, b, r):
     from libnn.backends import cublaslt
 
-    return _bind_gpu(cublaslt.bind_linear, problem, x, w, b)
+    return _bind_gpu(cublaslt.bind_linear, problem.activation in FUSED_ACTIVATIONS, problem, x, w, b, r)
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
-def _custom(problem: LinearProblem, x, w, b):
-    return _bind_gpu(bind_custom, problem, x, w, b)
+def _custom(problem: LinearProblem, x, w, b, r):
+    return _bind_gpu(bind_custom, _custom_fuses(problem), problem, x, w, b, r)
 
 
-def _bind_gpu(bind_gemm, problem: LinearProblem, x, w, b):
-    """The runner of a GPU path: `bind_gemm(problem, x, w, b)` binds the GEMM (with the activation in its
-    epilogue, or, for one it has no epilogue for, followed by an element-wise pass of
-    kernels/epilogue.cu); empty problems need no GEMM."""
+def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):
+    """The runner of a GPU path: `bind_gemm(problem, x, w, b, r)` binds the GEMM, with bias, residual and
+    activation in its epilogue when `fused`; otherwise the GEMM adds the residual alone and one pass of
+    kernels/epilogue.cu adds the bias and applies the activation. Empty problems need no GEMM."""
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
         return functools.partial(_degenerate, problem)
-    matrices = (contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b))
-    if problem.activation in FUSED_ACTIVATIONS:
-        return _as_matrices(bind_gemm(problem, *matrices), problem, x, w, b)
-    gemm = bind_gemm(replace(problem, activation=None), *matrices)
-    epilogue = bind_epilogue_pass(problem.dtype, problem.M * problem.N, problem.activation)
+    matrices = (contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b),
+                None if r is None else contiguous(r).reshape(problem.M, problem.N))
+    if fused:
+        return _as_matrices(bind_gemm(problem, *matrices), problem, x, w, b, r)
+    gemm = bind_gemm(replace(problem, has_bias=False, activation=None), matrices[0], matrices[1], None, matrices[3])
+    epilogue = bind_epilogue_pass(problem.dtype, problem.M, problem.N, problem.activation)
 
-    def gemm_then_activation(x, w, b):
-        y = gemm(x, w, b)
-        epilogue(y)
+    def gemm_then_pass(x, w, b, r):
+        y = gemm(x, w, None, r)
+        epilogue(y, b)
         return y
-    return _as_matrices(gemm_then_activation, problem, x, w, b)
+    return _as_matrices(gemm_then_pass, problem, x, w, b, r)
 
 
-def bind_epilogue_pass(dtype: str, size: int, activation: str | None):
-    """y = act(y) in place over `size` elements, one pass of kernels/epilogue.cu."""
+def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
+    """run(y, b): y = act(y + b) in place for a row-major (rows, N) y and a bias b (N,) or None, one pass
+    of kernels/epilogue.cu's bias_act_rows (16-byte accesses where N and the pointers allow)."""
+    import cupy
+
     from libnn.runtime import launch
 
-    null = np.uint64(0)
-    return launch.bind("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[dtype]}",
-                       (min(-(-size // 256), 65535 * 8),), (256,),
-                       (launch.ARRAY, null, null, np.int64(size), np.int32(1), np.int64(1),
+    total = rows * N
+    vector = 16 // dtypes.parse(dtype).itemsize
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    blocks = max(1, min(-(-total // (256 * vector)), 32 * sms))
+    return launch.bind("epilogue.cu", f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}", (blocks,), (256,),
+                       (launch.ARRAY, launch.ARRAY, np.int64(total), np.int32(N),
                         np.int32(activations.KERNEL_CODES[activation])))
 
 
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: LinearProblem, x, w, b):
+def _reference(problem: LinearProblem, x, w, b, r):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return _degenerate(problem, x, w, b)
+        return _degenerate(problem, x, w, b, r)
+    M, N, K = problem.M, problem.N, problem.K
+    # float64 copies of x and w, the float64 product (and the residual's copy), the result
+    nbytes = 8 * (M * K + N * K + M * N * (2 if r is not None else 1)) + M * N * x.dtype.itemsize
+    memory.require(nbytes, "cpu", "linear", f"the float64 reference of x @ w.T (M={M}, N={N}, K={K})")
     y = x.astype(np.float64) @ w.astype(np.float64).T
     if b is not None:
         y += b.astype(np.float64)
+    if r is not None:
+        y += r.astype(np.float64).reshape(y.shape)
     return activations.apply(y, problem.activation).astype(x.dtype)
 
 
@@ -189,11 +224,12 @@ class _Launch:
     tile_n: int            # output columns per block (grid x)
     tile_m: int            # output rows per block (grid y)
     dynamic_smem: int = 0
+    erf_kernel: str | None = None  # the kernel computing gelu_erf in its epilogue, if any
 
 
-_LAUNCH = {"v1": _Launch("gemm1_naive", (32, 8, 1), 32, 8),
+_LAUNCH = {"v1": _Launch("gemm1_naive", (32, 8, 1), 32, 8, erf_kernel="gemm1_naive"),
            "v2": _Launch("gemm2_tiled", (256, 1, 1), 128, 128),
-           "v3": _Launch("gemm3_mma", (256, 1, 1), 256, 128, dynamic_smem=98304)}
+           "v3": _Launch("gemm3_mma", (256, 1, 1), 256, 128, dynamic_smem=98304, erf_kernel="gemm3_mma_gelu_erf")}
 _MAX_GRID_Y = 65535
 
 
@@ -202,9 +238,20 @@ def custom_versions(dtype: str) -> tuple[str, ...]:
     return _VERSIONS[dtype]
 
 
-def bind_custom(problem: LinearProblem, x, w, b, version: str | None = None):
+def _kernel(version: str, activation: str | None) -> str | None:
+    """The kernel of `version` whose epilogue computes `activation` (None if it has none)."""
+    spec = _LAUNCH[version]
+    return spec.erf_kernel if activation == "gelu_erf" else spec.kernel
+
+
+def _custom_fuses(problem: LinearProblem) -> bool:
+    """Whether the custom path's kernel computes the problem's activation in its epilogue."""
+    return _kernel(_VERSIONS[problem.dtype][-1], problem.activation) is not None
+
+
+def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = None):
     """The runner of one version of kernels/gemm.cu (default: the custom path's) for C-contiguous
-    (M, K), (N, K) and (N,) CuPy arrays; a null bias pointer means no bias."""
+    (M, K), (N, K), (N,) and (M, N) CuPy arrays; a null bias or residual pointer means none."""
     import cupy
 
     from libnn.runtime import launch
@@ -213,34 +260,36 @@ def bind_custom(problem: LinearProblem, x, w, b, version: str | None = None):
     if version not in _VERSIONS[problem.dtype]:
         raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {problem.dtype}; "
                          f"it has {_VERSIONS[problem.dtype]}")
+    if (kernel := _kernel(version, problem.activation)) is None:
+        raise ValueError(f"linear: kernels/gemm.cu version {version} has no {problem.activation} epilogue")
     spec, (M, N, K) = _LAUNCH[version], (problem.M, problem.N, problem.K)
     rows_per_launch = _MAX_GRID_Y * spec.tile_m  # grid.y is limited; larger M runs in slices
     slices = [(m0, min(rows_per_launch, M - m0)) for m0 in range(0, M, rows_per_launch)]
-    launches = [launch.bind("gemm.cu", f"{spec.kernel}_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
+    launches = [launch.bind("gemm.cu", f"{kernel}_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
                             (-(-N // spec.tile_n), -(-rows // spec.tile_m)), spec.block,
-                            (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int32(rows), np.int32(N),
-                             np.int32(K), np.int32(activations.KERNEL_CODES[problem.activation])),
+                            (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int32(rows),
+                             np.int32(N), np.int32(K), np.int32(activations.KERNEL_CODES[problem.activation])),
                             shared_mem=spec.dynamic_smem)
                 for _, rows in slices]
     shape, dtype = (M, N), x.dtype
     if len(launches) == 1:
         (gemm,) = launches
 
-        def run(x, w, b):
+        def run(x, w, b, r):
             y = cupy.empty(shape, dtype)
-            gemm(x, w, b, y)
+            gemm(x, w, b, r, y)
             return y
         return run
 
-    def run_in_slices(x, w, b):
+    def run_in_slices(x, w, b, r):
         y = cupy.empty(shape, dtype)
         for (m0, rows), gemm in zip(slices, launches):
-            gemm(x[m0:m0 + rows], w, b, y[m0:m0 + rows])
+            gemm(x[m0:m0 + rows], w, b, None if r is None else r[m0:m0 + rows], y[m0:m0 + rows])
         return y
     return run_in_slices
 
 
-def launch_custom_version(version: str, x, w, b, activation: str | None):
-    """y = act(x @ w.T + b) with one numbered version of kernels/gemm.cu (C-contiguous CuPy arrays),
-    for benchmarks and tests."""
-    return bind_custom(_check(x, w, b, activation, False), x, w, b, version)(x, w, b)
+def launch_custom_version(version: str, x, w, b, activation: str | None, residual=None):
+    """y = act(x @ w.T + b + residual) with one numbered version of kernels/gemm.cu (C-contiguous 2-D
+    CuPy arrays), for benchmarks and tests."""
+    return bind_custom(_check(x, w, b, activation, False, residual), x, w, b, residual, version)(x, w, b, residual)
