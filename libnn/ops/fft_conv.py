@@ -304,7 +304,7 @@ def _cufft(problem, x, w, b):
 
 
 def _planar(values: tuple) -> tuple:
-    """A 1-D problem's (L,) as the 2-D (1, L) the kernels take."""
+    """A 1-D problem's size (L,) as the 2-D (1, L) the kernels take."""
     return values if len(values) == 2 else (1, *values)
 
 
@@ -334,7 +334,7 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
         inverse = get_fft_plan(product, shape=shape, axes=(-2, -1), value_type="C2R")
 
     (H, W), (kh, kw), (OH, OW), (Fh, Fw) = (_planar(v) for v in (p.spatial, p.kernel, p.out, shape))
-    ph, pw = _planar(tuple(before for before, _ in p.pads))
+    ph, pw = (0,) * (2 - len(p.pads)) + tuple(before for before, _ in p.pads)  # a 1-D problem has no rows to pad
     suffix = dtypes.KERNEL_SUFFIX[p.dtype]
     pad = launch.bind("fft.cu", f"fft_pad_{suffix}", (_grid(padded.size),), (256,),
                       (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(rows_x), np.int64(padded.size),
