@@ -1,23 +1,34 @@
 /*
-Layer normalization over the last dimension, for inference, in the style of llm.c dev/cuda:
+Layer normalization over the last dimension, for inference, in the style of llm.c dev/cuda, with
+the residual add of a post-LN transformer block fused in front of it:
 
-    y[r, c] = (x[r, c] - mean_r) * rstd_r * w[c] + b[c]
-    mean_r  = (1/N) sum_c x[r, c],   rstd_r = 1 / sqrt((1/N) sum_c (x[r, c] - mean_r)^2 + eps)
+    h[r, c] = x[r, c] + res[r, c]   (in fp32; h = x where res is null)
+    y[r, c] = (h[r, c] - mean_r) * rstd_r * w[c] + b[c]
+    mean_r  = (1/N) sum_c h[r, c],   rstd_r = 1 / sqrt((1/N) sum_c (h[r, c] - mean_r)^2 + eps)
+    s[r, c] = h[r, c] rounded to T  (only where s is not null)
 
-x and y are (M, N) row-major and contiguous; w and b are (N,), either may be null (then 1 and 0). I/O
-in fp32, fp16 or bf16 (raw 16-bit words, converted with PTX), all arithmetic in fp32. It includes no
-CUDA toolkit header (only libnn's kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
+x, res, y and s are (M, N) row-major and contiguous; w and b are (N,); res, w, b and s may each be
+null (res: plain layer norm; w, b: 1 and 0; s: the sum is not written). I/O in fp32, fp16 or bf16
+(raw 16-bit words, converted with PTX), all arithmetic in fp32. It includes no CUDA toolkit header
+(only libnn's kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
 
-Numerics: two passes over the row, the mean first, then the variance as the mean of (x - mean)^2,
-never E[x^2] - E[x]^2, which cancels when |mean| >> std (for x = 100 + N(0, 1) in fp32 that form
-keeps two or three correct digits of the variance). The sums are taken of x - x[r, 0] (shifted data:
-the row's first element is the pivot, mean = pivot + sum(x - pivot) / N), so that a large common
-offset does not inflate the rounding of the mean's sum either. A row sum is: each thread sums its
-elements in order, a butterfly over the warp (__shfl_xor_sync; every lane ends with the same bits),
-and for versions 2 and 3 a sum of the block's warp sums in a fixed order through shared memory.
-rstd is rsqrtf (2 ulp), 1/N a div.full (2 ulp): about 1e-7 relative in fp32.
+The residual is read in the same pass as x, so versions 1 and 2 move 3 (4 with s) row-sized arrays
+where an add kernel then a layer norm moved 5 (x, res, the sum written and read again, y). The row
+is normalized from h in fp32, not from s rounded to T: for fp16/bf16 inputs h is then exact (two
+fp16 values' sum fits fp32's 24 bits while their magnitudes are within 2^12 of each other, bf16's
+within 2^15), so y is the normalization of x + res itself, as the float64 reference computes it.
 
-Versions (the launcher, libnn/ops/layernorm.py, picks one; all take the same parameters):
+Numerics: two passes over the row, the mean first, then the variance as the mean of (h - mean)^2,
+never E[h^2] - E[h]^2, which cancels when |mean| >> std (for h = 100 + N(0, 1) in fp32 that form
+keeps two or three correct digits of the variance). The sums are taken of h - h[r, 0] (shifted
+data: the row's first element is the pivot, mean = pivot + sum(h - pivot) / N), so that a large
+common offset does not inflate the rounding of the mean's sum either. A row sum is: each thread sums
+its elements in order, a butterfly over the warp (__shfl_xor_sync; every lane ends with the same
+bits), and for versions 2 and 3 a sum of the block's warp sums in a fixed order through shared
+memory. rstd is rsqrtf (2 ulp), 1/N a div.full (2 ulp): about 1e-7 relative in fp32.
+
+Versions (the launcher, libnn/ops/layernorm.py, picks one; all take the same parameters; each reads
+res and writes s with the accesses it makes of x and y, so a residual changes no version's limits):
 
 1) ln1_warp_{vec,sca}{1,2,4}_{f32,f16,bf16}, and ln1_warp_{vec,sca}8_f32
    One row per warp, 4 rows per 128-thread block, the row held in registers. Lane l holds VPT groups
@@ -30,23 +41,25 @@ Versions (the launcher, libnn/ops/layernorm.py, picks one; all take the same par
    16384 (fp32) and 32768 (fp16/bf16) elements. 16-byte accesses only (see vec below).
 3) ln3_loop_*
    One row per 512-thread block, any N and alignment, element-wise accesses: three strided passes
-   over the row in global memory (sum, squared deviations, output). The fallback beyond version 2's
-   register capacity, and for rows longer than 1024 that version 2 cannot take 16 bytes at a time
-   (N % V != 0 or a misaligned pointer). It reaches 0.7-1.7 TB/s on the H100 (1024 x 65536 fp16: 0.7,
-   8192 x 12289 fp32: 1.7) where cuDNN reaches 1.7-2.7; versions 1 and 2 reach 2.6-2.95 on large
-   problems, as fast as cuDNN or a few per cent faster. Keeping the row in shared memory for passes
-   2 and 3 was tried and measured slower (1024 x 65536 fp16: 760 us against 376: one 512-thread
-   block per SM).
+   over the row in global memory (sum, squared deviations, output), each reading x and res again
+   (h is recomputed in fp32, not read back from s, so that every version normalizes the same h).
+   The fallback beyond version 2's register capacity, and for rows longer than 1024 that version 2
+   cannot take 16 bytes at a time (N % V != 0 or a misaligned pointer). It reaches 0.7-1.7 TB/s on
+   the H100 (1024 x 65536 fp16: 0.7, 8192 x 12289 fp32: 1.7) where cuDNN reaches 1.7-2.7; versions 1
+   and 2 reach 2.6-2.95 on large problems, as fast as cuDNN or a few per cent faster (measured
+   without a residual). Keeping the row in shared memory for passes 2 and 3 was tried and measured
+   slower (1024 x 65536 fp16: 760 us against 376: one 512-thread block per SM).
 
-vec: 16-byte loads and stores of x, w, b and y; the launcher picks it only when N % V == 0 and every
-pointer is 16-byte aligned. sca: the same groups read and written one element at a time with a bounds
-check each (any N, any alignment). Only version 1 is built both ways: each variant is fully unrolled
-code, and NVRTC's time grows with it (every VPT of versions 1 and 2 both ways took 20 s per
-architecture to compile, this set 8 s), while long rows of odd length are rare enough for version 3.
+vec: 16-byte loads and stores of x, res, w, b, y and s; the launcher picks it only when N % V == 0
+and every pointer is 16-byte aligned. sca: the same groups read and written one element at a time
+with a bounds check each (any N, any alignment). Only version 1 is built both ways: each variant is
+fully unrolled code, and NVRTC's time grows with it (every VPT of versions 1 and 2 both ways took
+20 s per architecture to compile, this set 8 s), while long rows of odd length are rare enough for
+version 3.
 
 LAUNCH (every kernel takes the same parameters)
-    (const T* x, const T* w, const T* b, T* y, long long M, int N, float eps)
-    T = float (f32) or unsigned short (f16/bf16 bits); w and b may be null.
+    (const T* x, const T* res, const T* w, const T* b, T* y, T* s, long long M, int N, float eps)
+    T = float (f32) or unsigned short (f16/bf16 bits); res, w, b and s may be null.
 
     kernel         block                                                   grid
     ln1_warp_*     (128, 1, 1)                                             min(ceil(M / 4), 65535)
@@ -54,8 +67,11 @@ LAUNCH (every kernel takes the same parameters)
     ln3_loop_*     (512, 1, 1)                                             min(M, 65535)
 
     Rows are grid-strided: any grid >= 1 is correct. Preconditions: 1 <= N < 2^31, M >= 0 (row
-    offsets are 64-bit), eps > 0, y does not overlap x, w or b. Registers: version 2 with VPT = 8 holds
-    64 floats of the row per fp16/bf16 thread, within __launch_bounds__(512)'s 128, without spills.
+    offsets are 64-bit), eps > 0, y and s overlap neither each other nor x, res, w or b. Registers:
+    version 2 with VPT = 8 holds 64 floats of the row per fp16/bf16 thread, within
+    __launch_bounds__(512)'s 128, without spills. res and s are null-checked at run time rather than
+    built as separate kernels (which would double NVRTC's time); that costs the kernels without a
+    residual a few registers (ln2_block_vec4_f32 40 -> 64, ln2_block_vec8_f32 74 -> 114 on sm_80).
 */
 
 #include "common.cuh"
@@ -88,12 +104,19 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
     return s;
 }
 
+// h = x + res at column c of a row (x alone where the row's res is null), in fp32
+template <class DT>
+__device__ __forceinline__ float ld_h(const typename DT::T* xr, const typename DT::T* rr, i64 c) {
+    return rr ? DT::ld(xr[c]) + DT::ld(rr[c]) : DT::ld(xr[c]);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // 1) and 2): the row in registers, VPT groups of V elements per thread
 template <class DT, int VPT, bool VEC, bool ROW_IS_BLOCK>
-__device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
-                                             const typename DT::T* __restrict__ b, typename DT::T* __restrict__ y,
-                                             i64 M, int N, float eps) {
+__device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ res,
+                                             const typename DT::T* __restrict__ w, const typename DT::T* __restrict__ b,
+                                             typename DT::T* __restrict__ y, typename DT::T* __restrict__ sum, i64 M,
+                                             int N, float eps) {
     typedef typename DT::T T;
     constexpr int V = DT::V;
     __shared__ float red[16];
@@ -104,30 +127,48 @@ __device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ 
     const float inv_n = fdiv_full(1.f, (float)N);
     for (i64 r = first; r < M; r += (i64)gridDim.x * rows_per_block) {
         const T* xr = x + r * N;
+        const T* rr = res ? res + r * N : nullptr;
         T* yr = y + r * N;
-        const float pivot = DT::ld(xr[0]);
-        float v[VPT][V];  // x - pivot, 0 outside the row
+        T* sr = sum ? sum + r * N : nullptr;
+        const float pivot = ld_h<DT>(xr, rr, 0);
+        float v[VPT][V];  // h - pivot, 0 outside the row
         float s = 0.f;
 #pragma unroll
         for (int j = 0; j < VPT; j++) {
             const int c = (j * threads + t) * V;
             if constexpr (VEC) {
                 if (c < N) {
-                    const Pack<DT> p = *reinterpret_cast<const Pack<DT>*>(xr + c);
+                    const Pack<DT> px = *reinterpret_cast<const Pack<DT>*>(xr + c);
+                    // the sum's pack is built whether or not s is wanted: a separate conditional pass
+                    // over v for s spilled ln2_block_vec4_bf16 past its 64 registers on sm_80
+                    Pack<DT> pr, out;
+                    if (rr) pr = *reinterpret_cast<const Pack<DT>*>(rr + c);
 #pragma unroll
-                    for (int e = 0; e < V; e++) v[j][e] = DT::ld(p.e[e]) - pivot;
+                    for (int e = 0; e < V; e++) {
+                        const float h = rr ? DT::ld(px.e[e]) + DT::ld(pr.e[e]) : DT::ld(px.e[e]);
+                        out.e[e] = DT::st(h);
+                        v[j][e] = h - pivot;
+                    }
+                    if (sr) *reinterpret_cast<Pack<DT>*>(sr + c) = out;
                 } else {
 #pragma unroll
                     for (int e = 0; e < V; e++) v[j][e] = 0.f;
                 }
             } else {
 #pragma unroll
-                for (int e = 0; e < V; e++) v[j][e] = c + e < N ? DT::ld(xr[c + e]) - pivot : 0.f;
+                for (int e = 0; e < V; e++) {
+                    v[j][e] = 0.f;
+                    if (c + e < N) {
+                        const float h = ld_h<DT>(xr, rr, c + e);
+                        if (sr) sr[c + e] = DT::st(h);
+                        v[j][e] = h - pivot;
+                    }
+                }
             }
 #pragma unroll
             for (int e = 0; e < V; e++) s += v[j][e];
         }
-        const float mean = row_sum<ROW_IS_BLOCK>(s, red) * inv_n;  // the mean of x - pivot
+        const float mean = row_sum<ROW_IS_BLOCK>(s, red) * inv_n;  // the mean of h - pivot
         float q = 0.f;
 #pragma unroll
         for (int j = 0; j < VPT; j++) {
@@ -170,28 +211,35 @@ __device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ 
 // ---------------------------------------------------------------------------------------------------
 // 3) any N: three passes over the row in global memory
 template <class DT>
-__device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
-                                        const typename DT::T* __restrict__ b, typename DT::T* __restrict__ y, i64 M,
-                                        int N, float eps) {
+__device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ res,
+                                        const typename DT::T* __restrict__ w, const typename DT::T* __restrict__ b,
+                                        typename DT::T* __restrict__ y, typename DT::T* __restrict__ sum, i64 M, int N,
+                                        float eps) {
     typedef typename DT::T T;
     __shared__ float red[16];
     const float inv_n = fdiv_full(1.f, (float)N);
     for (i64 r = blockIdx.x; r < M; r += gridDim.x) {
         const T* xr = x + r * N;
+        const T* rr = res ? res + r * N : nullptr;
         T* yr = y + r * N;
-        const float pivot = DT::ld(xr[0]);
+        T* sr = sum ? sum + r * N : nullptr;
+        const float pivot = ld_h<DT>(xr, rr, 0);
         float s = 0.f;
-        for (i64 c = threadIdx.x; c < N; c += blockDim.x) s += DT::ld(xr[c]) - pivot;
+        for (i64 c = threadIdx.x; c < N; c += blockDim.x) {
+            const float h = ld_h<DT>(xr, rr, c);
+            if (sr) sr[c] = DT::st(h);
+            s += h - pivot;
+        }
         const float mean = row_sum<true>(s, red) * inv_n;
         float q = 0.f;
         for (i64 c = threadIdx.x; c < N; c += blockDim.x) {
-            const float d = (DT::ld(xr[c]) - pivot) - mean;
+            const float d = (ld_h<DT>(xr, rr, c) - pivot) - mean;
             q += d * d;
         }
         const float rstd = rsqrtf(row_sum<true>(q, red) * inv_n + eps);
         for (i64 c = threadIdx.x; c < N; c += blockDim.x) {
             const float wv = w ? DT::ld(w[c]) : 1.f, bv = b ? DT::ld(b[c]) : 0.f;
-            yr[c] = DT::st(fmaf(((DT::ld(xr[c]) - pivot) - mean) * rstd, wv, bv));
+            yr[c] = DT::st(fmaf(((ld_h<DT>(xr, rr, c) - pivot) - mean) * rstd, wv, bv));
         }
     }
 }
@@ -201,12 +249,12 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
 // ---------------------------------------------------------------------------------------------------
 // exported kernels (extern "C": the launcher looks them up by these names)
 #define LN_PARAMS(T)                                                                                   \
-    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y, long long M, \
-    int N, float eps
+    const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ b,    \
+    T* __restrict__ y, T* __restrict__ s, long long M, int N, float eps
 
 #define LN_REGISTERS(name, BOUNDS, DT, VPT, VEC, ROW_IS_BLOCK)                                         \
     extern "C" __global__ void __launch_bounds__(BOUNDS) name(LN_PARAMS(lnk::DT::T)) {                 \
-        lnk::ln_registers<lnk::DT, VPT, VEC, ROW_IS_BLOCK>(x, w, b, y, M, N, eps);                     \
+        lnk::ln_registers<lnk::DT, VPT, VEC, ROW_IS_BLOCK>(x, res, w, b, y, s, M, N, eps);                     \
     }
 #define LN1(SUFFIX, DT, VPT)                                                                           \
     LN_REGISTERS(ln1_warp_vec##VPT##_##SUFFIX, 128, DT, VPT, true, false)                              \
@@ -214,7 +262,7 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
 #define LN2(SUFFIX, DT, VPT) LN_REGISTERS(ln2_block_vec##VPT##_##SUFFIX, 512, DT, VPT, true, true)
 #define LN3(SUFFIX, DT)                                                                                \
     extern "C" __global__ void __launch_bounds__(512) ln3_loop_##SUFFIX(LN_PARAMS(lnk::DT::T)) {       \
-        lnk::ln_loop<lnk::DT>(x, w, b, y, M, N, eps);                                                  \
+        lnk::ln_loop<lnk::DT>(x, res, w, b, y, s, M, N, eps);                                                  \
     }
 #define LN_DTYPE(SUFFIX, DT)                                                                           \
     LN1(SUFFIX, DT, 1) LN1(SUFFIX, DT, 2) LN1(SUFFIX, DT, 4)                                           \
