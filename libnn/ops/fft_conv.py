@@ -21,7 +21,8 @@ Paths, in `auto` order:
 - cufft:     cuFFT's real-to-complex transforms (FFT sizes rounded up to 2,3,5,7-smooth numbers).
              Bound per signature (see libnn.registry): the first call sizes the problem, checks the
              memory it needs against free GPU memory, creates its two cuFFT plans and its workspaces
-             (padded inputs, spectra, the inverse transform's output). A later call launches
+             (padded inputs, spectra, the inverse transform's output; kept up to KEEP_WORKSPACE_BYTES,
+             taken from CuPy's pool at each call above). A later call launches
                1. fft_pad (kernels/fft.cu): x and w, cast to fp32 and zero-padded, into one buffer;
                2. one batched R2C transform of it (x's and w's spectra at once);
                3. the spectrum product: fft_cmul for C·K ≤ GEMM_CHANNEL_PAIRS, else a batched GEMM
@@ -29,11 +30,11 @@ Paths, in `auto` order:
                4. one batched C2R transform;
                5. fft_crop: crop, 1/F normalisation, bias and cast into a new output array.
              The filter spectrum is computed at every call (w's contents may change between calls).
-             The workspaces belong to the bound call and are reused by every call on its stream (the
+             Kept workspaces belong to the bound call and are reused by every call on its stream (the
              stream is part of the signature): calls on one stream run in order on the GPU, and calls
              from several threads on one stream take the bound call's lock while they launch. A bound
-             call holds its workspaces until it is dropped (`op.calls` keeps the last MAX_BOUND_CALLS
-             signatures; `libnn.get_op("fft_conv").calls.clear()` releases them all).
+             call holds its plans and kept workspaces until it is dropped (`op.calls` keeps the last
+             MAX_BOUND_CALLS signatures; `libnn.get_op("fft_conv").calls.clear()` releases them all).
 - custom:    our FFT (kernels/fft.cu, complex-to-complex, power-of-two sizes); bound for its size and
              memory check, CuPy element-wise steps per call.
 - reference: numpy.fft in float64.
@@ -58,8 +59,12 @@ MODES = ("valid", "same", "full")
 # cuFFT plans (CuPy's take int sizes) and kernels/fft.cu index one spatial dimension, and the cufft path
 # one whole transform, with an int
 MAX_PADDED = 2**31 - 1
-# A bound cufft call keeps its workspaces (several times the padded input): a few dozen signatures,
-# not the registry's default thousands.
+# A bound cufft call keeps its workspaces (several times the padded input) up to this size; larger ones
+# come from CuPy's pool at each call (microseconds, against the milliseconds such transforms take), so
+# that a few large signatures do not hold gigabytes between calls.
+KEEP_WORKSPACE_BYTES = 64 << 20
+# Bound calls kept (each with its cuFFT plans and their work areas, and workspaces up to the size above):
+# a few dozen signatures, not the registry's default thousands.
 MAX_BOUND_CALLS = 32
 
 op = Op("fft_conv", order=("cufft", "custom", "reference"), max_calls=MAX_BOUND_CALLS)
@@ -320,10 +325,14 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
     _require(p, shape, transform_bytes(p, shape, 4, broadcast=False), "gpu")
     rows_in, rows_x, rows_y = (p.N + p.K) * p.C, p.N * p.C, p.N * p.K
     half = (*shape[:-1], shape[-1] // 2 + 1)  # the R2C spectrum's shape
-    padded = cupy.empty((rows_in, *shape), cupy.float32)
-    spectra = cupy.empty((rows_in, *half), cupy.complex64)
-    product = cupy.empty((rows_y, *half), cupy.complex64)
-    back = cupy.empty((rows_y, *shape), cupy.float32)
+
+    def workspaces():
+        """The padded inputs, their spectra, the spectrum product and the inverse transform's output."""
+        return (cupy.empty((rows_in, *shape), cupy.float32), cupy.empty((rows_in, *half), cupy.complex64),
+                cupy.empty((rows_y, *half), cupy.complex64), cupy.empty((rows_y, *shape), cupy.float32))
+
+    padded, spectra, product, back = first = workspaces()
+    kept = first if sum(a.nbytes for a in first) <= KEEP_WORKSPACE_BYTES else None
     if len(shape) == 1:  # Plan1d made here, not taken from CuPy's plan cache: its work area is this call's
         forward = cufft.Plan1d(shape[0], cufft.CUFFT_R2C, rows_in)
         inverse = cufft.Plan1d(shape[0], cufft.CUFFT_C2R, rows_y)
@@ -348,14 +357,12 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
                            (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in (p.N, p.C, p.K)),
                             np.int64(math.prod(half))))
 
-        def multiply():
+        def multiply(spectra, product):
             cmul(spectra, product)
     else:
-        xf, wf = spectra[:rows_x].reshape(p.N, p.C, *half), spectra[rows_x:].reshape(p.K, p.C, *half)
-        product_nk = product.reshape(p.N, p.K, *half)
-
-        def multiply():
-            cupy.copyto(product_nk, _contract(xf, wf, cupy))
+        def multiply(spectra, product):
+            xf, wf = spectra[:rows_x].reshape(p.N, p.C, *half), spectra[rows_x:].reshape(p.K, p.C, *half)
+            cupy.copyto(product.reshape(p.N, p.K, *half), _contract(xf, wf, cupy))
 
     dtype, forward_dir, inverse_dir = x.dtype, cufft.CUFFT_FORWARD, cufft.CUFFT_INVERSE
     strided = [a is not None and not a.flags.c_contiguous for a in (x, w, b)]
@@ -365,10 +372,11 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
         if any(strided):
             x, w, b = (cupy.ascontiguousarray(a) if s else a for a, s in zip((x, w, b), strided))
         y = cupy.empty(out_shape, dtype)
-        with lock:  # the workspaces: one call at a time launches into them
+        with lock:  # kept workspaces (and the plans, which cuFFT does not share between threads): one call at a time
+            padded, spectra, product, back = kept or workspaces()
             pad(x, w, padded)
             forward.fft(padded, spectra, forward_dir)
-            multiply()
+            multiply(spectra, product)
             inverse.fft(product, back, inverse_dir)
             crop(back, b, y)
         return y
