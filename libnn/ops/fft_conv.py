@@ -17,6 +17,10 @@ image n of x makes every output of image n NaN (all K channels), and one in filt
 channel k of every image NaN. conv2d poisons only the outputs whose window reads the bad value. This is
 a property of the FFT, not emulated away: check inputs with `isfinite` first where it matters.
 
+Sizes are checked before anything is allocated: the padded input when the arguments are checked (at
+most 2**31 - 1 per dimension), then, on every path, the bytes its transforms need against free GPU
+memory or host RAM (libnn.runtime.memory.require names the size and what is available).
+
 Paths, in `auto` order:
 - cufft:     cuFFT's real-to-complex transforms (FFT sizes rounded up to 2,3,5,7-smooth numbers).
              Bound per signature (see libnn.registry): the first call sizes the problem, checks the
@@ -337,6 +341,9 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
         forward = cufft.Plan1d(shape[0], cufft.CUFFT_R2C, rows_in)
         inverse = cufft.Plan1d(shape[0], cufft.CUFFT_C2R, rows_y)
     else:
+        # get_fft_plan makes a PlanNd outside CuPy's plan cache, unless this thread's cache holds one of
+        # the same layout already (cupy.fft made it): that one, and its work area, is then shared, as
+        # cupy.fft's own calls share it across streams
         from cupyx.scipy.fftpack import get_fft_plan
 
         forward = get_fft_plan(padded, axes=(-2, -1), value_type="R2C")
