@@ -11,13 +11,14 @@ and one write of y; the per-channel vectors stay in L1/L2.
        (T* y, const float* scale, const float* shift, long long total, int K, long long inner, int act)
 
 2) bias_act_rows_{f32,f16,bf16}: y = act(y + bias[n]) over a row-major (rows, N) y, after a GEMM whose
-   epilogue has no such activation (linear's exact erf GELU on cuBLASLt). bias is in y's dtype, or null.
-   Math in fp32 (erff for gelu_erf), rounded once. Where N is a multiple of 16 bytes' worth of elements
-   (8 halves, 4 floats) and y and bias are 16-byte aligned, each thread moves 16 bytes per load and store
-   and keeps its column in a register, advanced by the grid stride mod N (no division in the loop); else
-   a scalar grid-stride loop with a division per element. The kernel picks the path itself. Version 1's
-   one 2-byte element per thread and step, with a 64-bit division for its channel, ran the BERT FFN's
-   GELU at about a quarter of copy bandwidth on the H100; this one is written to be bandwidth-bound.
+   epilogue has no such activation (linear's exact erf GELU on cuBLASLt, and on gemm.cu's fp32 kernel).
+   bias is in y's dtype, or null. Math in fp32 (erff for gelu_erf), rounded once. Where N is a multiple
+   of 16 bytes' worth of elements (8 halves, 4 floats) and y and bias are 16-byte aligned, each thread
+   moves 16 bytes per load and store and keeps its column in a register, advanced by the grid stride
+   mod N (no division in the loop); else a scalar grid-stride loop with a division per element. The
+   kernel picks the path itself. Linear used to run channel_epilogue here: one 2-byte element per
+   thread and step and a 64-bit division for its channel ran the BERT FFN's GELU at about a quarter of
+   copy bandwidth on the H100.
 
    LAUNCH: block 256, grid min(ceil(total / (256 * 16 / sizeof(T))), 32 * SMs) (grid-stride: enough
    blocks to fill every SM whatever the registers allow), any rows and N; parameters

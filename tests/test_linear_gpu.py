@@ -1,5 +1,6 @@
 """linear on the GPU: every path against the float64 reference on fresh random inputs, odd shapes
-included, outputs poisoned; plus plan caching, streams, foreign arrays and bad input."""
+included, outputs poisoned, with and without a residual; the exact-GELU pass; plus plan caching,
+streams, bound calls, foreign arrays and bad input."""
 
 import math
 
@@ -9,7 +10,8 @@ import pytest
 import libnn
 from libnn import dtypes
 from libnn.errors import PathUnavailableError
-from libnn.ops.linear import custom_versions, launch_custom_version, linear
+from libnn.ops import activations
+from libnn.ops.linear import bind_epilogue_pass, custom_versions, launch_custom_version, linear
 from conftest import random_normal, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -57,13 +59,14 @@ def test_gpu_path_matches_reference(rng, path, dtype, shape, epilogue):
         assert rel_error(y, expected) <= tolerance(dtype) or conditioned_error(y, expected, x, w, b) <= tolerance(dtype)
 
 
-def conditioned_error(y, expected, x, w, b) -> float:
-    """‖y − expected‖ / ‖|x|·|w|ᵀ + |b|‖: the error relative to the size of the terms summed (the
+def conditioned_error(y, expected, x, w, b, r=None) -> float:
+    """‖y − expected‖ / ‖|x|·|w|ᵀ + |b| + |r|‖: the error relative to the size of the terms summed (the
     activations change it by at most their slope, ≤ 1.13), the bound a correctly rounded dot product
     meets. It differs from rel_error only when the terms cancel (seen: a 1×1×1 fp32 case whose output,
     0.0021, was 1e-3 of its terms, at 1.3e-5 relative error)."""
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     scale = np.abs(x64) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
+    scale = scale + (0 if r is None else np.abs(r.astype(np.float64)).reshape(scale.shape))
     got = y.get().astype(np.float64)
     if not np.isfinite(got).all():
         return np.inf
@@ -240,3 +243,193 @@ def test_plan_inspection_lists_timed_candidates():
     report = linear_plans(256, 512, 1024, "bf16", activation="gelu", time=True)
     assert report.rows and all(r["time_ms"] > 0 for r in report.rows)
     assert any("fastest" in r["note"] for r in report.rows) and "heuristic #1" in report.rows[0]["note"]
+
+
+# --- residual: act(x @ w.T + b + residual) -----------------------------------------------------------
+RESIDUAL_SHAPES = [(1, 1, 1), (1, 7, 13), (13, 1, 129), (17, 31, 64), (127, 257, 63), (64, 128, 256),
+                   (1000, 1001, 1003), (256, 384, 4096)]
+RESIDUAL_EPILOGUES = [(False, None), (True, None), (True, "relu"), (True, "gelu"), (False, "relu"),
+                      (True, "gelu_erf"), (False, "gelu_erf")]
+
+
+def assert_close(y, expected, x, w, b, r, dtype, path, activation, allow_tf32=False):
+    """Within the dtype's tolerance, relative to the output or (where the terms cancel) to the terms."""
+    tol = tolerance(dtype, allow_tf32)
+    if (path, dtype, activation, allow_tf32) == ("cublaslt", "fp32", "gelu", False):
+        assert rel_error(y, expected) <= tol or np.abs(y.get() - expected).max() <= CUBLASLT_GELU_ABS_ERROR
+    else:
+        assert rel_error(y, expected) <= tol or conditioned_error(y, expected, x, w, b, r) <= tol
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", RESIDUAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("epilogue", RESIDUAL_EPILOGUES,
+                         ids=lambda e: "+".join(filter(None, ["bias" if e[0] else None, e[1]])) or "plain")
+def test_gpu_path_with_residual_matches_reference(rng, path, dtype, shape, epilogue):
+    """The residual is added before the activation on every path (cuBLASLt: C with beta = 1, its
+    epilogue after; custom: the kernel's epilogue; gelu_erf on cuBLASLt: the GEMM then the pass); the
+    residual is read, never written, and the output is a fresh array."""
+    bias, activation = epilogue
+    x, w, b = draw(rng, *shape, dtype, bias)
+    r = random_normal(rng, shape[:2], dtype)
+    expected = linear(x, w, b, activation, residual=r, path="reference").astype(np.float64)
+    xg, wg, bg, rg = to_gpu(x, w, b, r)
+    y = linear(xg, wg, bg, activation, residual=rg, path=path)
+    assert y.shape == expected.shape and y.dtype == x.dtype and y.data.ptr != rg.data.ptr
+    np.testing.assert_array_equal(rg.get(), r)
+    assert_close(y, expected, x, w, b, r, dtype, path, activation)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_erf"])
+@pytest.mark.parametrize("shape", [(1, 7, 13), (127, 257, 63), (512, 512, 1024)], ids=str)
+def test_cublaslt_tf32_with_residual_is_within_tf32_tolerance(rng, shape, activation):
+    x, w, b = draw(rng, *shape, "fp32")
+    r = random_normal(rng, shape[:2], "fp32")
+    expected = linear(x, w, b, activation, residual=r, path="reference")
+    y = linear(*to_gpu(x, w, b), activation, residual=to_gpu(r)[0], allow_tf32=True, path="cublaslt")
+    assert_close(y, expected, x, w, b, r, "fp32", "cublaslt", activation, allow_tf32=True)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_erf"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (33, 65, 17), (130, 260, 136), (1000, 1001, 1003)], ids=str)
+def test_every_custom_kernel_version_with_residual_matches_reference(rng, dtype, activation, shape):
+    """Every kernel of kernels/gemm.cu reads the residual (gemm2_tiled_f32 has no erf epilogue: refused)."""
+    x, w, b = draw(rng, *shape, dtype)
+    r = random_normal(rng, shape[:2], dtype)
+    expected = linear(x, w, b, activation, residual=r, path="reference")
+    for version in custom_versions(dtype):
+        args = (*to_gpu(x, w, b), activation, to_gpu(r)[0])
+        if (dtype, version, activation) == ("fp32", "v2", "gelu_erf"):
+            with pytest.raises(ValueError, match="version v2 has no gelu_erf epilogue"):
+                launch_custom_version(version, *args)
+            continue
+        assert rel_error(launch_custom_version(version, *args), expected) <= tolerance(dtype), version
+
+
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_erf"])
+def test_fused_residual_equals_gemm_then_add(rng, path, dtype, activation):
+    """One call with the residual agrees with the GEMM + bias, then the add and the activation in fp32."""
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 300, 200, 136, dtype))
+    r = to_gpu(random_normal(rng, (300, 200), dtype))[0]
+    fused = linear(x, w, b, activation, residual=r, path=path)
+    unfused = activations.apply(linear(x, w, b, path=path).astype(cupy.float32) + r.astype(cupy.float32), activation)
+    assert rel_error(fused, unfused.get()) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+def test_residual_with_leading_dimensions_strides_and_misalignment(rng, path):
+    """A residual of the output's (..., N) shape as a strided view, and one starting 2 bytes into its
+    allocation (no 16-byte access can read it; cuBLASLt plans for its alignment)."""
+    import cupy
+
+    x, w, b = draw(rng, 6 * 5, 24, 40, "fp16")
+    r = random_normal(rng, (5, 6, 24), "fp16")
+    r_view = cupy.asarray(r).transpose(1, 0, 2)
+    expected = linear(x.reshape(6, 5, 40), w, b, "relu", residual=r.transpose(1, 0, 2), path="reference")
+    y = linear(cupy.asarray(x).reshape(6, 5, 40), *to_gpu(w, b), "relu", residual=r_view, path=path)
+    assert y.shape == (6, 5, 24) and rel_error(y, expected) <= tolerance("fp16")
+
+    flat = r.transpose(1, 0, 2).reshape(30, 24)
+    big = cupy.asarray(np.concatenate([np.ones(1, np.float16), flat.ravel()]))
+    r_odd = big[1:].reshape(30, 24)
+    assert r_odd.data.ptr % 16 == 2
+    expected = linear(x, w, b, "gelu_erf", residual=flat, path="reference")
+    assert rel_error(linear(*to_gpu(x, w, b), "gelu_erf", residual=r_odd, path=path), expected) <= tolerance("fp16")
+
+
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("activation", ["relu", "gelu_erf"])
+def test_bound_call_with_residual_computes_each_calls_new_data(rng, path, activation):
+    """The second call with the same signature runs the bound call (no new binding) on its own arrays;
+    a call without the residual is another signature."""
+    op = libnn.get_op("linear")
+    x1, w, b = to_gpu(*draw(rng, 37, 41, 64, "bf16"))
+    r1 = to_gpu(random_normal(rng, (37, 41), "bf16"))[0]
+    linear(x1, w, b, activation, residual=r1, path=path)
+    bound = len(op.calls)
+    x2, _, _ = draw(rng, 37, 41, 64, "bf16")
+    r2 = random_normal(rng, (37, 41), "bf16")
+    y = linear(*to_gpu(x2), w, b, activation, residual=to_gpu(r2)[0], path=path)
+    assert len(op.calls) == bound
+    expected = linear(x2, w.get(), b.get(), activation, residual=r2, path="reference")
+    assert rel_error(y, expected) <= tolerance("bf16")
+    y_plain = linear(*to_gpu(x2), w, b, activation, path=path)
+    assert len(op.calls) == bound + 1
+    assert rel_error(y_plain, linear(x2, w.get(), b.get(), activation, path="reference")) <= tolerance("bf16")
+
+
+@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+def test_nan_in_the_residual_reaches_its_output_element(rng, path):
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 4, 8, 16, "fp32"))
+    r = to_gpu(random_normal(rng, (4, 8), "fp32"))[0]
+    r[1, 2] = cupy.nan
+    y = linear(x, w, b, residual=r, path=path).get()
+    assert np.isnan(y[1, 2]) and np.isfinite(np.delete(y.ravel(), 1 * 8 + 2)).all()
+
+
+def test_residual_on_another_device_is_rejected(rng):
+    x, w, b = to_gpu(*draw(rng, 2, 3, 4, "fp32"))
+    with pytest.raises(libnn.LibnnError, match="linear: all arrays must be on one device, got .*residual on cpu"):
+        linear(x, w, b, residual=random_normal(rng, (2, 3), "fp32"))
+
+
+def test_auto_runs_gelu_erf_with_residual_on_cublaslt(rng):
+    x, w, b = draw(rng, 64, 96, 128, "fp16")
+    r = random_normal(rng, (64, 96), "fp16")
+    y = linear(*to_gpu(x, w, b), "gelu_erf", residual=to_gpu(r)[0])
+    assert libnn.get_op("linear").last_decision.path == "cublaslt"
+    assert rel_error(y, linear(x, w, b, "gelu_erf", residual=r)) <= tolerance("fp16")
+
+
+# --- the pass after a GEMM: y = act(y + b) (kernels/epilogue.cu bias_act_rows) -------------------------
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("activation", ["gelu_erf", "gelu", "relu", None])
+@pytest.mark.parametrize("rows_n", [(1, 1), (3, 7), (37, 1001), (5, 8), (64, 1536), (6000, 1544)], ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+def test_epilogue_pass_matches_reference(rng, dtype, activation, rows_n, bias):
+    """16-byte path (N a multiple of 8 halves / 4 floats; 6000x1544 loops past the grid, its column
+    wrapping mod N) and scalar path (odd N) against float64."""
+    rows, N = rows_n
+    y = random_normal(rng, (rows, N), dtype, scale=3.0)
+    b = random_normal(rng, (N,), dtype) if bias else None
+    expected = activations.apply(y.astype(np.float64) + (0 if b is None else b.astype(np.float64)), activation)
+    yg, bg = to_gpu(y, b)
+    bind_epilogue_pass(dtype, rows, N, activation)(yg, bg)
+    assert rel_error(yg, expected) <= tolerance(dtype)
+
+
+def test_epilogue_pass_with_a_misaligned_bias_takes_the_scalar_path(rng):
+    import cupy
+
+    y, b = random_normal(rng, (33, 64), "bf16", scale=3.0), random_normal(rng, (64,), "bf16")
+    big = cupy.asarray(np.concatenate([np.ones(1, b.dtype), b]))
+    b_odd = big[1:]
+    assert b_odd.data.ptr % 16 == 2
+    yg = to_gpu(y)[0]
+    bind_epilogue_pass("bf16", 33, 64, "gelu_erf")(yg, b_odd)
+    expected = activations.apply(y.astype(np.float64) + b.astype(np.float64), "gelu_erf")
+    assert rel_error(yg, expected) <= tolerance("bf16")
+
+
+def test_epilogue_pass_gelu_erf_is_not_the_tanh_gelu():
+    """At v = -3 the exact GELU is -4.05e-3 and the tanh approximation -3.64e-3, 10% apart: the pass
+    computes the one it is asked for."""
+    v = np.full((1, 4), -3.0, np.float32)
+    for activation in ["gelu_erf", "gelu"]:
+        yg = to_gpu(v)[0]
+        bind_epilogue_pass("fp32", 1, 4, activation)(yg, None)
+        expected = activations.apply(v.astype(np.float64), activation)
+        np.testing.assert_allclose(yg.get(), expected, rtol=1e-5)

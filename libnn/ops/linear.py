@@ -188,7 +188,8 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
 
     total = rows * N
     vector = 16 // dtypes.parse(dtype).itemsize
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    runtime = cupy.cuda.runtime
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, runtime.getDevice())
     blocks = max(1, min(-(-total // (256 * vector)), 32 * sms))
     return launch.bind("epilogue.cu", f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}", (blocks,), (256,),
                        (launch.ARRAY, launch.ARRAY, np.int64(total), np.int32(N),
