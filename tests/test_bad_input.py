@@ -310,6 +310,57 @@ def test_pooling_layers_check_their_own_arguments(layer, kwargs, error, match):
     assert "conv2d" not in str(caught.value)
 
 
+# --- Module.load_state_dict and Module.to ---------------------------------------------------------
+
+def test_load_state_dict_copies_the_callers_arrays(rng):
+    model = nn.Sequential(nn.Linear(3, 2, seed=0))
+    weight, bias = rng.standard_normal((2, 3)).astype(np.float32), np.zeros(2, np.float32)
+    model.load_state_dict({"0.weight": weight, "0.bias": bias})
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    before, version = model(x), model.version
+    weight[...] = 99.0  # the caller reuses its buffer
+    assert not np.any(model.state_dict()["0.weight"] == 99.0) and model.version == version
+    np.testing.assert_array_equal(model(x), before)
+
+
+@pytest.mark.parametrize("value, dtype", [(np.ones((2, 3), np.complex64), "complex64"),
+                                          (np.full((2, 3), "a"), "<U1"),
+                                          (np.array([[1.0, None, 2.0]] * 2, dtype=object), "object")], ids=str)
+def test_load_state_dict_refuses_values_that_are_not_real_numbers_naming_the_key(value, dtype):
+    layer = nn.Linear(3, 2, seed=0)
+    weight = layer.weight
+    with pytest.raises(TypeError, match=rf"^Linear.load_state_dict: weight has dtype {dtype}; parameters take real "
+                                        r"numbers"):
+        layer.load_state_dict({"weight": value, "bias": np.zeros(2)})
+    assert layer.weight is weight  # nothing changed
+
+
+@pytest.mark.parametrize("state", [[("weight", np.ones((2, 3)))], None, "weights.npz"], ids=repr)
+def test_load_state_dict_needs_a_dict(state):
+    with pytest.raises(TypeError, match=r"^Linear.load_state_dict: state must be a dict of arrays by key, got"):
+        nn.Linear(3, 2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("target, error", [("tpu", ValueError), ("int32", ValueError), (np.int32, TypeError),
+                                           (None, TypeError), (3, TypeError), (np.complex64, TypeError)], ids=repr)
+def test_to_names_devices_and_float_dtypes(target, error):
+    with pytest.raises(error, match=r"^Linear.to: target must be a device \('cpu', 'gpu', 'cuda'\) or a "
+                                    r"floating-point dtype \(fp16, bf16, fp32 or fp64\), got"):
+        nn.Linear(3, 2).to(target)
+
+
+def test_to_a_float_dtype_and_back_to_cpu_works():
+    layer = nn.Linear(3, 2).to("fp64").to(np.float16).to("cpu")
+    assert layer.weight.dtype == np.float16
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the message on machines without a GPU")
+@pytest.mark.parametrize("target", ["gpu", "cuda"], ids=["to-gpu", "to-cuda"])  # an id "gpu" marks it a GPU test
+def test_to_gpu_without_a_gpu_says_so(target):
+    with pytest.raises(ValueError, match=rf"^Sequential.to: device='{target}' needs a GPU, and there is none here"):
+        nn.Sequential(nn.Linear(3, 2)).to(target)
+
+
 # --- nn.weights.read and Module.load ---------------------------------------------------------------
 
 def _safetensors_bytes(tmp_path) -> bytes:

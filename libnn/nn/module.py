@@ -13,11 +13,13 @@ place (`layer.weight[...] = v`) keep the version: they keep the arrays, and so t
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from libnn import dtypes
+from libnn.nn import checks
 from libnn.runtime.arrays import as_array, is_cupy
 
 
@@ -80,18 +82,27 @@ class Module:
         return dict(self.named_parameters())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace every parameter; checks all keys and shapes first, so a failed load changes nothing."""
+        """Replace every parameter with a copy of the array `state` holds under its key (the caller may
+        change theirs later); checks all keys, dtypes and shapes first, so a failed load changes nothing."""
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: state must be a dict of arrays by key, got {type(state).__name__}")
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
-            raise KeyError(f"{type(self).__name__}.load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            raise KeyError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
         converted = {}
         for key, value in state.items():
-            value = as_array(value, "load_state_dict", key)
+            value = as_array(value, where, key)
+            if not _is_real(value.dtype):  # complex would lose its imaginary part, strings and objects fail in astype
+                raise TypeError(f"{where}: {key} has dtype {value.dtype}; parameters take real numbers (bool, int, "
+                                "float)")
             if tuple(value.shape) != tuple(own[key].shape):
-                raise ValueError(f"{type(self).__name__}.load_state_dict: {key} has shape {tuple(value.shape)}, "
-                                 f"the layer expects {tuple(own[key].shape)}")
-            converted[key] = _like(value, own[key])
+                raise ValueError(f"{where}: {key} has shape {tuple(value.shape)}, the layer expects "
+                                 f"{tuple(own[key].shape)}")
+            # the layer's own array again (a state_dict() round trip) is kept: nothing to copy, and the
+            # version (what CUDA graphs check) stays
+            converted[key] = value if value is own[key] else _like(value, own[key])
         for key, value in converted.items():
             owner, name = self._owner_of(key)
             owner.register_parameter(name, value)
@@ -116,7 +127,13 @@ class Module:
         return module, name
 
     def to(self, target: Any) -> "Module":
-        """Move every parameter to "cpu" / "gpu", or cast it to a dtype ("fp16", np.float32...)."""
+        """Move every parameter to "cpu" / "gpu" ("cuda"), or cast it to a floating-point dtype
+        ("fp16", np.float32...)."""
+        where = f"{type(self).__name__}.to"
+        if isinstance(target, str) and target in checks.DEVICES:
+            checks.device(where, target)
+        else:
+            target = _target_dtype(where, target)
         for key, value in list(self.named_parameters()):
             owner, name = self._owner_of(key)
             owner.register_parameter(name, _moved(value, target))
@@ -160,10 +177,24 @@ def _moved(value: Any, target: Any) -> Any:
     return value.astype(dtypes.parse(target))
 
 
+def _target_dtype(where: str, target: Any) -> np.dtype:
+    """The floating-point dtype `target` names; an error naming the devices too, for a typo of one."""
+    try:
+        return checks.float_dtype(where, target)
+    except (TypeError, ValueError):
+        error = ValueError if isinstance(target, str) else TypeError
+        raise error(f"{where}: target must be a device {checks.DEVICES} or a floating-point dtype "
+                    f"({checks.FLOAT_DTYPES}), got {type(target).__name__} {target!r}") from None
+
+
+def _is_real(dtype: np.dtype) -> bool:
+    return dtype.kind in "biuf" or dtypes.short_name(dtype) == "bf16"
+
+
 def _like(value: Any, like: Any) -> Any:
-    """`value` on the device and with the dtype of `like`."""
-    value = _moved(value, "gpu" if is_cupy(like) else "cpu")
-    return value.astype(like.dtype, copy=False)
+    """A copy of `value` on the device and with the dtype of `like` (one copy: a move makes it)."""
+    moved = _moved(value, "gpu" if is_cupy(like) else "cpu")
+    return moved.astype(like.dtype, copy=moved is value)
 
 
 def full(shape: tuple[int, ...], value: float, dtype: Any, device: str) -> Any:
