@@ -141,9 +141,10 @@ def custom_launch(problem: SoftmaxProblem) -> tuple[str, tuple[int, ...], tuple[
     return "softmax_cols", (min(_ceil_div(outer * inner, 32), _MAX_BLOCKS),), (32, y)
 
 
-def bind_custom(problem: SoftmaxProblem, x):
+def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None):
     """The runner of kernels/softmax.cu for x of this signature: y from CuPy's pool, one packed
-    launch; a strided x is made contiguous first."""
+    launch; a strided x is made contiguous first. `grid` replaces the LAUNCH table's grid (tests:
+    every kernel strides over its rows or slices, so any grid >= 1 is correct)."""
     import cupy
 
     from libnn.runtime import launch
@@ -151,8 +152,8 @@ def bind_custom(problem: SoftmaxProblem, x):
     shape, dtype = problem.shape, x.dtype
     if 0 in shape:  # no slice to normalise, nothing to launch
         return lambda x: cupy.empty(shape, dtype)
-    name, grid, block = custom_launch(problem)
-    kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid, block,
+    name, table_grid, block = custom_launch(problem)
+    kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid or table_grid, block,
                          (launch.ARRAY, launch.ARRAY, np.int64(problem.outer), np.int64(problem.n),
                           np.int64(problem.inner), np.int32(problem.log)))
     contiguous_input = x.flags.c_contiguous
