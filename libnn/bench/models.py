@@ -54,9 +54,10 @@ SHAPES = {"MiniLM": ENCODER,
 SEQ = 128
 SHORTEST = 4  # padded batches: lengths uniform in SHORTEST..SEQ
 BLOCK = {"N": 32, "C": 64, "K": 64, "HW": 56}
-# kernel-name patterns of the split, tried in order; everything else is glue
-KERNEL_CATEGORIES = (("GEMM", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|sm80_")),
-                     ("attention", re.compile(r"sdpa|fmha|flash|attn|attention")),
+# kernel-name patterns of the split, tried in order (attention first: cuDNN's SDPA kernels carry
+# "sm90_" like cuBLAS's GEMMs); everything else is glue
+KERNEL_CATEGORIES = (("attention", re.compile(r"sdpa|fmha|flash|attn|attention")),
+                     ("GEMM", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|sm80_")),
                      ("LayerNorm", re.compile(r"layernorm|layer_norm|^ln\d|_ln_|ln1_")))
 
 
