@@ -499,6 +499,9 @@ def test_check_kernels_for_an_arch_too_old_is_short_and_shows_progress():
     (lambda: nn.Conv2d(10**5, 10**5, 7), r"Conv2d: weight of shape \(100000, 100000, 7, 7\)"),
     (lambda: nn.LayerNorm(10**12), "LayerNorm: normalized_shape"),
     (lambda: nn.BatchNorm2d(10**12), "BatchNorm2d: num_features"),
+    (lambda: nn.MultiheadAttention(10**6, 2), "MultiheadAttention: embed_dim=1000000"),
+    (lambda: nn.TransformerEncoderLayer(10**5, 2, 10**6),
+     "TransformerEncoderLayer: d_model=100000, dim_feedforward=1000000"),
 ])
 def test_huge_layers_are_refused_with_the_bytes_needed_and_available(build, name):
     with pytest.raises(MemoryError, match=rf"^{name} needs .* \(\d+ bytes\), more than the .* \(\d+ bytes\) of "
@@ -522,12 +525,17 @@ CONSTRUCTORS = {
     "LogSoftmax": lambda **kw: nn.LogSoftmax(**kw),
     "GELU": lambda **kw: nn.GELU(**kw),
     "Sequential": lambda **kw: nn.Sequential(nn.ReLU(), **kw),
+    "MultiheadAttention": lambda **kw: nn.MultiheadAttention(**{"embed_dim": 8, "num_heads": 2, **kw}),
+    "TransformerEncoderLayer": lambda **kw: nn.TransformerEncoderLayer(**{"d_model": 8, "nhead": 2,
+                                                                         "dim_feedforward": 16, **kw}),
 }
 
 # (layer, argument, minimum): sizes that must be ints >= minimum
 SIZES = [("Linear", "in_features", 1), ("Linear", "out_features", 1), ("Conv2d", "in_channels", 1),
          ("Conv2d", "out_channels", 1), ("Conv2d", "groups", 1), ("Embedding", "num_embeddings", 0),
-         ("Embedding", "embedding_dim", 0), ("BatchNorm2d", "num_features", 1)]
+         ("Embedding", "embedding_dim", 0), ("BatchNorm2d", "num_features", 1), ("MultiheadAttention", "embed_dim", 1),
+         ("MultiheadAttention", "num_heads", 1), ("TransformerEncoderLayer", "d_model", 1),
+         ("TransformerEncoderLayer", "nhead", 1), ("TransformerEncoderLayer", "dim_feedforward", 1)]
 # (layer, argument, minimum): an int or a pair of ints >= minimum
 PAIRS = [("Conv2d", "kernel_size", 1), ("Conv2d", "stride", 1), ("Conv2d", "dilation", 1), ("Conv2d", "padding", 0),
          ("MaxPool2d", "kernel_size", 1), ("MaxPool2d", "stride", 1), ("AvgPool2d", "kernel_size", 1),
@@ -560,16 +568,18 @@ def test_pairs_with_one_bad_half_are_refused(layer, argument, minimum):
         CONSTRUCTORS[layer](**{argument: (minimum, 1.5)})
 
 
-@pytest.mark.parametrize("layer", ["LayerNorm", "BatchNorm2d"])
+@pytest.mark.parametrize("layer, argument", [("LayerNorm", "eps"), ("BatchNorm2d", "eps"),
+                                             ("TransformerEncoderLayer", "layer_norm_eps")])
 @pytest.mark.parametrize("eps, error", [(0, ValueError), (-1e-5, ValueError), (float("nan"), ValueError),
                                         (float("inf"), ValueError), ("1e-5", TypeError), (None, TypeError),
                                         (True, TypeError), (np.array([1e-5]), TypeError)], ids=repr)
-def test_eps_must_be_a_finite_positive_number(layer, eps, error):
-    with pytest.raises(error, match=rf"^{layer}: eps must be (> 0|finite|a real number), got"):
-        CONSTRUCTORS[layer](eps=eps)
+def test_eps_must_be_a_finite_positive_number(layer, argument, eps, error):
+    with pytest.raises(error, match=rf"^{layer}: {argument} must be (> 0|finite|a real number), got"):
+        CONSTRUCTORS[layer](**{argument: eps})
 
 
-PARAMETERISED = ["Linear", "Conv2d", "Embedding", "LayerNorm", "BatchNorm2d"]
+PARAMETERISED = ["Linear", "Conv2d", "Embedding", "LayerNorm", "BatchNorm2d", "MultiheadAttention",
+                 "TransformerEncoderLayer"]
 
 
 @pytest.mark.parametrize("layer", PARAMETERISED)
@@ -602,7 +612,10 @@ def test_gpu_device_without_a_gpu_says_so(layer):
 
 @pytest.mark.parametrize("layer, argument", [("Linear", "bias"), ("Conv2d", "bias"), ("LayerNorm", "bias"),
                                              ("LayerNorm", "elementwise_affine"), ("Sequential", "fold_bn"),
-                                             ("Dropout", "inplace")])
+                                             ("Dropout", "inplace"), ("MultiheadAttention", "bias"),
+                                             ("MultiheadAttention", "batch_first"), ("TransformerEncoderLayer", "bias"),
+                                             ("TransformerEncoderLayer", "batch_first"),
+                                             ("TransformerEncoderLayer", "norm_first")])
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_flags_must_be_bools(layer, argument, value):
     with pytest.raises(TypeError, match=rf"^{layer}: {argument} must be True or False"):
@@ -613,14 +626,15 @@ def test_flags_must_be_bools(layer, argument, value):
     ("Linear", "activation", "relu6"), ("Linear", "activation", "tanh"), ("Linear", "activation", 1),
     ("Conv2d", "activation", "gelu_erf"), ("Conv2d", "layout", "NCWH"), ("Conv2d", "algo", "winograd"),
     ("MaxPool2d", "layout", "CHWN"), ("AvgPool2d", "layout", None), ("Flatten", "layout", "NWHC"),
-    ("GELU", "approximate", "erf"),
+    ("GELU", "approximate", "erf"), ("GELU", "approximate", None), ("TransformerEncoderLayer", "activation", "gelu_erf"),
+    ("TransformerEncoderLayer", "activation", None),
 ])
 def test_unknown_choices_are_named(layer, argument, value):
     with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be"):
         CONSTRUCTORS[layer](**{argument: value})
 
 
-@pytest.mark.parametrize("layer", ["Linear", "Conv2d", "Embedding"])
+@pytest.mark.parametrize("layer", ["Linear", "Conv2d", "Embedding", "MultiheadAttention", "TransformerEncoderLayer"])
 @pytest.mark.parametrize("seed, error", [(-1, ValueError), (1.5, TypeError), ("0", TypeError)])
 def test_seeds_must_be_non_negative_ints(layer, seed, error):
     with pytest.raises(error, match=rf"^{layer}: seed must be"):
@@ -637,7 +651,11 @@ def test_seeds_must_be_non_negative_ints(layer, seed, error):
     ("LayerNorm", "normalized_shape", 0, ValueError), ("LayerNorm", "normalized_shape", -3, ValueError),
     ("LayerNorm", "normalized_shape", 2.0, ValueError), ("LayerNorm", "normalized_shape", None, ValueError),
     ("LayerNorm", "normalized_shape", np.array([4]), ValueError), ("LayerNorm", "normalized_shape", [True], ValueError),
-    ("Conv2d", "algo", "fft", None),
+    ("Conv2d", "algo", "fft", None), ("Dropout", "p", float("nan"), ValueError), ("Dropout", "p", True, TypeError),
+    ("MultiheadAttention", "num_heads", 3, ValueError), ("TransformerEncoderLayer", "nhead", 3, ValueError),
+    ("MultiheadAttention", "batch_first", False, ValueError), ("TransformerEncoderLayer", "batch_first", False, ValueError),
+    ("MultiheadAttention", "dropout", 1.5, ValueError), ("MultiheadAttention", "dropout", "0.1", TypeError),
+    ("TransformerEncoderLayer", "dropout", -0.5, ValueError), ("TransformerEncoderLayer", "dropout", None, TypeError),
 ])
 def test_other_arguments_out_of_their_domain(layer, argument, value, error):
     kwargs = {argument: value}

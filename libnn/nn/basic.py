@@ -58,11 +58,7 @@ class Dropout(Module):
 
     def __init__(self, p: float = 0.5, inplace: bool = False):
         super().__init__()
-        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
-            raise TypeError(f"Dropout: p must be a real number, got {type(p).__name__} {p!r}")
-        if not 0 <= p <= 1:
-            raise ValueError(f"Dropout: p must be a probability in [0, 1], got {p!r}")
-        self.p, self.inplace = float(p), checks.flag("Dropout", "inplace", inplace)
+        self.p, self.inplace = checks.probability("Dropout", "p", p), checks.flag("Dropout", "inplace", inplace)
 
     def forward(self, x: Any) -> Any:
         return x

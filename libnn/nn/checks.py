@@ -64,6 +64,15 @@ def positive_float(layer: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def probability(layer: str, name: str, value: Any) -> float:
+    """A real number in [0, 1] (a dropout rate)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{layer}: {name} must be a real number, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= 1:  # NaN included
+        raise ValueError(f"{layer}: {name} must be a probability in [0, 1], got {value!r}")
+    return float(value)
+
+
 def flag(layer: str, name: str, value: Any) -> bool:
     """True or False, nothing merely truthy ("no" would mean yes)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from libnn.nn import checks
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, full, init_uniform
 from libnn.nn.norm import LayerNorm
@@ -98,6 +99,19 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     return o.reshape(B, S, E)
 
 
+def _heads(layer: str, width: tuple[str, Any], heads: tuple[str, Any], batch_first: Any) -> tuple[int, int]:
+    """The model width and the number of heads, checked: positive ints, the width a multiple of the
+    heads; and batch_first, which must be True."""
+    (width_name, E), (heads_name, H) = width, heads
+    E, H = checks.size(layer, width_name, E), checks.size(layer, heads_name, H)
+    if E % H:
+        raise ValueError(f"{layer}: {width_name} ({E}) must be divisible by {heads_name} ({H})")
+    if not checks.flag(layer, "batch_first", batch_first):
+        raise ValueError(f"{layer}: only batch_first=True is supported (inputs (batch, seq, {width_name})); "
+                         f"transpose (seq, batch, {width_name}) inputs with x.transpose(1, 0, 2)")
+    return E, H
+
+
 class MultiheadAttention(Module):
     """PyTorch's nn.MultiheadAttention for inference, batch_first=True: parameters `in_proj_weight`
     (3E, E), `in_proj_bias` (3E,), `out_proj.weight`, `out_proj.bias`. `dropout` is accepted for
@@ -107,16 +121,16 @@ class MultiheadAttention(Module):
                  batch_first: bool = True, dtype: Any = "fp32", device: str = "cpu",
                  path: str | dict[str, str] = "auto", seed: int | None = None):
         super().__init__()
-        if not batch_first:
-            raise ValueError("MultiheadAttention: only batch_first=True is supported (inputs (batch, seq, "
-                             "embed_dim)); transpose (seq, batch, embed_dim) inputs with x.transpose(1, 0, 2)")
-        if num_heads <= 0 or embed_dim % num_heads:
-            raise ValueError(f"MultiheadAttention: embed_dim ({embed_dim}) must be divisible by num_heads "
-                             f"({num_heads})")
+        where = "MultiheadAttention"
+        embed_dim, num_heads = _heads(where, ("embed_dim", embed_dim), ("num_heads", num_heads), batch_first)
+        dropout, bias = checks.probability(where, "dropout", dropout), checks.flag(where, "bias", bias)
+        parsed, seed = checks.float_dtype(where, dtype), checks.seed(where, seed)
+        checks.parameters_fit(where, f"embed_dim={embed_dim}", 4 * embed_dim * (embed_dim + bias), parsed,
+                              checks.device(where, device))
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.dropout, self.batch_first, self.path = dropout, batch_first, path
         # PyTorch's init: Xavier-uniform packed projection, zero biases.
-        bound = math.sqrt(6 / (4 * embed_dim)) if embed_dim else 0.0
+        bound = math.sqrt(6 / (4 * embed_dim))
         self.register_parameter("in_proj_weight", init_uniform((3 * embed_dim, embed_dim), bound, dtype, device, seed))
         self.register_parameter("in_proj_bias", full((3 * embed_dim,), 0.0, dtype, device) if bias else None)
         self.out_proj = Linear(embed_dim, embed_dim, bias, dtype=dtype, device=device, path=op_path(path, "linear"),
@@ -227,9 +241,17 @@ class TransformerEncoderLayer(Module):
                  norm_first: bool = False, bias: bool = True, *, dtype: Any = "fp32", device: str = "cpu",
                  path: str | dict[str, str] = "auto", seed: int | None = None):
         super().__init__()
-        if activation not in ENCODER_ACTIVATIONS:
-            raise ValueError(f"TransformerEncoderLayer: activation must be one of {list(ENCODER_ACTIVATIONS)} "
-                             f"(as in PyTorch), got {activation!r}")
+        where = "TransformerEncoderLayer"
+        d_model, nhead = _heads(where, ("d_model", d_model), ("nhead", nhead), batch_first)
+        dim_feedforward = checks.size(where, "dim_feedforward", dim_feedforward)
+        checks.probability(where, "dropout", dropout)
+        checks.choice(where, "activation", activation, tuple(ENCODER_ACTIVATIONS))
+        layer_norm_eps = checks.positive_float(where, "layer_norm_eps", layer_norm_eps)
+        norm_first, bias = checks.flag(where, "norm_first", norm_first), checks.flag(where, "bias", bias)
+        parsed, seed = checks.float_dtype(where, dtype), checks.seed(where, seed)
+        elements = 4 * d_model * (d_model + 1) + 2 * d_model * dim_feedforward + dim_feedforward + 5 * d_model
+        checks.parameters_fit(where, f"d_model={d_model}, dim_feedforward={dim_feedforward}", elements, parsed,
+                              checks.device(where, device))
         seeds = [None if seed is None else seed + 10 * i for i in range(3)]
         self.d_model, self.norm_first, self.activation, self.path = d_model, norm_first, activation, path
         self.self_attn = MultiheadAttention(d_model, nhead, dropout, bias, batch_first=batch_first, dtype=dtype,
