@@ -1,0 +1,328 @@
+"""Every custom kernel once, on odd shapes, for compute-sanitizer (benchmarks/sanitize.sh runs it
+under memcheck, racecheck and initcheck; alone it is a quick check that every item still runs).
+
+Odd shapes: M = 1, primes, sizes that are not multiples of 8 and that cross a tile edge by one,
+misaligned (offset) views, masks; tiny, because the sanitizer slows kernels 10-100x. Covered:
+- every op's paths of kind "custom" (read from the registry, so a new custom path is called too), through
+  the public functions, with problems picked to reach each kernel version the op dispatches to;
+- the numbered versions ops expose for tests (linear's gemm.cu versions, layer_norm's, the FFT's, the
+  attention kernels), and the conv epilogue kernel (kernels/epilogue.cu);
+- SeedCNN and a one-layer BERT encoder forced onto the custom paths (kernels no op calls directly).
+Each item prints one line; an item that raises is reported and the exit status is 1 (the sanitizer's own
+findings are its exit status under --error-exitcode). The last lines list the kernels loaded per file
+of kernels/, and the files none was loaded from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+ITEMS: list[tuple[str, Callable[[], Any]]] = []
+
+
+def item(name: str):
+    def register(fn):
+        ITEMS.append((name, fn))
+        return fn
+    return register
+
+
+def rng():
+    return np.random.default_rng(3)
+
+
+def dev(a):
+    import cupy
+
+    return None if a is None else cupy.asarray(a)
+
+
+def normal(shape, dtype, scale=1.0, generator=None):
+    from libnn import dtypes
+
+    g = generator or rng()
+    return dev((g.standard_normal(shape) * scale).astype(dtypes.parse(dtype)))
+
+
+def offset_view(a):
+    """`a`'s values one element past an aligned start (misaligned for vector loads)."""
+    import cupy
+
+    flat = cupy.zeros(a.size + 1, a.dtype)
+    view = flat[1:].reshape(a.shape)
+    view.view(f"u{a.dtype.itemsize}")[...] = a.view(f"u{a.dtype.itemsize}")
+    return view
+
+
+def custom_paths(op: str) -> list[str]:
+    from libnn.registry import get_op
+
+    return [p.name for p in get_op(op).ordered() if p.kind == "custom" and p.device == "gpu"]
+
+
+def accepts(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+# --- linear -------------------------------------------------------------------------------------------
+@item("linear: every gemm.cu version, odd M, N, K")
+def _linear_versions():
+    from libnn.ops.linear import custom_versions, launch_custom_version
+
+    for dtype in DTYPES:
+        for M, N, K in ((1, 1, 1), (1, 7, 13), (13, 17, 29), (129, 131, 67)):
+            x, w, b = normal((M, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype)
+            for version in custom_versions(dtype):
+                launch_custom_version(version, x, w, b, "gelu")
+
+
+@item("linear: custom paths, gelu_erf pass, residual, strided and offset x")
+def _linear_paths():
+    from libnn.ops import linear
+
+    for path in custom_paths("linear"):
+        for dtype in DTYPES:
+            x, w, b = normal((3, 5, 19), dtype), normal((23, 19), dtype, 0.2), normal((23,), dtype)
+            linear(x, w, b, "gelu_erf", path=path)
+            linear(offset_view(x), w, None, "relu", path=path)
+            linear(x[:, ::2], w, b, path=path)
+            if accepts(linear, "residual"):
+                linear(x, w, b, "gelu", residual=normal((3, 5, 23), dtype), path=path)
+
+
+# --- conv2d -------------------------------------------------------------------------------------------
+@item("conv2d: custom paths (direct, depthwise, implicit GEMM fp16/bf16 and fp32), NHWC and NCHW")
+def _conv2d():
+    from libnn.ops import conv2d
+
+    for path in custom_paths("conv2d"):
+        for dtype in DTYPES:
+            for layout in ("NHWC", "NCHW"):
+                def shape(N, H, W, C):
+                    return (N, H, W, C) if layout == "NHWC" else (N, C, H, W)
+
+                def filters(K, R, S, Cg):
+                    return (K, R, S, Cg) if layout == "NHWC" else (K, Cg, R, S)
+
+                scale, shift = normal((13,), "fp32"), normal((13,), "fp32")
+                # dense: the implicit GEMM of the dtype
+                conv2d(normal(shape(2, 7, 9, 5), dtype), normal(filters(13, 3, 3, 5), dtype, 0.2),
+                       normal((13,), dtype), padding=1, bn=(scale, shift), activation="relu", layout=layout,
+                       path=path)
+                conv2d(normal(shape(1, 11, 5, 3), dtype), normal(filters(13, 5, 2, 3), dtype, 0.2), stride=(2, 3),
+                       dilation=(1, 2), padding=(2, 0), activation="silu", layout=layout, path=path)
+                # depthwise
+                conv2d(normal(shape(3, 6, 7, 13), dtype), normal(filters(13, 3, 3, 1), dtype), groups=13,
+                       padding=1, activation="relu6", layout=layout, path=path)
+                # grouped: the direct kernel
+                conv2d(normal(shape(1, 5, 5, 6), dtype), normal(filters(9, 3, 1, 2), dtype), groups=3,
+                       bn=(normal((9,), "fp32"), normal((9,), "fp32"), normal((9,), "fp32"),
+                           dev(np.full(9, 0.7, np.float32)), 1e-5), activation="gelu", layout=layout, path=path)
+
+
+@item("conv2d: the epilogue kernel (kernels/epilogue.cu) on odd sizes")
+def _conv_epilogue():
+    from libnn.ops import conv2d as conv_module
+    from libnn.ops.conv2d import apply_epilogue_kernel
+
+    for dtype in DTYPES:
+        for layout in ("NHWC", "NCHW"):
+            x = normal((1, 3, 5, 7) if layout == "NHWC" else (1, 7, 3, 5), dtype)
+            w = normal((11, 1, 1, 7) if layout == "NHWC" else (11, 7, 1, 1), dtype)
+            problem = conv_module._check(x, w, normal((11,), dtype), (normal((11,), "fp32"), normal((11,), "fp32")),
+                                         1, 0, 1, 1, "gelu", layout, False)
+            y = normal(conv_module.output_shape(problem), dtype)
+            apply_epilogue_kernel(problem, y, normal((11,), "fp32"), normal((11,), "fp32"))
+
+
+# --- attention ----------------------------------------------------------------------------------------
+@item("attention: custom and unfused paths, flash and per-row kernels, masks, GQA, bias")
+def _attention():
+    import cupy
+
+    from libnn.ops import attention
+
+    paths = custom_paths("attention")
+    cases = [  # (B, Hq, Hkv, Sq, Skv, D, dtype)
+        (1, 1, 1, 1, 1, 8, "fp16"), (2, 4, 2, 13, 67, 64, "fp16"), (1, 3, 1, 65, 17, 40, "bf16"),
+        (1, 2, 2, 7, 129, 128, "bf16"), (2, 2, 1, 5, 11, 20, "fp16"), (1, 2, 2, 9, 33, 96, "fp32"),
+        (1, 1, 1, 3, 5, 256, "fp32"),
+    ]
+    for path in paths:
+        for B, Hq, Hkv, Sq, Skv, D, dtype in cases:
+            q, k, v = normal((B, Hq, Sq, D), dtype), normal((B, Hkv, Skv, D), dtype), normal((B, Hkv, Skv, D), dtype)
+            attention(q, k, v, path=path)
+            attention(q, k, v, causal="bottom_right", seq_lens_q=cupy.asarray(np.arange(B, dtype=np.int32) % Sq + 1),
+                      seq_lens_kv=cupy.asarray(np.full(B, Skv - 1 if Skv > 1 else 1, np.int32)), path=path)
+            attention(q, k, v, causal=True, attn_bias=normal((B, 1, 1, Skv), dtype), path=path)
+            attention(offset_view(q), k, v, attn_bias=normal((1, Hq, Sq, Skv), dtype), path=path)
+            # BSHD views of a packed projection: rows 3·Hq·D apart
+            packed = normal((B, Sq, 3, Hq, D), dtype)
+            attention(packed[:, :, 0], packed[:, :, 1], packed[:, :, 2], layout="BSHD", path=path)
+
+
+@item("attention: both fused kernel versions where they apply")
+def _attention_versions():
+    from libnn.ops.attention_kernels import flash_attention, flash_version, versions
+
+    for dtype, D in (("fp16", 64), ("bf16", 32), ("fp16", 24), ("fp32", 72)):
+        q, k, v = normal((1, 2, 19, D), dtype), normal((1, 2, 71, D), dtype), normal((1, 2, 71, D), dtype)
+        o = normal((1, 2, 19, D), dtype)
+        for version in versions():
+            if version == "attn1_naive" or version == flash_version(q, k, v, o):
+                flash_attention(q, k, v, o, scale=0.3, causal="top_left", version=version)
+
+
+# --- layer_norm ---------------------------------------------------------------------------------------
+@item("layer_norm: custom paths over the warp, block and looping kernels, aligned and not, residual")
+def _layer_norm():
+    from libnn.ops import layer_norm
+
+    for path in custom_paths("layer_norm"):
+        for dtype in DTYPES:
+            for M, N in ((1, 1), (3, 13), (5, 64), (2, 1000), (3, 1031), (2, 2048), (1, 4104), (2, 40000)):
+                x, weight, bias = normal((M, N), dtype), normal((N,), dtype), normal((N,), dtype)
+                layer_norm(x, weight, bias, path=path)
+                layer_norm(offset_view(x), None, bias, path=path)
+                if accepts(layer_norm, "residual"):
+                    layer_norm(x, weight, None, residual=normal((M, N), dtype), path=path)
+
+
+# --- softmax ------------------------------------------------------------------------------------------
+@item("softmax: custom paths, rows and columns, log, odd lengths")
+def _softmax():
+    from libnn.ops import softmax
+
+    for path in custom_paths("softmax"):
+        for dtype in (*DTYPES, "fp64"):
+            for shape, dim in (((1,), 0), ((7, 13), -1), ((3, 1000), -1), ((5, 17, 3), 1), ((2, 4097), 1),
+                               ((3, 5, 9), 0), ((2, 70000), -1)):
+                for log in (False, True):
+                    try:
+                        softmax(normal(shape, dtype, 4.0), dim, log=log, path=path)
+                    except Exception as exc:  # a dtype the path does not take is fine; nothing else
+                        from libnn.errors import PathUnavailableError
+                        if not isinstance(exc, PathUnavailableError):
+                            raise
+
+
+# --- pooling ------------------------------------------------------------------------------------------
+@item("pool2d: max (16-byte NHWC and general) and avg, padding, odd channels")
+def _pool2d():
+    from libnn.ops import avg_pool2d, max_pool2d
+
+    for path in custom_paths("pool2d"):
+        for dtype in DTYPES:
+            for layout in ("NHWC", "NCHW"):
+                for N, H, W, C in ((1, 1, 1, 1), (2, 7, 9, 13), (1, 6, 5, 16)):
+                    shape = (N, H, W, C) if layout == "NHWC" else (N, C, H, W)
+                    x = normal(shape, dtype)
+                    k = min(H, W, 3)
+                    max_pool2d(x, k, 1, k // 2, layout=layout, path=path)
+                    max_pool2d(offset_view(x), (k, 1), (2, 1), layout=layout, path=path)
+                    avg_pool2d(x, k, None, k // 2, count_include_pad=False, layout=layout, path=path)
+
+
+# --- FFT ----------------------------------------------------------------------------------------------
+@item("fft: every fft.cu version on small power-of-two lengths; fft_conv custom path")
+def _fft():
+    import cupy
+
+    from libnn.ops import fft_conv1d, fft_conv2d
+    from libnn.ops.fft_kernels import fft_c2c, versions
+
+    # one block up to 2**12; four-step beyond, with strided column launches up to 8 rows, a transpose above
+    for version in versions():
+        for rows, log2n in ((3, 1), (3, 2), (1, 5), (3, 10), (2, 12), (3, 13), (9, 13), (1, 14)):
+            x = (normal((rows, 1 << log2n), "fp32") + 1j * normal((rows, 1 << log2n), "fp32")).astype(cupy.complex64)
+            fft_c2c(x, version=version)
+            fft_c2c(x, inverse=True, version=version)
+    for path in custom_paths("fft_conv"):
+        for dtype in DTYPES:
+            fft_conv2d(normal((1, 3, 7, 9), dtype), normal((5, 3, 3, 4), dtype), normal((5,), dtype), mode="same",
+                       path=path)
+            fft_conv1d(normal((2, 2, 29), dtype), normal((3, 2, 5), dtype), causal=True, path=path)
+
+
+# --- whole models on the custom paths -----------------------------------------------------------------
+@item("models: SeedCNN (bs 3) and a one-layer BERT encoder (bs 2, seq 7, padded) on the custom paths")
+def _models():
+    import cupy
+
+    from libnn.models import BertConfig, BertEncoder, SeedCNN
+    from libnn.registry import get_op, ops
+
+    for dtype in ("fp16", "fp32"):
+        SeedCNN.pretrained(dtype=dtype, device="gpu", path="custom")(normal((3, 1, 28, 28), dtype))
+    custom = {name: "custom" for name in ops() if "custom" in get_op(name).paths}
+    config = BertConfig.from_dict({"vocab_size": 101, "hidden_size": 24, "num_hidden_layers": 1,
+                                   "num_attention_heads": 2, "intermediate_size": 40, "max_position_embeddings": 16})
+    model = BertEncoder(config, dtype="fp16", device="gpu", path=custom)
+    ids = cupy.asarray(rng().integers(0, 101, (2, 7)))
+    model(ids, cupy.asarray([[1] * 7, [1] * 4 + [0] * 3]))
+
+
+def loaded_kernels() -> dict[str, list[str]]:
+    """The kernels loaded in this process, by file of kernels/ (read from the kernel cache)."""
+    from libnn.runtime import kernels
+
+    found: dict[str, set[str]] = {}
+    items = getattr(kernels._functions, "_items", {})
+    for key in list(items):
+        found.setdefault(key[0], set()).add(key[1])
+    return {f: sorted(names) for f, names in sorted(found.items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=None, help="run the items whose name starts with one of these")
+    parser.add_argument("--list", action="store_true", help="list the items and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, _ in ITEMS:
+            print(name)
+        return 0
+    from libnn.runtime.device import gpu_missing
+
+    if reason := gpu_missing():
+        print(f"sanitize_driver: needs a GPU: {reason}", file=sys.stderr)
+        return 2
+    import cupy
+
+    failed = 0
+    for name, fn in ITEMS:
+        if args.only is not None and not any(name.startswith(prefix) for prefix in args.only):
+            continue
+        start = time.perf_counter()
+        try:
+            fn()
+            cupy.cuda.Device().synchronize()
+            print(f"ok      {time.perf_counter() - start:7.2f} s  {name}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (every item reports; the exit status says one failed)
+            failed += 1
+            print(f"FAILED  {time.perf_counter() - start:7.2f} s  {name}: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=4)
+    from libnn.runtime.kernels import kernel_files
+
+    loaded = loaded_kernels()
+    for file, names in loaded.items():
+        print(f"kernels/{file}: {len(names)} kernels: {' '.join(names)}")
+    unused = [p.name for p in kernel_files() if p.suffix == ".cu" and p.name not in loaded]
+    print(f"kernels/ files no kernel was loaded from: {' '.join(unused) or 'none'}")
+    print(f"sanitize_driver: {len(ITEMS) - failed if args.only is None else 'selected'} items ok, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
