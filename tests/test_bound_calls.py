@@ -104,3 +104,25 @@ def test_the_stream_key_is_0_where_cupy_is_installed_but_there_is_no_gpu(monkeyp
     assert arrays.stream_key() == 0
     x, w = random_normal(rng, (3, 4), "fp64"), random_normal(rng, (2, 4), "fp64")
     np.testing.assert_allclose(linear(x, w), x @ w.T, rtol=1e-12)
+
+
+def test_the_per_thread_default_stream_keys_bound_calls_by_thread(monkeypatch):
+    """cudaStreamPerThread is one handle for a different stream in each thread: workspaces bound on it
+    must not be shared between threads, so the thread is in the key there (and only there)."""
+    import sys
+    import threading
+    import types
+
+    from libnn.runtime import arrays
+
+    handle = {"ptr": arrays.PER_THREAD_STREAM}
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(**handle)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
+    keys = [arrays.stream_key()]
+    worker = threading.Thread(target=lambda: keys.append(arrays.stream_key()))
+    worker.start()
+    worker.join()
+    assert keys[0] != keys[1] and {k[0] for k in keys} == {arrays.PER_THREAD_STREAM}
+    handle["ptr"] = 0x7F00
+    assert arrays.stream_key() == 0x7F00

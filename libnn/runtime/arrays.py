@@ -4,6 +4,7 @@ DLPack or ``__cuda_array_interface__`` (torch tensors, JAX arrays...) taken with
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -82,12 +83,20 @@ def signature(a: Any) -> tuple | None:
     return type(a), a.shape, a.strides, a.dtype
 
 
-def stream_key() -> int:
+PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle that is a different stream in every thread
+
+
+def stream_key() -> int | tuple[int, int]:
     """The current CuPy stream's handle (0 where there is no GPU, or CuPy is not loaded: CuPy can be
     installed on a machine without a driver, where asking for a stream raises): plans, handles and
-    workspaces are per stream, so a bound call is too."""
+    workspaces are per stream, so a bound call is too. The per-thread default stream
+    (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) has one handle for a different stream in each thread, so
+    there the thread is part of the key."""
     cupy = sys.modules.get("cupy")
-    return 0 if cupy is None or gpu_missing() else cupy.cuda.get_current_stream().ptr
+    if cupy is None or gpu_missing():
+        return 0
+    ptr = cupy.cuda.get_current_stream().ptr
+    return (ptr, threading.get_ident()) if ptr == PER_THREAD_STREAM else ptr
 
 
 def device_of(arrays: dict[str, Any], op: str) -> str:
