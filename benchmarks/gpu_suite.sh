@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
 # The whole GPU job in one call: environment report and demo, the full test suite (GPU tests
-# included), the benchmarks, plan inspection and the seed CNN, with logs under $OUT (default
-# ./gpu-out), at most 8 files: info.txt, pytest.txt, bench.txt (every benchmark's table, in order),
-# plans.txt, and results.tgz with the benchmarks' JSON and the FFT heat map.
+# included), the benchmarks, plan inspection and the seed CNN, and the reliability runs, with logs
+# under $OUT (default ./gpu-out), at most 8 files: info.txt, pytest.txt, bench.txt (every benchmark's
+# table, in order), plans.txt, reliability.txt (soak and sanitizer output, each stage's summary last),
+# and results.tgz with the benchmarks' JSON and the FFT heat map.
 #
-#   bash benchmarks/gpu_suite.sh [tests|bench|all] [extra pytest args...]
+#   bash benchmarks/gpu_suite.sh [tests|bench|all|soak|sanitize|reliability] [extra pytest args...]
 #   BENCH="attention models" PLANS=attention bash benchmarks/gpu_suite.sh bench   # a subset
 #   BENCH_QUICK=1 bash benchmarks/gpu_suite.sh bench                              # small shapes (smoke test)
 #   JOBS=0 bash benchmarks/gpu_suite.sh tests                                     # the suite serially (default: -n 6)
+#   LIBNN_HYPOTHESIS_EXAMPLES=50 bash benchmarks/gpu_suite.sh tests               # fewer property examples (default 200)
+#   SOAK_CALLS=1000 bash benchmarks/gpu_suite.sh reliability                      # a shorter soak (default 10000)
+#
+# Stages: `all` is tests + bench. `reliability` is soak + sanitize, kept out of `all` because it is
+# long (the soak runs 10000 calls of each model eagerly and graphed, about 1-2 min on the H100; the
+# sanitizer runs the kernel driver under memcheck, racecheck and initcheck, a few minutes): run it as
+# a device call of its own. `soak` (benchmarks/soak.py) and `sanitize` (benchmarks/sanitize.sh) run
+# one half. Any failing stage makes the exit status 1.
 #
 # On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
 # are installed into /tmp/site first and libnn runs from this working tree.
 set -uo pipefail
 stage=${1:-all}
 shift || true
+case $stage in
+  tests|bench|all|soak|sanitize|reliability) ;;
+  *) echo "gpu_suite.sh: unknown stage '$stage'; expected tests, bench, all, soak, sanitize or reliability" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LIBNN_CACHE_DIR=${LIBNN_CACHE_DIR:-/tmp/libnn-cache}
@@ -52,6 +65,16 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
       attention) run plans python3 -m libnn plans attention --b 4 --h 16 --s 4096 --d 128 --dtype bf16 --time ;;
     esac
   done
+fi
+if [ "$stage" = soak ] || [ "$stage" = reliability ]; then
+  run reliability python3 benchmarks/soak.py --calls "${SOAK_CALLS:-10000}"
+fi
+if [ "$stage" = sanitize ] || [ "$stage" = reliability ]; then
+  run reliability bash benchmarks/sanitize.sh
+fi
+if [ -f "$OUT/reliability.txt" ]; then  # each stage's verdict together at the end of the file
+  { echo "=== reliability summary"; grep -E '^(soak|sanitize): ' "$OUT/reliability.txt" | grep -vE '^soak: (cnn|encoder)'; } \
+    | tee -a "$OUT/reliability.txt"
 fi
 ( cd "$OUT" && results=$(ls | grep -E '[.](json|png)$') && tar czf results.tgz $results && rm -f $results )
 exit $status
