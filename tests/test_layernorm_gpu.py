@@ -1,6 +1,10 @@
 """layer_norm on the GPU: every path and every kernel version against the float64 reference over a
 sweep of shapes and dtypes, outputs poisoned; rows with a large mean offset; misaligned rows; the
-cuDNN graph reused across calls and eps values; the visible fallback when cuDNN declines."""
+cuDNN graph reused across calls and eps values; the visible fallback when cuDNN declines; and the
+fused residual (x + residual normalized, the sum returned) on every path and kernel version, against
+the reference and against the unfused add then layer_norm."""
+
+import warnings
 
 import numpy as np
 import pytest
@@ -39,14 +43,14 @@ def make(rng, shape, dtype, offset=0.0, affine="weight+bias"):
     return x, weight, bias
 
 
-def reference(x, weight, bias, eps=1e-5):
+def reference(x, weight, bias, eps=1e-5, residual=None):
     as64 = (lambda a: None if a is None else a.astype(np.float64))
-    return layer_norm(as64(x), as64(weight), as64(bias), eps=eps, path="reference")
+    return layer_norm(as64(x), as64(weight), as64(bias), residual=as64(residual), eps=eps, path="reference")
 
 
-def run(path, x, weight, bias, eps=1e-5):
+def run(path, x, weight, bias, eps=1e-5, **residual):
     try:
-        return layer_norm(gpu(x), gpu(weight), gpu(bias), eps=eps, path=path)
+        return layer_norm(gpu(x), gpu(weight), gpu(bias), eps=eps, path=path, **residual)
     except libnn.LibraryError as exc:
         pytest.skip(f"the library declined this case (auto falls back): {exc}")
 
@@ -83,10 +87,10 @@ def test_large_mean_offset_does_not_cancel(rng, path, dtype, shape):
 def test_every_kernel_version_matches_reference(rng, dtype, shape):
     x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
     xg, wg, bg = gpu(x).reshape(-1, shape[-1]), gpu(weight), gpu(bias)
-    problem = layernorm._check(xg, wg, bg, 1e-5)
+    problem = layernorm._check(xg, wg, bg, None, 1e-5, False)
     expected = reference(x, weight, bias).reshape(-1, shape[-1])
     for version in layernorm.custom_versions(problem, layernorm._aligned(problem, xg, wg, bg)):
-        y = layernorm.launch_custom(problem, xg, wg, bg, version)
+        y = layernorm.launch_custom(problem, xg, wg, bg, version=version)
         assert rel_error(y, expected) <= tolerance(dtype), version
 
 
@@ -104,7 +108,7 @@ def test_misaligned_rows_take_the_element_wise_kernels(rng, dtype, shape):
     xg = storage[1:].reshape(shape)
     assert xg.flags.c_contiguous and xg.data.ptr % 16 != 0
     expected = reference(x, weight, bias)
-    problem = layernorm._check(xg, gpu(weight), gpu(bias), 1e-5)
+    problem = layernorm._check(xg, gpu(weight), gpu(bias), None, 1e-5, False)
     assert "ln2_block" not in layernorm.custom_versions(problem, aligned=False)
     assert layernorm.custom_version(problem, aligned=False) == ("ln1_warp" if shape[-1] <= 1024 else "ln3_loop")
     assert rel_error(layer_norm(xg, gpu(weight), gpu(bias), path="custom"), expected) <= tolerance(dtype)
@@ -193,3 +197,192 @@ def test_layer_on_gpu_matches_reference(rng):
     y = layer(gpu(x))
     assert y.shape == x.shape and y.dtype == np.float16
     assert rel_error(y, reference(x, layer.weight.get(), layer.bias.get(), eps=1e-12)) <= tolerance("fp16")
+
+
+# --- the fused residual: layer_norm(x, weight, bias, residual=r[, return_sum=True]) ----------------------
+# rows 1 and primes; widths 1, odd, the BERT widths, 1000 and an odd width past 1024 (ln3_loop), and
+# more rows than ln1_warp's grid has warps (the grid-stride loop)
+RESIDUAL_SHAPES = [(1, 1), (3, 7), (13, 31), (1, 384), (17, 768), (7, 1000), (5, 4099), (2, 3, 768), (1, 4099),
+                   (3, 20000), (300007, 8)]
+
+
+def make_residual(rng, shape, dtype):
+    """A residual with its own offset and spread, so that x + r is not x's distribution shifted."""
+    return (rng.standard_normal(shape) * 3 + float(rng.uniform(-20, 20))).astype(dtypes.parse(dtype))
+
+
+def exact_sum(x, r):
+    """x + r rounded once to x's dtype (what the kernels write: the fp32 sum of two fp16/bf16 values is
+    exact, and of two fp32 values correctly rounded)."""
+    return (x.astype(np.float64) + r.astype(np.float64)).astype(x.dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RESIDUAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_residual_path_matches_reference(rng, path, dtype, shape):
+    affine = ["weight+bias", "weight", "bias", "none"][rng.integers(4)]
+    x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-10, 10)), affine=affine)
+    r = make_residual(rng, shape, dtype)
+    expected = reference(x, weight, bias, residual=r)
+    y = run(path, x, weight, bias, residual=gpu(r))
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_error(y, expected) <= tolerance(dtype), affine
+    y2, h = run(path, x, weight, bias, residual=gpu(r), return_sum=True)
+    assert h.shape == x.shape and h.dtype == x.dtype
+    assert rel_error(y2, expected) <= tolerance(dtype), affine
+    if path == "custom":
+        np.testing.assert_array_equal(h.get(), exact_sum(x, r))
+        np.testing.assert_array_equal(y2.get(), y.get())  # the sum written or not, y is the same
+    else:
+        assert rel_error(h, exact_sum(x, r)) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 384), (17, 768), (5, 4099)], ids=lambda s: "x".join(map(str, s)))
+def test_fused_residual_matches_add_then_layer_norm(rng, path, dtype, shape):
+    """The fused call against the two passes it replaces: the sum written in the dtype (rounded once,
+    as an add kernel writes it; made on the host, since CuPy's bf16 arithmetic is not assumed), then
+    layer_norm of it. They differ by that rounding only, within the dtype's tolerance."""
+    x, weight, bias = make(rng, shape, dtype)
+    r = make_residual(rng, shape, dtype)
+    unfused = run(path, exact_sum(x, r), weight, bias)
+    fused = run(path, x, weight, bias, residual=gpu(r))
+    assert rel_error(fused, unfused.get()) <= tolerance(dtype)
+    assert rel_error(fused, reference(x, weight, bias, residual=r)) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (17, 768), (5, 1023), (3, 4096), (2, 12289), (2, 40000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_every_kernel_version_adds_the_residual(rng, dtype, shape):
+    x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
+    r = make_residual(rng, shape, dtype)
+    xg, wg, bg, rg = gpu(x), gpu(weight), gpu(bias), gpu(r)
+    problem = layernorm._check(xg, wg, bg, rg, 1e-5, True)
+    expected = reference(x, weight, bias, residual=r)
+    for version in layernorm.custom_versions(problem, layernorm._aligned(problem, xg, wg, bg, rg)):
+        y, h = layernorm.launch_custom(problem, xg, wg, bg, rg, version=version)
+        assert rel_error(y, expected) <= tolerance(dtype), version
+        np.testing.assert_array_equal(h.get(), exact_sum(x, r), err_msg=version)
+        y_only = layernorm.bind_custom(
+            layernorm._check(xg, wg, bg, rg, 1e-5, False), xg, wg, bg, rg, version)(xg, wg, bg, rg)
+        np.testing.assert_array_equal(y_only.get(), y.get(), err_msg=version)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 256), (3, 2048)], ids=lambda s: "x".join(map(str, s)))
+def test_a_misaligned_residual_takes_the_element_wise_kernels(rng, dtype, shape):
+    """x aligned, the residual one element past a 16-byte boundary: no 16-byte access of it is allowed."""
+    import cupy
+
+    x, weight, bias = make(rng, shape, dtype)
+    r = make_residual(rng, shape, dtype)
+    storage = cupy.empty(r.size + 1, r.dtype)
+    storage[1:] = gpu(r).ravel()
+    rg = storage[1:].reshape(shape)
+    assert rg.flags.c_contiguous and rg.data.ptr % 16 != 0
+    problem = layernorm._check(gpu(x), gpu(weight), gpu(bias), rg, 1e-5, True)
+    assert not layernorm._aligned(problem, gpu(x), gpu(weight), gpu(bias), rg)
+    y, h = layer_norm(gpu(x), gpu(weight), gpu(bias), residual=rg, return_sum=True, path="custom")
+    assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance(dtype)
+    np.testing.assert_array_equal(h.get(), exact_sum(x, r))
+    with pytest.raises(libnn.LibraryError, match="cuDNN needs 16-byte aligned buffers; residual is not"):
+        layer_norm(gpu(x), gpu(weight), gpu(bias), residual=rg, path="cudnn")
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_and_batched_residuals_are_read_by_value(rng, path):
+    x, weight, bias = make(rng, (2, 5, 384), "fp16")
+    wide = make_residual(rng, (2, 5, 768), "fp16")
+    r = wide[..., ::2]
+    rg = gpu(wide)[..., ::2]
+    assert not rg.flags.c_contiguous
+    y, h = run(path, x, weight, bias, residual=rg, return_sum=True)
+    assert y.shape == h.shape == x.shape
+    assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance("fp16")
+    assert rel_error(h, exact_sum(x, r)) <= tolerance("fp16")
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bound_residual_call_with_new_data_gives_new_results(rng, path):
+    """The second call has the first one's signature: it reuses the bound call (no new build) and
+    reads the new arrays, not the ones it was bound with."""
+    calls = libnn.get_op("layer_norm").calls
+    x, weight, bias = make(rng, (6, 768), "bf16")
+    r = make_residual(rng, (6, 768), "bf16")
+    y, h = run(path, x, weight, bias, residual=gpu(r), return_sum=True)
+    builds = calls.stats.builds
+    x2, weight2, bias2 = make(rng, (6, 768), "bf16")
+    r2 = make_residual(rng, (6, 768), "bf16")
+    y2, h2 = run(path, x2, weight2, bias2, residual=gpu(r2), return_sum=True)
+    assert calls.stats.builds == builds
+    assert rel_error(y2, reference(x2, weight2, bias2, residual=r2)) <= tolerance("bf16")
+    assert rel_error(h2, exact_sum(x2, r2)) <= tolerance("bf16")
+    assert rel_error(y2, y.get()) > 0.1 and rel_error(h2, h.get()) > 0.1
+
+
+def test_a_residual_on_another_device_is_refused_by_name(rng):
+    x, weight, bias = make(rng, (3, 8), "fp32")
+    r = make_residual(rng, (3, 8), "fp32")
+    with pytest.raises(libnn.LibnnError, match=r"layer_norm: all arrays must be on one device, got x on gpu:\d+, "
+                                               r"weight on gpu:\d+, bias on gpu:\d+, residual on cpu"):
+        layer_norm(gpu(x), gpu(weight), gpu(bias), residual=r)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_auto_with_a_residual_tries_cudnn_first_on_long_odd_rows_and_falls_back_visibly(rng):
+    """N = 4099 takes the looping kernel, so auto tries cudnn first. cuDNN either runs the add →
+    layernorm graph or declines it (no engine fuses the add); then a FallbackWarning names cudnn's
+    failure and custom computes it. Either way the result is right."""
+    libnn.get_op("layer_norm").calls.clear()
+    x, weight, bias = make(rng, (5, 4099), "fp16")
+    r = make_residual(rng, (5, 4099), "fp16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, h = layer_norm(gpu(x), gpu(weight), gpu(bias), residual=gpu(r), return_sum=True)
+    decision = libnn.get_op("layer_norm").last_decision
+    fallbacks = [w for w in caught if issubclass(w.category, libnn.FallbackWarning)]
+    if decision.path == "cudnn":
+        assert not fallbacks
+    else:
+        assert decision.path == "custom" and "failed" in decision.passed_over["cudnn"]
+        assert len(fallbacks) == 1 and "path 'cudnn' failed" in str(fallbacks[0].message)
+    assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance("fp16")
+    assert rel_error(h, exact_sum(x, r)) <= tolerance("fp16")
+
+
+def test_a_cudnn_refusal_of_the_fused_graph_falls_back_to_custom(rng, monkeypatch):
+    """Simulated: cuDNN builds the plain graph but declines every add → layernorm one. auto warns once
+    per signature, runs custom, and the plain call on the same rows still runs cudnn."""
+    from libnn.backends import cudnn as backend
+
+    real = backend.graph_for
+
+    def decline_fused(key, *args, **kwargs):
+        if key[-2]:  # graph_key's has_residual
+            raise libnn.LibraryError("cuDNN cannot run this: no engine supports this graph (simulated)")
+        return real(key, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "graph_for", decline_fused)
+    op = libnn.get_op("layer_norm")
+    op.calls.clear()
+    x, weight, bias = make(rng, (5, 4099), "fp32")
+    r = make_residual(rng, (5, 4099), "fp32")
+    with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*no engine supports this graph"):
+        y = layer_norm(gpu(x), gpu(weight), gpu(bias), residual=gpu(r))
+    assert op.last_decision.path == "custom"
+    assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance("fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", libnn.FallbackWarning)  # bound to custom for good: no second warning
+        layer_norm(gpu(x), gpu(weight), gpu(bias), residual=gpu(r))
+    assert op.last_decision.path == "custom"
+    layer_norm(gpu(x), gpu(weight), gpu(bias))
+    assert op.last_decision.path == "cudnn"

@@ -1,5 +1,6 @@
 """layer_norm on the CPU: the reference against a row-by-row oracle, its numerics under a large mean
-offset, the N = 1 and empty cases, the errors bad input gets, and the LayerNorm layer."""
+offset, the N = 1 and empty cases, the fused residual (x + residual normalized, the sum returned), the
+errors bad input gets, bound calls keyed by the residual and return_sum, and the LayerNorm layer."""
 
 import math
 
@@ -72,6 +73,101 @@ def test_empty_input_gives_an_empty_output(shape):
     N = shape[-1]
     y = layer_norm(np.ones(shape, np.float32), np.ones(N, np.float32), np.zeros(N, np.float32))
     assert y.shape == shape and y.dtype == np.float32
+
+
+# --- the fused residual -----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 16), (4, 129), (6,)], ids=str)
+@pytest.mark.parametrize("affine", ["weight+bias", "none"])
+def test_residual_is_added_before_normalizing(rng, shape, affine):
+    x, r = random_normal(rng, shape, "fp64", 3.0) + rng.uniform(-5, 5), random_normal(rng, shape, "fp64", 2.0)
+    N = shape[-1]
+    weight, bias = (random_normal(rng, (N,), "fp64"), random_normal(rng, (N,), "fp64")) if affine != "none" \
+        else (None, None)
+    y = layer_norm(x, weight, bias, residual=r, eps=1e-3)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_error(y, row_oracle(x + r, weight, bias, 1e-3)) <= 1e-12
+    # float64 in, the add is exact to the last bit either way: fused and unfused agree bitwise
+    np.testing.assert_array_equal(y, layer_norm(x + r, weight, bias, eps=1e-3))
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "fp32", "fp16"] + (["bf16"] if dtypes.bfloat16 is not None else []))
+def test_return_sum_gives_the_sum_rounded_once_to_the_input_dtype(rng, dtype):
+    x, r = random_normal(rng, (4, 3, 40), dtype, 2.0), random_normal(rng, (4, 3, 40), dtype)
+    w, b = random_normal(rng, (40,), dtype), random_normal(rng, (40,), dtype)
+    y, h = layer_norm(x, w, b, residual=r, return_sum=True)
+    assert h.shape == x.shape and h.dtype == x.dtype and y.dtype == x.dtype
+    np.testing.assert_array_equal(h, (x.astype(np.float64) + r.astype(np.float64)).astype(x.dtype))
+    np.testing.assert_array_equal(y, layer_norm(x, w, b, residual=r))
+    # y normalizes the unrounded sum: exactly the float64 result of x + r, rounded once
+    wide = (lambda a: a.astype(np.float64))
+    np.testing.assert_array_equal(y, layer_norm(wide(x) + wide(r), wide(w), wide(b)).astype(x.dtype))
+
+
+def test_a_single_feature_with_a_residual_normalizes_to_the_bias(rng):
+    x, r = random_normal(rng, (5, 1), "fp32", 100.0), random_normal(rng, (5, 1), "fp32", 10.0)
+    w, b = random_normal(rng, (1,), "fp32"), random_normal(rng, (1,), "fp32")
+    y, h = layer_norm(x, w, b, residual=r, return_sum=True)
+    np.testing.assert_array_equal(y, np.broadcast_to(b, (5, 1)))
+    np.testing.assert_array_equal(h, x + r)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8), (3, 0)], ids=str)
+def test_empty_input_with_return_sum_gives_two_empty_outputs(shape):
+    x = np.ones(shape, np.float32)
+    y, h = layer_norm(x, residual=np.full(shape, 2.0, np.float32), return_sum=True)
+    assert y.shape == h.shape == shape and y.dtype == h.dtype == np.float32
+
+
+def test_a_strided_residual_is_read_by_value(rng):
+    x = random_normal(rng, (6, 10), "fp64")
+    wide = random_normal(rng, (6, 20), "fp64")
+    r = wide[:, ::2]
+    assert not r.flags.c_contiguous
+    np.testing.assert_array_equal(layer_norm(x, residual=r), layer_norm(x + np.ascontiguousarray(r)))
+
+
+def test_bound_calls_are_keyed_by_the_residual_and_return_sum(rng):
+    """One x, four calls that differ only in the residual's presence, its signature and return_sum:
+    each finds its own bound call (a key without them would hand back the first call's result)."""
+    calls = libnn.get_op("layer_norm").calls
+    calls.clear()  # no earlier test's bound call may hold one of these signatures
+    x = random_normal(rng, (3, 16), "fp64")
+    r = random_normal(rng, (3, 16), "fp64")
+    builds = calls.stats.builds
+    plain = layer_norm(x)
+    fused = layer_norm(x, residual=r)
+    y, h = layer_norm(x, residual=r, return_sum=True)
+    strided = layer_norm(x, residual=np.asfortranarray(r))
+    assert calls.stats.builds == builds + 4
+    assert rel_error(fused, plain) > 1e-2
+    np.testing.assert_array_equal(y, fused)
+    np.testing.assert_array_equal(strided, fused)
+    np.testing.assert_array_equal(h, x + r)
+    # the same signatures with new data: no new bound call, new results
+    x2, r2 = random_normal(rng, (3, 16), "fp64"), random_normal(rng, (3, 16), "fp64")
+    y2, h2 = layer_norm(x2, residual=r2, return_sum=True)
+    assert calls.stats.builds == builds + 4
+    np.testing.assert_array_equal(h2, x2 + r2)
+    assert rel_error(y2, row_oracle(x2 + r2, None, None, 1e-5)) <= 1e-12
+    # a residual the checks refuse never finds a bound call
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        layer_norm(x, residual=r[:, :8])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(residual=np.ones((3, 7))), ValueError, r"residual must have x's shape \(3, 8\), got \(3, 7\)"),
+    (dict(residual=np.ones((1, 8))), ValueError, r"residual must have x's shape \(3, 8\), got \(1, 8\)"),
+    (dict(residual=np.ones(8)), ValueError, r"residual must have x's shape \(3, 8\), got \(8,\)"),
+    (dict(residual=np.ones((3, 8), np.float32)), TypeError,
+     r"residual has dtype fp32 but x has fp64; cast them to one dtype"),
+    (dict(residual=[[1.0] * 8] * 3), TypeError, r"residual must be an array .* got builtins.list"),
+    (dict(return_sum=True), ValueError, r"return_sum=True returns x \+ residual, but residual is None"),
+    (dict(residual=np.ones((3, 8)), return_sum=1), TypeError, r"return_sum must be True or False, got 1"),
+    (dict(residual=np.ones((3, 8)), return_sum=[True]), TypeError, r"return_sum must be True or False, got \[True\]"),
+])
+def test_bad_residual_gets_a_clear_error(kwargs, error, message):
+    with pytest.raises(error, match="layer_norm: " + message):
+        layer_norm(np.ones((3, 8)) * np.arange(8), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

@@ -4,6 +4,14 @@ x is (..., N); weight and bias are (N,) or None (then 1 and 0); mean and the bia
 taken over each row of N elements, like torch.nn.functional.layer_norm(x, (N,), weight, bias, eps).
 y has x's shape, dtype and device. fp16/bf16 compute in fp32 on the GPU paths.
 
+Residual. `layer_norm(x, weight, bias, residual=r)` normalizes h = x + r (r: x's shape, dtype and
+device), what a post-LN transformer block computes after attention and after the feed-forward
+(`norm(x + sublayer(x))`), in one pass: the custom kernels read r beside x and form h in fp32, where
+a separate add would write h and read it back. `return_sum=True` also returns h rounded to x's dtype,
+`y, h = layer_norm(a, w, b, residual=r, return_sum=True)`, for a pre-LN stack, which carries h on to
+the next block. y is the normalization of the unrounded h on the custom and reference paths; on
+cuDNN's, with return_sum, of h as stored in x's dtype (the add's output is then a graph output).
+
 Paths, in `auto` order (custom first: on the H100 it matched or beat cuDNN's bandwidth on the
 common shapes, 2.72 vs 2.67 TB/s at 131072×768 fp16, and costs a third of the host time per call,
 41 vs 124 µs; cuDNN is faster on the rows only the looping kernel takes, odd N past 1024 or longer
@@ -11,9 +19,11 @@ than a block holds, e.g. 1024×65536, so for those auto tries cudnn first):
 - custom:    kernels/layernorm.cu (a row per warp up to N = 1024, a row per block in registers
              beyond, a looping row per block for the longest or unaligned rows).
 - cudnn:     the cuDNN frontend's layernorm node in its INFERENCE phase (no mean or inv_var
-             outputs), fp32 compute. cuDNN's node requires scale and bias tensors, so a missing
-             weight or bias is passed as a cached vector of ones or zeros; eps is a pass-by-value
-             input, so one graph serves every eps. A shape cuDNN declines raises LibraryError.
+             outputs), fp32 compute, behind a pointwise add of the residual in the same graph.
+             cuDNN's node requires scale and bias tensors, so a missing weight or bias is passed as
+             a cached vector of ones or zeros; eps is a pass-by-value input, so one graph serves
+             every eps. A graph cuDNN declines (a shape, or no engine for the add → layernorm
+             fusion) raises LibraryError, and `auto` goes on to the next path with a FallbackWarning.
 - reference: NumPy in float64, rounded to x's dtype once at the end.
 """
 
@@ -46,21 +56,26 @@ class LayerNormProblem:
     dtype: str            # short name: fp16, bf16, fp32, fp64
     has_weight: bool
     has_bias: bool
+    has_residual: bool    # normalizes x + residual
+    return_sum: bool      # also returns x + residual
     eps: float
     device: str           # "cpu" or "gpu:N"
 
     def describe(self) -> str:
         affine = "+".join(filter(None, ["weight" if self.has_weight else None,
                                         "bias" if self.has_bias else None])) or "no affine"
-        return f"layer_norm M={self.M} N={self.N} {self.dtype} eps={self.eps:g} ({affine})"
+        of = (" of x + residual" + (", returning the sum" if self.return_sum else "")) if self.has_residual else ""
+        return f"layer_norm{of} M={self.M} N={self.N} {self.dtype} eps={self.eps:g} ({affine})"
 
     @property
     def bytes_moved(self) -> int:
-        """x read and y written once (weight and bias are negligible next to them)."""
-        return 2 * self.M * self.N * dtypes.parse(self.dtype).itemsize
+        """x (and the residual) read and y (and the sum) written once (weight and bias are negligible
+        next to them)."""
+        arrays = 2 + self.has_residual + self.return_sum
+        return arrays * self.M * self.N * dtypes.parse(self.dtype).itemsize
 
 
-def _check(x, weight, bias, eps) -> LayerNormProblem:
+def _check(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
     if x.ndim < 1:
         raise ValueError("layer_norm: x must have at least 1 dimension (..., N), got a 0-d array")
     if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
@@ -78,35 +93,58 @@ def _check(x, weight, bias, eps) -> LayerNormProblem:
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps > 0 \
             or not math.isfinite(eps):
         raise ValueError(f"layer_norm: eps must be a finite number > 0, got {eps!r}")
-    device = device_of({"x": x, "weight": weight, "bias": bias}, "layer_norm")
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"layer_norm: residual must have x's shape {tuple(x.shape)}, "
+                             f"got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"layer_norm: residual has dtype {dtypes.short_name(residual.dtype)} but x has "
+                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    if not isinstance(return_sum, (bool, np.bool_)):
+        raise TypeError(f"layer_norm: return_sum must be True or False, got {return_sum!r}")
+    if return_sum and residual is None:
+        raise ValueError("layer_norm: return_sum=True returns x + residual, but residual is None; pass "
+                         "residual=, or leave return_sum False")
+    device = device_of({"x": x, "weight": weight, "bias": bias, "residual": residual}, "layer_norm")
     return LayerNormProblem(M=math.prod(x.shape[:-1]), N=N, dtype=dtypes.short_name(x.dtype),
-                            has_weight=weight is not None, has_bias=bias is not None, eps=float(eps),
+                            has_weight=weight is not None, has_bias=bias is not None,
+                            has_residual=residual is not None, return_sum=bool(return_sum), eps=float(eps),
                             device=device)
 
 
-def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, eps: float = 1e-5, path: str = "auto") -> Any:
-    """(x − mean) / sqrt(var + eps) · weight + bias over x's last dimension N, for x (..., N) and
-    weight, bias (N,) or None; returns y with x's shape, dtype and device. `path` is "auto" or one of
-    `libnn.paths("layer_norm")`."""
+def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, residual: Any = None, eps: float = 1e-5,
+               return_sum: bool = False, path: str = "auto") -> Any:
+    """(h − mean) / sqrt(var + eps) · weight + bias over the last dimension N of h = x, or of
+    h = x + residual, for x (..., N), residual None or x's shape and dtype, and weight, bias (N,) or
+    None; returns y with x's shape, dtype and device, or with `return_sum` (residual required) the
+    pair (y, h rounded to x's dtype). `path` is "auto" or one of `libnn.paths("layer_norm")`."""
     x = as_array(x, "layer_norm", "x")
     weight = None if weight is None else as_array(weight, "layer_norm", "weight")
     bias = None if bias is None else as_array(bias, "layer_norm", "bias")
-    key = (signature(x), signature(weight), signature(bias), eps, path, stream_key())
-    return op.call(key, lambda: _check(x, weight, bias, eps), path, x, weight, bias)
+    residual = None if residual is None else as_array(residual, "layer_norm", "residual")
+    key = (signature(x), signature(weight), signature(bias), signature(residual), eps, return_sum, path,
+           stream_key())
+    return op.call(key, lambda: _check(x, weight, bias, residual, eps, return_sum), path, x, weight, bias, residual)
 
 
-def _as_rows(run, problem: LayerNormProblem, x, weight, bias):
-    """`run` (for C-contiguous (M, N) rows and (N,) vectors) wrapped for the signature of the arrays:
-    y takes x's shape; copies only where the signature is not contiguous."""
-    contiguous_in = all(a is None or a.flags.c_contiguous for a in (x, weight, bias))
+def _as_rows(run, problem: LayerNormProblem, x, weight, bias, residual):
+    """`run` (for C-contiguous (M, N) rows of x and the residual, and (N,) vectors) wrapped for the
+    signature of the arrays: y (and the sum) take x's shape; copies only where the signature is not
+    contiguous."""
+    contiguous_in = all(a is None or a.flags.c_contiguous for a in (x, weight, bias, residual))
     if x.ndim == 2 and contiguous_in:
         return run
-    shape = x.shape
+    shape, sums = x.shape, problem.return_sum
 
-    def as_rows(x, weight, bias):
-        rows = contiguous(x).reshape(problem.M, problem.N)
-        y = run(rows, None if weight is None else contiguous(weight), None if bias is None else contiguous(bias))
-        return y.reshape(shape)
+    def rows(a):
+        return None if a is None else contiguous(a).reshape(problem.M, problem.N)
+
+    def vector(a):
+        return None if a is None else contiguous(a)
+
+    def as_rows(x, weight, bias, residual):
+        out = run(rows(x), vector(weight), vector(bias), rows(residual))
+        return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
     return as_rows
 
 
@@ -118,19 +156,25 @@ def _gpu_support(problem: LayerNormProblem) -> str | None:
 
 # --- cudnn path -------------------------------------------------------------------------------------
 # UIDs of the graph's tensors in the variant pack
-X, SCALE, BIAS, EPSILON, Y = 1, 2, 3, 4, 5
+X, SCALE, BIAS, EPSILON, Y, RESIDUAL, SUM = 1, 2, 3, 4, 5, 6, 7
 
 
 def graph_key(problem: LayerNormProblem) -> tuple:
     """Everything the cuDNN graph depends on: not eps (a pass-by-value input), not whether weight and
     bias were given (the graph always has both)."""
-    return ("layer_norm", problem.M, problem.N, problem.dtype)
+    return ("layer_norm", problem.M, problem.N, problem.dtype, problem.has_residual, problem.return_sum)
+
+
+def _uids(problem: LayerNormProblem) -> list[int]:
+    """The graph's variant pack in the order the runner passes its arrays."""
+    return [X, SCALE, BIAS, EPSILON, Y] + [RESIDUAL] * problem.has_residual + [SUM] * problem.return_sum
 
 
 def _graph_builder(problem: LayerNormProblem):
-    """x → layernorm(scale, bias, epsilon) → y. cuDNN normalizes over every dimension but the first, so
-    the rows are [M, N, 1, 1] with strides [N, 1, N, N] (channels-last, as in cudnn-frontend's
-    samples/python/22_layernorm_inference.ipynb and test/python/test_layernorm.py)."""
+    """[x + residual →] layernorm(scale, bias, epsilon) → y [and the sum]. cuDNN normalizes over every
+    dimension but the first, so the rows are [M, N, 1, 1] with strides [N, 1, N, N] (channels-last, as
+    in cudnn-frontend's samples/python/22_layernorm_inference.ipynb and test/python/test_layernorm.py).
+    The add's output is virtual (fp32, the graph's intermediate type) unless the sum is returned."""
     def build(handle):
         import cudnn
 
@@ -143,7 +187,14 @@ def _graph_builder(problem: LayerNormProblem):
         scale = g.tensor(dim=[1, p.N, 1, 1], stride=row_stride, data_type=io, uid=SCALE)
         bias = g.tensor(dim=[1, p.N, 1, 1], stride=row_stride, data_type=io, uid=BIAS)
         epsilon = g.tensor(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32, is_pass_by_value=True, uid=EPSILON)
-        y, _mean, _inv_var = g.layernorm(norm_forward_phase=cudnn.norm_forward_phase.INFERENCE, input=x,
+        h = x
+        if p.has_residual:
+            residual = g.tensor(dim=[p.M, p.N, 1, 1], stride=row_stride, data_type=io, uid=RESIDUAL)
+            h = g.add(a=x, b=residual, compute_data_type=f32)
+            h.set_stride(row_stride)
+            if p.return_sum:
+                h.set_output(True).set_data_type(io).set_uid(SUM)
+        y, _mean, _inv_var = g.layernorm(norm_forward_phase=cudnn.norm_forward_phase.INFERENCE, input=h,
                                          scale=scale, bias=bias, epsilon=epsilon, compute_data_type=f32)
         y.set_output(True).set_data_type(io).set_stride(row_stride).set_uid(Y)
         return g
@@ -168,7 +219,7 @@ class _Pointer:
 _epsilons: PlanCache = PlanCache("layer_norm epsilons")
 
 
-def _cudnn(problem: LayerNormProblem, x, weight, bias):
+def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
     import cupy
 
@@ -177,23 +228,35 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(_empty_result, problem)
     rows = contiguous(x).reshape(problem.M, problem.N)
-    misaligned = [name for name, a in (("x", rows), ("weight", weight), ("bias", bias))
+    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
+    misaligned = [name for name, a in (("x", rows), ("weight", weight), ("bias", bias), ("residual", residual_rows))
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
     execute = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe).executor(
-        [X, SCALE, BIAS, EPSILON, Y])
+        _uids(problem))
     # cuDNN's node requires both: the identity's ones and zeros, made once
     ones, zeros = device_constant(problem.N, 1, x.dtype), device_constant(problem.N, 0, x.dtype)
     epsilon = _epsilons.get(problem.eps, lambda: _HostScalar(problem.eps))
     shape, dtype = (problem.M, problem.N), x.dtype
 
-    def run(x, weight, bias):
+    def run(x, weight, bias, residual):
         y = cupy.empty(shape, dtype)
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y)
         return y
-    return _as_rows(run, problem, x, weight, bias)
+
+    def run_residual(x, weight, bias, residual):
+        y = cupy.empty(shape, dtype)
+        execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual)
+        return y
+
+    def run_sum(x, weight, bias, residual):
+        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual, h)
+        return y, h
+    runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
+    return _as_rows(runner, problem, x, weight, bias, residual)
 
 
 # --- custom path: kernels/layernorm.cu ----------------------------------------------------------------
@@ -250,35 +313,43 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bind_custom(problem: LayerNormProblem, x, weight, bias, version: str | None = None):
+def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
     """The runner of one version of kernels/layernorm.cu (the default: the one the custom path picks)
-    for (M, N) rows and (N,) vectors of this signature (their alignment included)."""
+    for (M, N) rows of x and the residual (or None) and (N,) vectors of this signature (their alignment
+    included). The runner takes (x, weight, bias, residual) and returns y, or (y, sum) with
+    `problem.return_sum`."""
     import cupy
 
     from libnn.runtime import launch
 
-    aligned = _aligned(problem, x, weight, bias)  # y comes from CuPy's pool: 256-byte aligned
+    aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     if version not in custom_versions(problem, aligned):
         raise ValueError(f"layer_norm: kernels/layernorm.cu version {version!r} cannot run {problem.describe()} "
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
                          f"{custom_versions(problem, aligned)}")
     name, grid, block = _launch(version, problem, aligned)
+    # (x, residual, weight, bias, y, sum, M, N, eps); a null residual or sum: plain layer norm, no sum
     kernel = launch.bind("layernorm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(problem.M),
-                          np.int32(problem.N), np.float32(problem.eps)))
+                         (*(launch.ARRAY,) * 6, np.int64(problem.M), np.int32(problem.N), np.float32(problem.eps)))
     shape, dtype = (problem.M, problem.N), x.dtype
 
-    def run(x, weight, bias):
+    def run(x, weight, bias, residual):
         y = cupy.empty(shape, dtype)
-        kernel(x, weight, bias, y)
+        kernel(x, residual, weight, bias, y, None)
         return y
-    return run
+
+    def run_sum(x, weight, bias, residual):
+        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        kernel(x, residual, weight, bias, y, h)
+        return y, h
+    return run_sum if problem.return_sum else run
 
 
-def launch_custom(problem: LayerNormProblem, x, weight, bias, version: str | None = None):
-    """y for the (M, N) rows x with one version of kernels/layernorm.cu (for tests and benchmarks)."""
-    return bind_custom(problem, x, weight, bias, version)(x, weight, bias)
+def launch_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
+    """y, or (y, sum), for the (M, N) rows x (and residual) with one version of kernels/layernorm.cu
+    (for tests and benchmarks)."""
+    return bind_custom(problem, x, weight, bias, residual, version)(x, weight, bias, residual)
 
 
 def _custom_slower(problem: LayerNormProblem) -> str | None:
@@ -292,16 +363,19 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower, binds=True)
-def _custom(problem: LayerNormProblem, x, weight, bias):
+def _custom(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(_empty_result, problem)
     rows = contiguous(x).reshape(problem.M, problem.N)
-    return _as_rows(bind_custom(problem, rows, weight, bias), problem, x, weight, bias)
+    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
+    return _as_rows(bind_custom(problem, rows, weight, bias, residual_rows), problem, x, weight, bias, residual)
 
 
-def _empty_result(problem: LayerNormProblem, x, weight, bias):
-    """The result when there are no rows or no columns: nothing to normalize."""
-    return array_module(x).empty(x.shape, x.dtype)
+def _empty_result(problem: LayerNormProblem, x, weight, bias, residual):
+    """The result when there are no rows or no columns: nothing to normalize (nor to add)."""
+    xp = array_module(x)
+    y = xp.empty(x.shape, x.dtype)
+    return (y, xp.empty(x.shape, x.dtype)) if problem.return_sum else y
 
 
 op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)(_cudnn)
@@ -309,14 +383,17 @@ op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gp
 
 # --- reference --------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: LayerNormProblem, x, weight, bias):
+def _reference(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
-        return _empty_result(problem, x, weight, bias)
+        return _empty_result(problem, x, weight, bias, residual)
     rows = x.reshape(problem.M, problem.N).astype(np.float64)
+    if residual is not None:
+        rows += residual.reshape(problem.M, problem.N).astype(np.float64)
     centered = rows - rows.mean(axis=1, keepdims=True)
     y = centered / np.sqrt((centered * centered).mean(axis=1, keepdims=True) + problem.eps)
     if weight is not None:
         y *= weight.astype(np.float64)
     if bias is not None:
         y += bias.astype(np.float64)
-    return y.astype(x.dtype).reshape(x.shape)
+    y = y.astype(x.dtype).reshape(x.shape)
+    return (y, rows.astype(x.dtype).reshape(x.shape)) if problem.return_sum else y
