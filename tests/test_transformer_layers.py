@@ -162,15 +162,18 @@ def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
     assert gemms == [(E, E), (E, E), (E, E)]
 
 
-def test_key_padding_right_padding_becomes_lengths_else_bias():
+def test_key_padding_right_padding_becomes_lengths_else_lengths_and_a_bias_for_the_holes():
     valid = ~right_padding([5, 2, 0], 5)
     lens, bias = key_padding(valid, np.float32)
     assert bias is None and lens.lengths.tolist() == [5, 2, 0] and lens.lengths.dtype == np.int32
     assert key_padding(np.ones((2, 5), bool), np.float32) == (None, None)
-    left = valid[:, ::-1]
-    lens, bias = key_padding(left, np.float16)
-    assert lens is None and bias.shape == (3, 1, 1, 5) and bias.dtype == np.float16
-    assert np.array_equal(np.isneginf(bias[:, 0, 0]), ~left) and np.all(bias[left[:, None, None, :]] == 0)
+    scattered = np.array([[True, False, True, False, False], [False, False, True, True, True],
+                          [False] * 5])
+    lens, bias = key_padding(scattered, np.float16)
+    assert lens.lengths.tolist() == [3, 5, 0], "up to each row's last key"
+    assert bias.shape == (3, 1, 1, 5) and bias.dtype == np.float16
+    holes = np.array([[False, True, False, False, False], [True, True, False, False, False], [False] * 5])
+    assert np.array_equal(np.isneginf(bias[:, 0, 0]), holes) and np.all(bias[~holes[:, None, None, :]] == 0)
 
 
 def test_mha_masks_reference_matches_numpy(rng, monkeypatch):
@@ -187,7 +190,8 @@ def test_mha_masks_reference_matches_numpy(rng, monkeypatch):
     assert rel_error(out, numpy_mha(state, x, x, x, H, key_padding_mask=right)) < 1e-5
     scattered = np.array([[0, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]], bool)
     out = mha(x, key_padding_mask=scattered)[0]
-    assert calls[-1]["seq_lens_kv"] is None and calls[-1]["attn_bias"].shape == (3, 1, 1, 6)
+    # lengths up to the last key (kpm True = padding) and a bias for the holes before it
+    assert calls[-1]["seq_lens_kv"].lengths.tolist() == [6, 6, 5] and calls[-1]["attn_bias"].shape == (3, 1, 1, 6)
     assert rel_error(out, numpy_mha(state, x, x, x, H, key_padding_mask=scattered)) < 1e-5
     bool_mask = rng.random((6, 6)) < 0.3
     bool_mask[:, 0] = False  # every row keeps a key under the padding too

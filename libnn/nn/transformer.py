@@ -58,22 +58,26 @@ def on_device_of(a: Any, like: Any, where: str, name: str) -> Any:
 def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     """(seq_lens_kv, bias) for the attention op from `valid` (B, S) booleans, True where a key may be
     attended to: (None, None) when nothing is padded; (lengths, None) when each row is a prefix of
-    Trues (right padding); otherwise (None, bias) with bias (B, 1, 1, S) of 0 and -inf in `dtype`.
-    Decided on the host for NumPy; for CuPy with one reduction (one synchronisation). While a CUDA
-    graph is captured nothing can be read back, and a replay may bring any mask: always the bias."""
+    Trues (right padding); otherwise (lengths, bias), the lengths up to each row's last True and the
+    bias (B, 1, 1, S) of -inf at the Falses before it, 0 elsewhere, in `dtype`. The lengths let cuDNN
+    skip the padding; the bias masks only the holes. Decided on the host for NumPy; for CuPy with one
+    reduction (one synchronisation). While a CUDA graph is captured nothing can be read back, and a
+    replay may bring any mask: always lengths and bias, computed on the device (a few B×S passes)."""
     xp = array_module(valid)
     B, S = valid.shape
     if B == 0 or S == 0:
         return None, None
-    if is_cupy(valid) and capturing():
-        return None, xp.where(valid, 0.0, -np.inf).astype(dtype)[:, None, None, :]
-    lengths = valid.sum(axis=1, dtype=xp.int32)
-    prefix = xp.arange(S, dtype=xp.int32)[None, :] < lengths[:, None]
-    is_prefix, shortest = (int(v) for v in xp.stack([xp.all(prefix == valid).astype(xp.int32),
+    position = xp.arange(S, dtype=xp.int32)[None, :]
+    lengths = xp.where(valid, position + 1, 0).max(axis=1).astype(xp.int32)  # up to the last True
+    inside = position < lengths[:, None]
+    holes = lambda: xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :]  # noqa: E731
+    if is_cupy(valid) and capturing():  # counted from the mask: in range by construction
+        return CheckedLengths(lengths), holes()
+    is_prefix, shortest = (int(v) for v in xp.stack([xp.all(inside == valid).astype(xp.int32),
                                                       lengths.min()]).tolist())
-    if is_prefix:  # counted from the mask: in range by construction, so attention need not check them
+    if is_prefix:
         return (None if shortest == S else CheckedLengths(lengths)), None
-    return None, xp.where(valid, 0.0, -np.inf).astype(dtype)[:, None, None, :]
+    return CheckedLengths(lengths), holes()
 
 
 def _additive(mask: Any, dtype: Any, where: str, name: str) -> Any:

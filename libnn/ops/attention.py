@@ -322,7 +322,7 @@ def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias)
     batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
     the masks allow. cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn
     promises zeros. All on the device (no synchronisation), and only for the masks that can empty a
-    row; with a bias it takes a (B, H, Sq, Skv) boolean temporary, the size of the bias at most."""
+    row; with a bias, a boolean temporary of the bias's shape (with a causal mask too, (B, H, Sq, Skv))."""
     import cupy
 
     p = problem
@@ -333,6 +333,12 @@ def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias)
         has_key = (i < Lq) & (Lk > 0)
         if p.causal == "bottom_right":
             has_key &= i + Lk - Lq >= 0
+    elif p.causal is None:  # the keys a row may see do not depend on the row: reduce at the bias's own shape
+        # (a key-padding bias (B, 1, 1, Skv) gives (B, 1, 1, 1), not a (B, H, Sq, Skv) temporary)
+        Lk = p.Skv if lens_kv is None else lens_kv[:, None, None, None]
+        has_key = cupy.any((cupy.arange(p.Skv, dtype=cupy.int32) < Lk) & (bias > -cupy.inf), axis=-1, keepdims=True)
+        if lens_q is not None:
+            has_key = has_key & (cupy.arange(p.Sq, dtype=cupy.int32)[:, None] < lens_q[:, None, None, None])
     else:  # a -inf bias can mask exactly the keys the masks allow: look at every (row, key) pair
         allowed = allowed_keys(p.Sq, p.Skv, p.causal, lens_q, lens_kv, p.B, cupy)
         has_key = cupy.any(allowed & (bias > -cupy.inf), axis=-1, keepdims=True)
