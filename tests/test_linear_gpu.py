@@ -315,14 +315,14 @@ def test_every_custom_kernel_version_with_residual_matches_reference(rng, dtype,
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("activation", [None, "relu", "gelu_erf"])
 def test_fused_residual_equals_gemm_then_add(rng, path, dtype, activation):
-    """One call with the residual agrees with the GEMM + bias, then the add and the activation in fp32."""
-    import cupy
-
+    """One call with the residual agrees with the GEMM + bias, then the add and the activation (in
+    float64 on the host, from the GEMM's rounded output)."""
     x, w, b = to_gpu(*draw(rng, 300, 200, 136, dtype))
-    r = to_gpu(random_normal(rng, (300, 200), dtype))[0]
-    fused = linear(x, w, b, activation, residual=r, path=path)
-    unfused = activations.apply(linear(x, w, b, path=path).astype(cupy.float32) + r.astype(cupy.float32), activation)
-    assert rel_error(fused, unfused.get()) <= tolerance(dtype)
+    r = random_normal(rng, (300, 200), dtype)
+    fused = linear(x, w, b, activation, residual=to_gpu(r)[0], path=path)
+    plain = linear(x, w, b, path=path).get().astype(np.float64)
+    unfused = activations.apply(plain + r.astype(np.float64), activation)
+    assert rel_error(fused, unfused) <= tolerance(dtype)
 
 
 @pytest.mark.usefixtures("poisoned_gpu_memory")
@@ -426,10 +426,10 @@ def test_epilogue_pass_with_a_misaligned_bias_takes_the_scalar_path(rng):
 
 def test_epilogue_pass_gelu_erf_is_not_the_tanh_gelu():
     """At v = -3 the exact GELU is -4.05e-3 and the tanh approximation -3.64e-3, 10% apart: the pass
-    computes the one it is asked for."""
+    computes the one it is asked for (1e-3: 1 + erff(v/√2) cancels to 0.0027, losing ~5 of fp32's bits)."""
     v = np.full((1, 4), -3.0, np.float32)
     for activation in ["gelu_erf", "gelu"]:
         yg = to_gpu(v)[0]
         bind_epilogue_pass("fp32", 1, 4, activation)(yg, None)
         expected = activations.apply(v.astype(np.float64), activation)
-        np.testing.assert_allclose(yg.get(), expected, rtol=1e-5)
+        np.testing.assert_allclose(yg.get(), expected, rtol=1e-3)
