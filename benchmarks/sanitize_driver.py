@@ -8,7 +8,8 @@ misaligned (offset) views, masks; tiny, because the sanitizer slows kernels 10-1
 - the numbered versions ops expose for tests (linear's gemm.cu versions, layer_norm's, the FFT's, the
   attention kernels), and the conv epilogue kernel (kernels/epilogue.cu);
 - SeedCNN and a one-layer BERT encoder forced onto the custom paths (kernels no op calls directly).
-Each item prints one line; an item that raises is reported and the exit status is 1 (the sanitizer's own
+Arrays are allocated one cudaMalloc each (CuPy's pool off), so that an access past an array's end is
+past an allocation's end, where memcheck sees it. Each item prints one line; an item that raises is reported and the exit status is 1 (the sanitizer's own
 findings are its exit status under --error-exitcode). The last lines list the kernels loaded per file
 of kernels/, and the files none was loaded from.
 """
@@ -288,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="run the items whose name starts with one of these")
     parser.add_argument("--list", action="store_true", help="list the items and exit")
+    parser.add_argument("--pool", action="store_true",
+                        help="keep CuPy's memory pool (default: one cudaMalloc per array, so that memcheck sees "
+                             "an access past an array's end)")
     args = parser.parse_args(argv)
     if args.list:
         for name, _ in ITEMS:
@@ -300,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import cupy
 
+    if not args.pool:
+        # CuPy's pool carves arrays out of large cudaMalloc blocks, so a read or write past an array's end
+        # lands in its neighbour and memcheck, which knows allocations as cudaMalloc made them, sees
+        # nothing: one cudaMalloc per array makes every array's end an allocation's end
+        cupy.cuda.set_allocator(None)
     failed = 0
     for name, fn in ITEMS:
         if args.only is not None and not any(name.startswith(prefix) for prefix in args.only):
