@@ -2,6 +2,7 @@
 
 from libnn.ops.attention import attention
 from libnn.ops.conv2d import conv2d
+from libnn.ops.embedding import embedding
 from libnn.ops.fft_conv import fft_conv1d, fft_conv2d
 from libnn.ops.layernorm import layer_norm
 from libnn.ops.linear import linear
@@ -9,4 +10,4 @@ from libnn.ops.pool2d import avg_pool2d, max_pool2d
 from libnn.ops.softmax import softmax
 
 __all__ = ["attention", "linear", "conv2d", "max_pool2d", "avg_pool2d", "fft_conv2d", "fft_conv1d", "softmax",
-           "layer_norm"]
+           "layer_norm", "embedding"]

@@ -1,0 +1,442 @@
+"""embedding: rows of a table gathered by ids, with a position table's and a token-type table's rows
+added and an optional LayerNorm: BERT's embedding layer as one op.
+
+    e[..., s, :] = weight[ids[..., s]] + position_weight[position_offset + s] + type_weight[type_ids[..., s]]
+    y = layer_norm(e, norm_weight, norm_bias, eps)   with normalize=True,   else y = e
+
+ids has any shape; s counts along its last axis (a 0-d ids is one token at position 0). Each table is
+(rows, hidden) and all share weight's hidden size and dtype; position_weight and type_weight are
+optional (no such term), and type_ids is optional where type_weight is given (every token of type 0,
+Hugging Face's default). norm_weight and norm_bias are (hidden,) or None (1 and 0), as in layer_norm,
+and only with normalize=True. y is ids.shape + (hidden,), in weight's dtype, on its device; fp16/bf16
+compute in fp32 on the GPU paths.
+
+Out-of-range indices. The positions are checked on the host before anything runs (the shapes tell:
+position_offset + S must not exceed position_weight's rows): a ValueError. The ids and type ids are
+values on the device, which a GPU path cannot read without a synchronisation, so: GPU paths write NaN
+rows for out-of-range ids (and type ids), and never read outside a table; callers that need an error
+check the ranges (nn.Embedding and BertEncoder do, once per forward). The reference path, on the host,
+raises an IndexError naming the argument.
+
+Paths, in `auto` order:
+- custom:    kernels/embedding.cu: one warp per token (a block for hidden > 1024) gathers the rows
+             (16 bytes at a time where hidden and the pointers allow), sums them and normalizes in
+             fp32, and writes y once. Per call: y from cupy.empty and one packed launch (ids of a
+             dtype other than int32/int64, or non-contiguous arrays, are converted or copied first).
+- cupy:      cupy.take, the adds in fp32, then libnn.ops.layer_norm: what BertEmbeddings did, kept to
+             compare against (a pass per term and one more for the norm). Indices are clipped for the
+             gather and the rows of out-of-range tokens set to NaN with cupy.where, so both GPU paths
+             give the same NaN rows.
+- reference: NumPy in float64, rounded to weight's dtype once at the end (fp64 too).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.registry import Op, option_key
+from libnn.runtime import memory
+from libnn.runtime.arrays import as_array, device_of, signature, stream_key
+
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+KERNEL_IDS = (np.dtype(np.int32), np.dtype(np.int64))  # what kernels/embedding.cu reads; others convert
+INT32_LIMIT = 2**31 - 1
+
+op = Op("embedding", order=("custom", "cupy", "reference"))
+
+
+@dataclass(frozen=True)
+class EmbeddingProblem:
+    """Everything that decides how an embedding call runs."""
+    shape: tuple[int, ...]      # ids' shape
+    rows: int                   # weight's rows
+    H: int                      # hidden size
+    dtype: str                  # the tables' short dtype name
+    position_rows: int | None   # None: no position table
+    position_offset: int
+    type_rows: int | None       # None: no type table
+    has_type_ids: bool          # False with a type table: every token of type 0
+    normalize: bool
+    has_norm_weight: bool
+    has_norm_bias: bool
+    eps: float
+    device: str                 # "cpu" or "gpu:N"
+
+    @property
+    def M(self) -> int:
+        """Tokens: the product of ids' shape."""
+        return math.prod(self.shape)
+
+    @property
+    def S(self) -> int:
+        """Positions per sequence: ids' last dimension (1 for a 0-d ids)."""
+        return self.shape[-1] if self.shape else 1
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (*self.shape, self.H)
+
+    def describe(self) -> str:
+        terms = ["word", *(["position"] if self.position_rows is not None else []),
+                 *(["type" if self.has_type_ids else "type 0"] if self.type_rows is not None else [])]
+        norm = f" + layer_norm eps={self.eps:g}" if self.normalize else ""
+        return f"embedding ids {self.shape} hidden={self.H} {self.dtype} ({' + '.join(terms)}{norm})"
+
+    @property
+    def bytes_moved(self) -> int:
+        """y written and each token's word row read (the position and type tables are small enough to
+        be read from L2 after their first use)."""
+        return 2 * self.M * self.H * dtypes.parse(self.dtype).itemsize
+
+
+def _is_float(dtype) -> bool:
+    return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
+
+
+def _check(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight, norm_bias, eps,
+           normalize) -> EmbeddingProblem:
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
+    if weight.ndim != 2:
+        raise ValueError(f"embedding: weight must be 2-D (rows, hidden), got shape {tuple(weight.shape)}")
+    if not _is_float(weight.dtype):
+        raise TypeError(f"embedding: weight must be a floating-point array (fp16, bf16, fp32, fp64), "
+                        f"got {weight.dtype}")
+    rows, H = weight.shape
+    dtype = dtypes.short_name(weight.dtype)
+    for name, table in (("position_weight", position_weight), ("type_weight", type_weight)):
+        if table is None:
+            continue
+        if table.ndim != 2 or table.shape[1] != H:
+            raise ValueError(f"embedding: {name} must be 2-D (rows, {H}) to match weight's hidden size "
+                             f"(weight is {tuple(weight.shape)}), got shape {tuple(table.shape)}")
+        if table.dtype != weight.dtype:
+            raise TypeError(f"embedding: {name} has dtype {dtypes.short_name(table.dtype)} but weight has "
+                            f"{dtype}; cast them to one dtype")
+    S = ids.shape[-1] if ids.ndim else 1
+    if isinstance(position_offset, bool) or not isinstance(position_offset, (int, np.integer)):
+        raise TypeError(f"embedding: position_offset must be an int, got {type(position_offset).__name__} "
+                        f"{position_offset!r}")
+    position_offset = int(position_offset)
+    if position_weight is None:
+        if position_offset != 0:
+            raise ValueError(f"embedding: position_offset is {position_offset} but position_weight is None; "
+                             "an offset needs a position table")
+    elif position_offset < 0 or position_offset + S > position_weight.shape[0]:
+        raise ValueError(f"embedding: positions {position_offset}..{position_offset + S - 1} (position_offset "
+                         f"{position_offset} + the {S} positions of ids' last axis) must be rows of "
+                         f"position_weight, which has {position_weight.shape[0]} "
+                         f"(position_offset must be in [0, {max(position_weight.shape[0] - S, 0)}])")
+    if type_ids is not None:
+        if type_weight is None:
+            raise ValueError("embedding: type_ids is given but type_weight is None; pass the token-type table")
+        if type_ids.dtype.kind not in "iu":
+            raise TypeError(f"embedding: type_ids must be an integer array (int32, int64, ...), "
+                            f"got dtype {type_ids.dtype}")
+        if tuple(type_ids.shape) != tuple(ids.shape):
+            raise ValueError(f"embedding: type_ids must have ids' shape {tuple(ids.shape)}, "
+                             f"got {tuple(type_ids.shape)}")
+    elif type_weight is not None and type_weight.shape[0] == 0:
+        raise ValueError("embedding: type_weight has no rows, but without type_ids every token is of type 0; "
+                         "pass a table with at least one row")
+    if not isinstance(normalize, (bool, np.bool_)):
+        raise TypeError(f"embedding: normalize must be True or False, got {type(normalize).__name__} {normalize!r}")
+    for name, vector in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+        if vector is None:
+            continue
+        if not normalize:
+            raise ValueError(f"embedding: {name} is given but normalize is False; pass normalize=True to "
+                             "apply the LayerNorm")
+        if tuple(vector.shape) != (H,):
+            raise ValueError(f"embedding: {name} must have shape ({H},) to match weight's hidden size "
+                             f"(weight is {tuple(weight.shape)}), got {tuple(vector.shape)}")
+        if vector.dtype != weight.dtype:
+            raise TypeError(f"embedding: {name} has dtype {dtypes.short_name(vector.dtype)} but weight has "
+                            f"{dtype}; cast them to one dtype")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps > 0 \
+            or not math.isfinite(eps):
+        raise ValueError(f"embedding: eps must be a finite number > 0, got {eps!r}")
+    device = device_of({"ids": ids, "weight": weight, "position_weight": position_weight, "type_ids": type_ids,
+                        "type_weight": type_weight, "norm_weight": norm_weight, "norm_bias": norm_bias},
+                       "embedding")
+    return EmbeddingProblem(
+        shape=tuple(ids.shape), rows=rows, H=H, dtype=dtype,
+        position_rows=None if position_weight is None else position_weight.shape[0], position_offset=position_offset,
+        type_rows=None if type_weight is None else type_weight.shape[0], has_type_ids=type_ids is not None,
+        normalize=bool(normalize), has_norm_weight=norm_weight is not None, has_norm_bias=norm_bias is not None,
+        eps=float(eps), device=device)
+
+
+def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_offset: int = 0, type_ids: Any = None,
+              type_weight: Any = None, norm_weight: Any = None, norm_bias: Any = None, eps: float = 1e-5,
+              normalize: bool = False, path: str = "auto") -> Any:
+    """weight[ids] + position_weight[position_offset + s] + type_weight[type_ids], then with
+    normalize=True a LayerNorm over the hidden size (norm_weight, norm_bias, eps), for ids of any
+    shape (s: the position along ids' last axis) and (rows, hidden) tables; returns ids.shape +
+    (hidden,) in weight's dtype. position_weight and type_weight are optional; type_ids None with a
+    type table means type 0 everywhere. GPU paths write NaN rows for out-of-range ids; the reference
+    raises IndexError. `path` is "auto" or one of `libnn.paths("embedding")`."""
+    ids = as_array(ids, "embedding", "ids")
+    weight = as_array(weight, "embedding", "weight")
+    position_weight = _optional(position_weight, "position_weight")
+    type_ids = _optional(type_ids, "type_ids")
+    type_weight = _optional(type_weight, "type_weight")
+    norm_weight = _optional(norm_weight, "norm_weight")
+    norm_bias = _optional(norm_bias, "norm_bias")
+    key = (signature(ids), signature(weight), signature(position_weight), option_key(position_offset),
+           signature(type_ids), signature(type_weight), signature(norm_weight), signature(norm_bias),
+           option_key(eps), option_key(normalize), path, stream_key())
+    return op.call(key, lambda: _check(ids, weight, position_weight, position_offset, type_ids, type_weight,
+                                       norm_weight, norm_bias, eps, normalize),
+                   path, ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
+
+
+def _optional(a: Any, name: str) -> Any:
+    return None if a is None else as_array(a, "embedding", name)
+
+
+def _gpu_support(problem: EmbeddingProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+def _require_gpu(problem: EmbeddingProblem, nbytes: int) -> None:
+    memory.require(nbytes, "gpu", "embedding",
+                   f"the output of shape {problem.out_shape} ({problem.M} tokens of {problem.H})")
+
+
+def _empty_result(problem: EmbeddingProblem, *arrays):
+    """y when there are no tokens or no hidden elements: nothing to gather."""
+    import cupy
+    return cupy.empty(problem.out_shape, dtypes.parse(problem.dtype))
+
+
+# --- custom path: kernels/embedding.cu ---------------------------------------------------------------
+WARP_MAX_H = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
+BLOCK_MAX_THREADS = 512
+_WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/embedding.cu builds
+_BLOCK_VPTS = (2, 4, 8)
+_MAX_BLOCKS = 65535            # tokens are grid-strided; this many blocks fill any GPU
+IDS_I64, TYPES_I64, NORMALIZE = 1, 2, 4  # kernels/embedding.cu's flags
+
+
+def _group(dtype: str) -> int:
+    """V: the elements of one 16-byte group (4 fp32, 8 fp16/bf16)."""
+    return 4 if dtype == "fp32" else 8
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def custom_versions(problem: EmbeddingProblem, aligned: bool = True) -> tuple[str, ...]:
+    """The versions of kernels/embedding.cu that can run `problem` (for tests and benchmarks)."""
+    V, H = _group(problem.dtype), problem.H
+    found = []
+    if H <= 32 * _WARP_VPTS[problem.dtype][-1] * V:
+        found.append("emb1_warp")
+    if aligned and H <= BLOCK_MAX_THREADS * _BLOCK_VPTS[-1] * V:
+        found.append("emb2_block")
+    return (*found, "emb3_loop")
+
+
+def custom_version(problem: EmbeddingProblem, aligned: bool) -> str:
+    """The version the custom path runs: a warp per token up to hidden 1024, then a block per token in
+    registers when the rows can be moved 16 bytes at a time, else the loop."""
+    if problem.H <= WARP_MAX_H:
+        return "emb1_warp"
+    return "emb2_block" if "emb2_block" in custom_versions(problem, aligned) else "emb3_loop"
+
+
+def _launch(version: str, problem: EmbeddingProblem, vec: bool) -> tuple[str, int, int]:
+    """(kernel name without the dtype suffix, grid, block) from kernels/embedding.cu's LAUNCH table."""
+    groups = _ceil_div(problem.H, _group(problem.dtype))  # V-element groups in a row
+    if version == "emb1_warp":
+        vpt = next(v for v in _WARP_VPTS[problem.dtype] if 32 * v >= groups)
+        return f"emb1_warp_{'vec' if vec else 'sca'}{vpt}", min(_ceil_div(problem.M, 4), _MAX_BLOCKS), 128
+    if version == "emb2_block":
+        vpt = next(v for v in _BLOCK_VPTS if BLOCK_MAX_THREADS * v >= groups)
+        threads = 32 * _ceil_div(_ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
+        return f"emb2_block_vec{vpt}", min(problem.M, _MAX_BLOCKS), threads
+    return "emb3_loop", min(problem.M, _MAX_BLOCKS), 512
+
+
+def _custom_support(problem: EmbeddingProblem) -> str | None:
+    if reason := _gpu_support(problem):
+        return reason
+    if problem.H > INT32_LIMIT or problem.S > INT32_LIMIT:
+        return f"hidden size {problem.H} or sequence length {problem.S} past the kernels' 32-bit limit"
+    return None
+
+
+def _kernel_index(a):
+    """ids as kernels/embedding.cu reads them: contiguous int32 or int64 (other integer dtypes widen to
+    int64; uint64 values past 2^63 turn negative, out of range either way)."""
+    import cupy
+    if a is None or (a.dtype in KERNEL_IDS and a.flags.c_contiguous):
+        return a
+    return cupy.ascontiguousarray(a, dtype=a.dtype if a.dtype in KERNEL_IDS else np.int64)
+
+
+def _kernel_array(a):
+    import cupy
+    return a if a is None or a.flags.c_contiguous else cupy.ascontiguousarray(a)
+
+
+def _kernel_inputs(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
+    """The arrays in the form the kernel reads: each as it is where it already has that form."""
+    return (_kernel_index(ids), _kernel_array(weight), _kernel_array(position_weight), _kernel_index(type_ids),
+            _kernel_array(type_weight), _kernel_array(norm_weight), _kernel_array(norm_bias))
+
+
+def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_ids, type_weight, norm_weight,
+                norm_bias, version: str | None = None):
+    """The runner of one version of kernels/embedding.cu (the default: the one the custom path picks)
+    for arrays of this signature (their alignment and contiguity included)."""
+    import cupy
+
+    from libnn.runtime import launch
+
+    _require_gpu(problem, memory.array_bytes(problem.out_shape, weight.dtype))
+    arrays = (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
+    if problem.M == 0 or problem.H == 0:
+        return functools.partial(_empty_result, problem)
+    kernel_inputs = _kernel_inputs(*arrays)
+    as_given = all(k is a for k, a in zip(kernel_inputs, arrays))
+    kids, ktype_ids = kernel_inputs[0], kernel_inputs[3]
+    aligned = _aligned(problem, kernel_inputs)
+    version = version or custom_version(problem, aligned)
+    if version not in custom_versions(problem, aligned):
+        raise ValueError(f"embedding: kernels/embedding.cu version {version!r} cannot run {problem.describe()} "
+                         f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
+                         f"{custom_versions(problem, aligned)}")
+    name, grid, block = _launch(version, problem, aligned)
+    flags = (IDS_I64 if kids.dtype == np.int64 else 0) | \
+        (TYPES_I64 if ktype_ids is not None and ktype_ids.dtype == np.int64 else 0) | \
+        (NORMALIZE if problem.normalize else 0)
+    A = launch.ARRAY
+    kernel = launch.bind("embedding.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
+                         (A, A, A, A, A, A, A, A, np.int64(problem.M), np.int32(problem.S), np.int32(problem.H),
+                          np.int64(problem.rows), np.int64(problem.position_rows or 0),
+                          np.int64(problem.position_offset), np.int64(problem.type_rows or 0), np.int32(flags),
+                          np.float32(problem.eps)))
+    shape, dtype = problem.out_shape, weight.dtype
+
+    def run(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
+        y = cupy.empty(shape, dtype)
+        kernel(ids, type_ids, weight, position_weight, type_weight, norm_weight, norm_bias, y)
+        return y
+    if as_given:
+        return run
+    return lambda *arrays: run(*_kernel_inputs(*arrays))
+
+
+def launch_custom(problem: EmbeddingProblem, *arrays, version: str | None = None):
+    """y with one version of kernels/embedding.cu (for tests and benchmarks); arrays as `embedding`'s
+    runner takes them: ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias."""
+    return bind_custom(problem, *arrays, version=version)(*arrays)
+
+
+def kernel_is_aligned(problem: EmbeddingProblem, *arrays) -> bool:
+    """Whether the custom path may use 16-byte accesses for these arrays (for tests)."""
+    return _aligned(problem, _kernel_inputs(*arrays))
+
+
+def _aligned(problem: EmbeddingProblem, kernel_inputs: tuple) -> bool:
+    """Whether the vec kernels may run: whole 16-byte groups per row and every table and vector pointer
+    16-byte aligned (y comes from CuPy's pool, 256-byte aligned, and so does any copy made per call)."""
+    _, weight, position_weight, _, type_weight, norm_weight, norm_bias = kernel_inputs
+    return problem.H % _group(problem.dtype) == 0 and \
+        all(a.data.ptr % 16 == 0 for a in (weight, position_weight, type_weight, norm_weight, norm_bias)
+            if a is not None)
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)
+def _custom(problem: EmbeddingProblem, *arrays):
+    return bind_custom(problem, *arrays)
+
+
+# --- cupy path: take, adds, layer_norm ---------------------------------------------------------------
+@op.path("cupy", kind="library", device="gpu", supports=_gpu_support, binds=True)
+def _cupy(problem: EmbeddingProblem, *arrays):
+    import cupy
+
+    from libnn.ops.layernorm import layer_norm
+
+    weight_dtype = dtypes.parse(problem.dtype)
+    _require_gpu(problem, memory.array_bytes(problem.out_shape, weight_dtype)
+                 + 2 * memory.array_bytes(problem.out_shape, np.float32))  # e and the where's copy, in fp32
+    if problem.M == 0 or problem.H == 0:
+        return functools.partial(_empty_result, problem)
+    p = problem
+    if p.rows == 0 or p.type_rows == 0:  # every token is out of range: nothing to gather from
+        return lambda *arrays: cupy.full(p.out_shape, np.nan, np.float32).astype(weight_dtype)
+    positions = slice(p.position_offset, p.position_offset + p.S) if p.shape else p.position_offset
+    f32 = cupy.float32
+
+    def run(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
+        index = ids.astype(cupy.int64, copy=False)  # uint64 past 2^63 turns negative: out of range either way
+        bad = (index < 0) | (index >= p.rows)
+        e = cupy.take(weight, cupy.clip(index, 0, p.rows - 1), axis=0).astype(f32, copy=False)
+        if position_weight is not None:
+            e += position_weight[positions].astype(f32, copy=False)  # (S, H): broadcast over ids' leading axes
+        if type_weight is not None:
+            if type_ids is None:
+                e += type_weight[0].astype(f32, copy=False)
+            else:
+                types = type_ids.astype(cupy.int64, copy=False)
+                bad |= (types < 0) | (types >= p.type_rows)
+                e += cupy.take(type_weight, cupy.clip(types, 0, p.type_rows - 1), axis=0).astype(f32, copy=False)
+        y = cupy.where(bad[..., None], f32(np.nan), e).astype(weight_dtype, copy=False)
+        # a NaN row stays NaN through the norm: its mean is NaN
+        return layer_norm(y, norm_weight, norm_bias, eps=p.eps) if p.normalize else y
+    return run
+
+
+# --- reference ---------------------------------------------------------------------------------------
+def _check_range(name: str, index: np.ndarray, rows: int, table: str) -> None:
+    if index.size == 0:
+        return
+    low, high = int(index.min()), int(index.max())
+    if low >= 0 and high < rows:
+        return
+    out_of_range = (index < 0) | (index >= rows)
+    first = int(out_of_range.reshape(-1).argmax())
+    where = tuple(int(i) for i in np.unravel_index(first, index.shape))
+    raise IndexError(f"embedding: {name} must be in [0, {rows}) (the rows of {table}), got "
+                     f"{int(index.reshape(-1)[first])} at position {where} ({int(out_of_range.sum())} out of "
+                     f"range; min {low}, max {high})")
+
+
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: EmbeddingProblem, ids, weight, position_weight, type_ids, type_weight, norm_weight,
+               norm_bias):
+    p = problem
+    _check_range("ids", ids, p.rows, "weight")
+    if type_ids is not None:
+        _check_range("type_ids", type_ids, p.type_rows, "type_weight")
+    if p.M == 0 or p.H == 0:
+        return np.empty(p.out_shape, weight.dtype)
+    memory.require(3 * memory.array_bytes(p.out_shape, np.float64), "cpu", "embedding",
+                   f"the float64 sums of shape {p.out_shape} ({p.M} tokens of {p.H})")
+    e = np.take(weight, ids, axis=0).astype(np.float64)
+    if position_weight is not None:
+        positions = slice(p.position_offset, p.position_offset + p.S) if p.shape else p.position_offset
+        e += position_weight[positions].astype(np.float64)
+    if type_weight is not None:
+        e += (type_weight[0] if type_ids is None else np.take(type_weight, type_ids, axis=0)).astype(np.float64)
+    if p.normalize:
+        centered = e - e.mean(axis=-1, keepdims=True)
+        e = centered / np.sqrt((centered * centered).mean(axis=-1, keepdims=True) + p.eps)
+        if norm_weight is not None:
+            e *= norm_weight.astype(np.float64)
+        if norm_bias is not None:
+            e += norm_bias.astype(np.float64)
+    return e.astype(weight.dtype)
