@@ -451,6 +451,164 @@ def test_read_round_trips_a_good_file(tmp_path, rng):
     np.testing.assert_array_equal(weights.read(path)["weight"], w)
 
 
+# --- BertEncoder.from_pretrained and BertConfig ----------------------------------------------------
+
+BERT = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16,
+        "max_position_embeddings": 8}
+
+
+def bert_directory(tmp_path, config_text: str, index_text: str | None = None):
+    """A checkpoint directory with this config.json (and model.safetensors.index.json), no weights."""
+    (tmp_path / "config.json").write_text(config_text)
+    if index_text is not None:
+        (tmp_path / "model.safetensors.index.json").write_text(index_text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("text, error, match", [
+    ("{not json", ValueError, r"config.json' is not valid JSON: Expecting property name"),
+    ("", ValueError, r"config.json' is not valid JSON"),
+    ("[1, 2]", TypeError, r"config.json must be a JSON object of the config's fields by name, got list"),
+    ('"bert"', TypeError, r"config.json must be a JSON object .* got str"),
+], ids=["corrupt", "empty", "list", "string"])
+def test_bert_config_files_that_are_not_json_objects(tmp_path, text, error, match):
+    from libnn.models.bert import BertEncoder
+
+    with pytest.raises(error, match=match) as caught:
+        BertEncoder.from_pretrained(bert_directory(tmp_path, text))
+    assert str(tmp_path) in str(caught.value)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"hidden_size": "8"}, TypeError, "hidden_size must be an int, got str '8'"),
+    ({"hidden_size": 8.0}, TypeError, "hidden_size must be an int, got float 8.0"),
+    ({"num_hidden_layers": True}, TypeError, "num_hidden_layers must be an int, got bool True"),
+    ({"intermediate_size": None}, TypeError, "intermediate_size must be an int, got NoneType None"),
+    ({"num_attention_heads": 0}, ValueError, "num_attention_heads must be a positive int, got 0"),
+    ({"num_attention_heads": -2}, ValueError, "num_attention_heads must be a positive int, got -2"),
+    ({"num_hidden_layers": -1}, ValueError, "num_hidden_layers must be a non-negative int, got -1"),
+    ({"vocab_size": -5}, ValueError, "vocab_size must be a positive int, got -5"),
+    ({"vocab_size": 0}, ValueError, "vocab_size must be a positive int, got 0"),
+    ({"type_vocab_size": 0}, ValueError, "type_vocab_size must be a positive int, got 0"),
+    ({"max_position_embeddings": [8]}, TypeError, r"max_position_embeddings must be an int, got list \[8\]"),
+    ({"layer_norm_eps": "1e-12"}, TypeError, "layer_norm_eps must be a real number, got str"),
+    ({"layer_norm_eps": 0}, ValueError, "layer_norm_eps must be > 0, got 0"),
+    ({"pad_token_id": "0"}, TypeError, "pad_token_id must be an int, got str '0'"),
+    ({"hidden_act": ["gelu"]}, ValueError, r"hidden_act \['gelu'\] is not supported"),
+    ({"model_type": {"bert": 1}}, ValueError, r"model_type \{'bert': 1\} is not supported"),
+    ({"position_embedding_type": ["absolute"]}, ValueError, "position_embedding_type .* is not supported"),
+], ids=repr)
+def test_bert_config_fields_are_checked_naming_the_file(tmp_path, change, error, match):
+    import json
+
+    from libnn.models.bert import BertEncoder
+
+    directory = bert_directory(tmp_path, json.dumps({**BERT, **change}))
+    with pytest.raises(error, match=rf"^BertEncoder: {directory / 'config.json'}: {match}"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_bert_huge_vocabulary_is_refused_before_the_checkpoint_is_read(tmp_path):
+    import json
+
+    from libnn.models.bert import BertEncoder
+
+    directory = bert_directory(tmp_path, json.dumps({**BERT, "vocab_size": 10**12}))  # and no weights at all
+    with pytest.raises(MemoryError, match=r"^BertEncoder.from_pretrained: the model of .*config.json \(vocab_size="
+                                          r"1000000000000, hidden_size=8, 1 layers: \d+ parameters\) needs .*, more "
+                                          "than the .* of host RAM available$"):
+        BertEncoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("index, match", [
+    ("{}", "must be a JSON object whose 'weight_map' maps each tensor's name to its shard file"),
+    ('{"metadata": {}}', "must be a JSON object whose 'weight_map'"),
+    ('{"weight_map": []}', "must be a JSON object whose 'weight_map'"),
+    ("[1]", "must be a JSON object whose 'weight_map'"),
+    ("{bad", "is not valid JSON"),
+    ('{"weight_map": {"a": "../../elsewhere.safetensors"}}', "names the shard '../../elsewhere.safetensors'; "
+                                                             "expected a file name in the checkpoint's directory"),
+    ('{"weight_map": {"a": 3}}', "names the shard 3"),
+], ids=repr)
+def test_bert_shard_index_is_checked_naming_the_file(tmp_path, index, match):
+    import json
+
+    from libnn.models.bert import BertEncoder
+
+    directory = bert_directory(tmp_path, json.dumps(BERT), index)
+    with pytest.raises(ValueError, match=rf"^BertEncoder.from_pretrained: '.*model.safetensors.index.json' {match}"):
+        BertEncoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("directory", [None, 3, ["model"]], ids=repr)
+def test_bert_directory_must_be_a_path(directory):
+    from libnn.models.bert import BertEncoder
+
+    with pytest.raises(TypeError, match="^BertEncoder.from_pretrained: directory must be a str or pathlib.Path"):
+        BertEncoder.from_pretrained(directory)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(dtype="int8"), ValueError, "dtype 'int8': unknown dtype"), (dict(dtype=np.int32), TypeError, "dtype must be"),
+    (dict(device="tpu"), ValueError, "device must be one of"),
+], ids=repr)
+def test_bert_from_pretrained_checks_dtype_and_device_before_reading(tmp_path, kwargs, error, match):
+    import json
+
+    from libnn.models.bert import BertEncoder
+
+    with pytest.raises(error, match=f"^BertEncoder.from_pretrained: {match}"):
+        BertEncoder.from_pretrained(bert_directory(tmp_path, json.dumps(BERT)), **kwargs)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the message on machines without a GPU")
+def test_bert_on_a_gpu_without_one_says_so_before_reading(tmp_path):
+    import json
+
+    from libnn.models.bert import BertEncoder
+
+    with pytest.raises(ValueError, match="^BertEncoder.from_pretrained: device='gpu' needs a GPU, and there is none"):
+        BertEncoder.from_pretrained(bert_directory(tmp_path, json.dumps(BERT)), device="gpu")
+
+
+def test_bert_encoder_checks_a_config_built_by_hand():
+    from libnn.models.bert import BertConfig, BertEncoder
+
+    with pytest.raises(ValueError, match="^BertEncoder: num_attention_heads must be a positive int, got 0"):
+        BertEncoder(BertConfig(**{**BERT, "num_attention_heads": 0}))
+    with pytest.raises(TypeError, match="^BertEncoder: config must be a BertConfig"):
+        BertEncoder(BERT)
+
+
+def test_bert_checkpoint_with_a_complex_tensor_names_the_directory_and_key(tmp_path):
+    import json
+
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    from libnn.models.bert import BertConfig, BertEncoder
+
+    state = BertEncoder(BertConfig.from_dict(BERT)).state_dict()
+    state["pooler.dense.bias"] = state["pooler.dense.bias"].astype(np.complex64)
+    directory = bert_directory(tmp_path, json.dumps(BERT))
+    try:
+        safetensors_numpy.save_file(state, str(directory / "model.safetensors"))
+    except Exception:  # noqa: BLE001  (an older safetensors has no complex dtype)
+        pytest.skip("this safetensors cannot store complex64")
+    with pytest.raises(TypeError, match=rf"^BertEncoder.from_pretrained\('{directory}'\): .*pooler.dense.bias has "
+                                        "dtype complex64"):
+        BertEncoder.from_pretrained(directory)
+
+
+def test_load_state_dict_assign_keeps_the_array_and_a_plain_load_copies_it():
+    layer = nn.Linear(3, 2)
+    weight, bias = np.ones((2, 3), np.float32), np.zeros(2, np.float32)
+    layer.load_state_dict({"weight": weight, "bias": bias}, assign=True)
+    assert layer.weight is weight
+    layer.load_state_dict({"weight": weight, "bias": bias.astype(np.float64)}, assign=True)
+    assert layer.bias.dtype == np.float32  # cast to the layer's dtype: a new array all the same
+    layer.load_state_dict({"weight": weight.copy(), "bias": bias})
+    assert layer.bias is not bias
+
+
 # --- the CLI ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("batch, match", [("0", "must be at least 1, got 0"), ("-1", "must be at least 1, got -1"),

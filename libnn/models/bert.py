@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.graphs import SequenceInputs
 from libnn.nn.linear import Linear
@@ -53,6 +54,9 @@ MODEL_TYPES = ("bert",)
 HIDDEN_ACTS = {"gelu": "gelu_erf", "relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu",
                "gelu_fast": "gelu"}
 POSITION_EMBEDDING_TYPES = ("absolute",)
+# The config's sizes and the least each may be (no encoder layers leaves the embeddings, still a model).
+SIZES = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1, "intermediate_size": 1,
+         "max_position_embeddings": 1, "type_vocab_size": 1}
 TASK_HEADS = ("cls", "classifier", "qa_outputs")  # BertFor...'s heads: set aside at load
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # constant buffers some checkpoints hold
 
@@ -75,18 +79,22 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any], source: str = "config") -> BertConfig:
+        """The config of a Hugging Face config.json's fields, each checked; `source` (the file) is
+        named in every error."""
         where = f"BertEncoder: {source}"
+        if not isinstance(config, dict):
+            raise TypeError(f"{where} must be a JSON object of the config's fields by name, got {type(config).__name__}")
         model_type = config.get("model_type", "bert")
-        if model_type not in MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
             raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
         if config.get("is_decoder") or config.get("add_cross_attention"):
             raise ValueError(f"{where}: a BERT decoder (is_decoder / add_cross_attention) is not supported; "
                              "BertEncoder runs the bidirectional encoder")
         act = config.get("hidden_act", "gelu")
-        if act not in HIDDEN_ACTS:
+        if not isinstance(act, str) or act not in HIDDEN_ACTS:
             raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {list(HIDDEN_ACTS)})")
         position = config.get("position_embedding_type", "absolute")
-        if position not in POSITION_EMBEDDING_TYPES:
+        if not isinstance(position, str) or position not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"{where}: position_embedding_type {position!r} is not supported (supported: "
                              f"{list(POSITION_EMBEDDING_TYPES)})")
         if config.get("embedding_size", config.get("hidden_size")) != config.get("hidden_size"):
@@ -100,10 +108,27 @@ class BertConfig:
         values = {k: v for k, v in config.items() if k in known}
         values.update(model_type=model_type, hidden_act=act, position_embedding_type=position)
         result = cls(**values)
-        if result.hidden_size % result.num_attention_heads:
-            raise ValueError(f"{where}: hidden_size {result.hidden_size} is not a multiple of num_attention_heads "
-                             f"{result.num_attention_heads}")
+        result.check(where)
         return result
+
+    def check(self, where: str) -> None:
+        """Every size an int of its range, eps a positive number, the heads dividing the width (so that
+        no layer constructor meets them first and blames itself)."""
+        for name, minimum in SIZES.items():
+            checks.size(where, name, getattr(self, name), minimum)
+        if self.pad_token_id is not None:
+            checks.size(where, "pad_token_id", self.pad_token_id, minimum=None)
+        checks.positive_float(where, "layer_norm_eps", self.layer_norm_eps)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"{where}: hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+
+    def parameter_count(self, pooler: bool) -> int:
+        """The number of values in the model's parameters."""
+        H, I = self.hidden_size, self.intermediate_size
+        embeddings = (self.vocab_size + self.max_position_embeddings + self.type_vocab_size + 2) * H
+        layer = 4 * H * (H + 1) + 2 * H * I + I + 5 * H  # q, k, v, output; intermediate, output; 2 LayerNorms
+        return embeddings + self.num_hidden_layers * layer + pooler * H * (H + 1)
 
     @property
     def activation(self) -> str:
@@ -290,6 +315,7 @@ class BertEncoder(Module):
     def __init__(self, config: BertConfig, *, pooler: bool = True, dtype: Any = "fp32", device: str = "cpu",
                  path: str | dict[str, str] = "auto"):
         super().__init__()
+        _check_fits("BertEncoder", config, pooler, dtype, device, "the config")
         self.config, self.path = config, path
         self.embeddings = BertEmbeddings(config, dtype, device, path)
         self.encoder = _Encoder(config, dtype, device, path)
@@ -304,26 +330,32 @@ class BertEncoder(Module):
         ("fp32", "fp16", "bf16", ...) on `device` ("cpu" or "gpu"). `path` goes to every op ("auto",
         "reference", ...) or is a dict by op name. Raises, naming the keys, if the checkpoint's
         weights do not match the config."""
+        where = "BertEncoder.from_pretrained"
+        if not isinstance(directory, (str, Path)):
+            raise TypeError(f"{where}: directory must be a str or pathlib.Path, got {type(directory).__name__} "
+                            f"{directory!r}")
         directory = Path(directory)
         config_file = directory / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(f"BertEncoder.from_pretrained: {str(directory)!r} has no config.json")
-        config = BertConfig.from_dict(json.loads(config_file.read_text()), str(config_file))
+            raise FileNotFoundError(f"{where}: {str(directory)!r} has no config.json")
+        config = BertConfig.from_dict(_read_json(config_file), str(config_file))
+        # refused before the checkpoint is read: the model is built on the host, then moved
+        _check_fits(where, config, True, dtype, device, str(config_file))
         raw, files = _read_checkpoint(directory)
         state, report = _checkpoint_state(raw)
         report.files = files
         model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu", path=path)
         try:
-            model.load_state_dict(state)
-        except (KeyError, ValueError) as exc:
+            model.load_state_dict(state, assign=True)  # the arrays just read: no copy of the checkpoint
+        except (KeyError, ValueError, TypeError) as exc:  # a key, shape or dtype: name the checkpoint
             message = exc.args[0] if exc.args else str(exc)
             raise type(exc)(f"BertEncoder.from_pretrained({str(directory)!r}): the checkpoint does not match its "
                             f"config ({config.num_hidden_layers} layers, hidden {config.hidden_size}): {message}") from exc
         model.load_report = report
         return model.to(device) if device != "cpu" else model
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, assign: bool = False) -> None:
+        super().load_state_dict(state, assign=assign)
         self._pack()
 
     def to(self, target: Any) -> BertEncoder:
@@ -404,6 +436,42 @@ class BertEncoder(Module):
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+def _check_fits(where: str, config: Any, pooler: bool, dtype: Any, device: str, source: str) -> None:
+    """The config (from `source`), dtype and device checked, and the parameters refused before any is
+    drawn if they would not fit (the host builds them all, even for the GPU)."""
+    if not isinstance(config, BertConfig):
+        raise TypeError(f"{where}: config must be a BertConfig (BertConfig.from_dict(...)), got {type(config).__name__}")
+    parsed = checks.float_dtype(where, dtype)
+    checks.device(where, device)
+    config.check(where)
+    elements = config.parameter_count(checks.flag(where, "pooler", pooler))
+    checks.parameters_fit(where, f"the model of {source} (vocab_size={config.vocab_size}, hidden_size="
+                                 f"{config.hidden_size}, {config.num_hidden_layers} layers: {elements} parameters)",
+                          elements, parsed, device)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"BertEncoder.from_pretrained: {str(path)!r} is not valid JSON: {exc}") from None
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names: file names in its own directory."""
+    loaded = _read_json(index)
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"BertEncoder.from_pretrained: {str(index)!r} must be a JSON object whose 'weight_map' "
+                         "maps each tensor's name to its shard file")
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise ValueError(f"BertEncoder.from_pretrained: {str(index)!r} names the shard {shard!r}; expected a "
+                             "file name in the checkpoint's directory")
+    return shards
+
+
 def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
     """Each ids array (None: skipped) within [0, upper): one synchronisation for all of them on the
     GPU, none while a CUDA graph is captured (its warm-up passes checked them)."""
@@ -436,7 +504,7 @@ def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]
     if single.is_file():
         return weights.read(single), [str(single)]
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = _shards(index)
         state: dict[str, np.ndarray] = {}
         for shard in shards:
             state.update(weights.read(directory / shard))

@@ -81,9 +81,11 @@ class Module:
     def state_dict(self) -> dict[str, Any]:
         return dict(self.named_parameters())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, assign: bool = False) -> None:
         """Replace every parameter with a copy of the array `state` holds under its key (the caller may
-        change theirs later); checks all keys, dtypes and shapes first, so a failed load changes nothing."""
+        change theirs later), or with `assign=True` (PyTorch's name) with the array itself where its
+        device and dtype are the layer's: for a caller that hands its arrays over, as a loader reading a
+        file does. Checks all keys, dtypes and shapes first, so a failed load changes nothing."""
         where = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping):
             raise TypeError(f"{where}: state must be a dict of arrays by key, got {type(state).__name__}")
@@ -102,7 +104,7 @@ class Module:
                                  f"{tuple(own[key].shape)}")
             # the layer's own array again (a state_dict() round trip) is kept: nothing to copy, and the
             # version (what CUDA graphs check) stays
-            converted[key] = value if value is own[key] else _like(value, own[key])
+            converted[key] = value if value is own[key] else _like(value, own[key], copy=not assign)
         for key, value in converted.items():
             owner, name = self._owner_of(key)
             owner.register_parameter(name, value)
@@ -191,10 +193,11 @@ def _is_real(dtype: np.dtype) -> bool:
     return dtype.kind in "biuf" or dtypes.short_name(dtype) == "bf16"
 
 
-def _like(value: Any, like: Any) -> Any:
-    """A copy of `value` on the device and with the dtype of `like` (one copy: a move makes it)."""
+def _like(value: Any, like: Any, copy: bool) -> Any:
+    """`value` on the device and with the dtype of `like`: a new array if `copy` (one: a move or a
+    cast makes it), else `value` itself where it is already that."""
     moved = _moved(value, "gpu" if is_cupy(like) else "cpu")
-    return moved.astype(like.dtype, copy=moved is value)
+    return moved.astype(like.dtype, copy=copy and moved is value)
 
 
 def full(shape: tuple[int, ...], value: float, dtype: Any, device: str) -> Any:
