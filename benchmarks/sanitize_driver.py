@@ -256,6 +256,27 @@ def _fft():
             fft_conv1d(normal((2, 2, 29), dtype), normal((3, 2, 5), dtype), causal=True, path=path)
 
 
+# --- embedding ----------------------------------------------------------------------------------------
+@item("embedding: custom paths, warp and block rows, positions, types, norm, misaligned table")
+def _embedding():
+    import libnn.ops
+
+    embedding = getattr(libnn.ops, "embedding", None)
+    if embedding is None:
+        return
+    g = rng()
+    for path in custom_paths("embedding"):
+        for dtype in DTYPES:
+            for shape, H in (((1,), 1), ((3, 7), 13), ((2, 5), 64), ((1, 9), 1031), ((2, 3), 2048)):
+                ids = dev(g.integers(0, 11, shape))
+                weight, positions, types = normal((11, H), dtype), normal((12, H), dtype), normal((2, H), dtype)
+                embedding(ids, weight, path=path)
+                embedding(ids.astype("int32"), offset_view(weight), position_weight=positions, position_offset=2,
+                          type_ids=dev(g.integers(0, 2, shape)), type_weight=types, path=path)
+                embedding(ids, weight, position_weight=positions, type_weight=types, normalize=True,
+                          norm_weight=normal((H,), dtype), norm_bias=normal((H,), dtype), path=path)
+
+
 # --- whole models on the custom paths -----------------------------------------------------------------
 @item("models: SeedCNN (bs 3) and a one-layer BERT encoder (bs 2, seq 7, padded) on the custom paths")
 def _models():

@@ -369,12 +369,58 @@ def _build_fft_conv(p, rng) -> Case:
     return Case("fft_conv", call, arrays, dtype, tol, views={"x": p["x_view"]}, magnitude=magnitude)
 
 
+# --- embedding ----------------------------------------------------------------------------------------
+@st.composite
+def embedding_specs(draw, dtypes_=GPU_DTYPES):
+    lead = draw(st.lists(TINY, min_size=0, max_size=2))
+    S = draw(SMALL)
+    positions = draw(st.booleans())
+    offset = draw(st.integers(0, 3)) if positions else 0
+    types = draw(st.sampled_from([None, "table", "ids"]))
+    normalize = draw(st.booleans())
+    p = dict(shape=[*lead, S], rows=draw(st.one_of(st.just(1), st.integers(2, 50))),
+             H=draw(st.one_of(SMALL, st.sampled_from([64, 384, 768, 1000, 1031, 2048]))), dtype=draw(st.sampled_from(dtypes_)),
+             ids_dtype=draw(st.sampled_from(["int32", "int64", "int16"])), positions=positions,
+             position_rows=offset + S + draw(st.integers(0, 3)) if positions else 0, position_offset=offset,
+             types=types, normalize=normalize, norm_weight=normalize and draw(st.booleans()),
+             norm_bias=normalize and draw(st.booleans()), eps=draw(st.sampled_from([1e-5, 1e-12])),
+             weight_view=draw(st.sampled_from(["contiguous", "offset"])),
+             ids_view=draw(st.sampled_from(["contiguous", "strided"])), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("embedding", p)
+
+
+def _build_embedding(p, rng) -> Case:
+    from libnn.ops import embedding
+
+    shape, H, dtype = tuple(p["shape"]), p["H"], p["dtype"]
+    arrays = {"ids": rng.integers(0, p["rows"], shape).astype(p["ids_dtype"]), "weight": normal(rng, (p["rows"], H), dtype),
+              "position_weight": normal(rng, (p["position_rows"], H), dtype) if p["positions"] else None,
+              "type_ids": rng.integers(0, 2, shape).astype(p["ids_dtype"]) if p["types"] == "ids" else None,
+              "type_weight": normal(rng, (2, H), dtype) if p["types"] else None,
+              "norm_weight": normal(rng, (H,), dtype) if p["norm_weight"] else None,
+              "norm_bias": normal(rng, (H,), dtype) if p["norm_bias"] else None}
+
+    def call(a, path):
+        return embedding(a["ids"], a["weight"], position_weight=a["position_weight"],
+                         position_offset=p["position_offset"], type_ids=a["type_ids"], type_weight=a["type_weight"],
+                         norm_weight=a["norm_weight"], norm_bias=a["norm_bias"], eps=p["eps"],
+                         normalize=p["normalize"], path=path)
+
+    def magnitude(a):
+        """|row| + |position| + |type|: the size of the terms the sum adds (without the norm)."""
+        return call({k: v if k in ("ids", "type_ids") else _host_abs(v) for k, v in a.items()}, "reference")
+
+    return Case("embedding", call, arrays, dtype, tolerance(dtype),
+                views={"ids": p["ids_view"], "weight": p["weight_view"]},
+                magnitude=None if p["normalize"] else magnitude)
+
+
 STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
-              "fft_conv": fft_conv_specs}
+              "fft_conv": fft_conv_specs, "embedding": embedding_specs}
 _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
-             "fft_conv": _build_fft_conv}
+             "fft_conv": _build_fft_conv, "embedding": _build_embedding}
 
 
 def build(spec: Spec, base_seed: int) -> Case:

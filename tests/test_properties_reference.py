@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 
 from conftest import BASE_SEED, rel_error
 from libnn.ops import activations, conv2d
-from property_cases import (attention_specs, build, conv2d_specs, fft_conv_specs, layer_norm_specs, linear_specs,
-                            pool2d_specs, softmax_specs)
+from libnn.registry import ops
+from property_cases import (STRATEGIES, attention_specs, build, conv2d_specs, embedding_specs, fft_conv_specs,
+                            layer_norm_specs, linear_specs, pool2d_specs, softmax_specs)
 
 DTYPES = ("fp16", "bf16", "fp32")
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -224,3 +225,31 @@ def test_fft_conv_reference_is_the_direct_convolution(base_seed, spec):
     got = case.call(a, "reference")
     assert got.dtype == a["x"].dtype and got.shape == exact.shape
     assert rel_error(got, exact) <= tolerance
+
+
+@SETTINGS
+@given(spec=embedding_specs(DTYPES))
+def test_embedding_reference_is_the_sum_of_the_rows(base_seed, spec):
+    case = build(spec, base_seed)
+    a, p = case.arrays, spec.params
+    ids = a["ids"].astype(np.int64)
+    exact = f64(a["weight"])[ids]
+    if a["position_weight"] is not None:
+        positions = p["position_offset"] + np.arange(ids.shape[-1])
+        exact = exact + f64(a["position_weight"])[positions]
+    if a["type_weight"] is not None:
+        types = np.zeros_like(ids) if a["type_ids"] is None else a["type_ids"].astype(np.int64)
+        exact = exact + f64(a["type_weight"])[types]
+    if p["normalize"]:
+        centered = exact - exact.mean(axis=-1, keepdims=True)
+        exact = centered / np.sqrt((centered ** 2).mean(axis=-1, keepdims=True) + p["eps"])
+        exact = exact * (1 if a["norm_weight"] is None else f64(a["norm_weight"])) \
+            + (0 if a["norm_bias"] is None else f64(a["norm_bias"]))
+    assert_rounded_from(case.call(a, "reference"), exact, case.dtype)
+
+
+def test_every_registered_op_has_a_property_strategy():
+    """A new op gets its hypothesis strategy in tests/property_cases.py, and so its GPU paths their
+    property test against the reference."""
+    missing = sorted(set(ops()) - set(STRATEGIES))
+    assert not missing, f"ops without a strategy in tests/property_cases.py: {missing}"
