@@ -12,8 +12,9 @@
 # exits 1 on any sanitizer error or driver failure, 0 when every tool ran clean. Where no
 # compute-sanitizer is found (PATH, /usr/local/cuda*/bin, the nvidia-cuda-sanitizer-api wheel) it says
 # so and exits 0 with "sanitize: SKIPPED". API errors that libraries provoke and handle (probing a
-# feature) are not reported (--report-api-errors no): a launch libnn makes that fails raises anyway.
-# Each tool's run is limited to SANITIZE_TIMEOUT seconds (default 400).
+# feature) are not reported (--report-api-errors no, where this compute-sanitizer has the option): a
+# launch libnn makes that fails raises anyway. SANITIZER_ARGS adds options to every tool's run. Each
+# tool's run is limited to SANITIZE_TIMEOUT seconds (default 400).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -50,6 +51,10 @@ if [ -z "$sanitizer" ]; then
 fi
 echo "sanitize: $("$sanitizer" --version 2>/dev/null | grep -iE 'version' | head -1) ($sanitizer)"
 
+# API errors that libraries provoke and handle themselves are not ours to report (see the header)
+api_errors=()
+"$sanitizer" --help 2>/dev/null | grep -q -- '--report-api-errors' && api_errors=(--report-api-errors no)
+
 status=0
 summaries=()
 start=$SECONDS
@@ -64,7 +69,7 @@ for tool in "${tools[@]}"; do
   echo "=== sanitize: $tool"
   start=$SECONDS
   timeout "${SANITIZE_TIMEOUT:-400}" "$sanitizer" --tool "$tool" --error-exitcode 1 --print-limit 20 \
-    --report-api-errors no ${SANITIZER_ARGS:-} "$python" "${driver[@]}" 2>&1 | tee "$log"
+    "${api_errors[@]}" ${SANITIZER_ARGS:-} "$python" "${driver[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   # memcheck/initcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards displayed (N errors, M warnings)"
   summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1)
