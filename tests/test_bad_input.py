@@ -208,6 +208,44 @@ def test_attention_reference_refuses_huge_scores_before_allocating():
         attention(q, q, q)
 
 
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w: _conv(x, w, allow_tf32="no"), TypeError, "^conv2d: allow_tf32 must be True or False, got str 'no'"),
+    (lambda x, w: _conv(x, w, bn=5), TypeError, r"^conv2d: bn must be a tuple \(scale, shift\) or .* got int"),
+    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, "1e-5")), TypeError,
+     "^conv2d: batch norm eps must be a real number, got str"),
+    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, True)), TypeError, "^conv2d: batch norm eps must be a real number"),
+    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, float("inf"))), ValueError,
+     "^conv2d: batch norm eps must be > 0 and finite, got inf"),
+    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, float("nan"))), ValueError, "^conv2d: batch norm eps must be > 0"),
+], ids=["allow_tf32", "bn-int", "eps-str", "eps-bool", "eps-inf", "eps-nan"])
+def test_conv2d_flags_and_batch_norm_are_checked(call, error, match):
+    with pytest.raises(error, match=match):
+        call(np.ones((1, 6, 5, 2)), np.ones((3, 3, 3, 2)))
+
+
+def _conv(x, w, **kwargs):
+    from libnn.ops import conv2d
+
+    return conv2d(x, w, **kwargs)
+
+
+@pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
+def test_avg_pool_count_include_pad_must_be_a_bool(value):
+    from libnn.ops import avg_pool2d
+
+    with pytest.raises(TypeError, match="^avg_pool2d: count_include_pad must be True or False"):
+        avg_pool2d(np.ones((1, 6, 6, 1)), 3, padding=1, count_include_pad=value)
+
+
+@pytest.mark.parametrize("causal", [[True], "yes", 2.5], ids=repr)
+def test_attention_causal_must_be_one_of_its_choices(causal):
+    from libnn.ops import attention
+
+    q = np.ones((1, 1, 3, 4))
+    with pytest.raises(ValueError, match=r"^attention: causal must be False, True, 'top_left' or 'bottom_right'"):
+        attention(q, q, q, causal=causal)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

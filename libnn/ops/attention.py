@@ -160,7 +160,7 @@ def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> Att
         if a is not None and a.dtype != q.dtype:
             raise TypeError(f"attention: {name} has dtype {dtypes.short_name(a.dtype)} but q has "
                             f"{dtypes.short_name(q.dtype)}; cast them to one dtype")
-    if causal not in CAUSAL:
+    if not isinstance(causal, (bool, np.bool_, str, type(None))) or causal not in CAUSAL:
         raise ValueError(f"attention: causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
     qv, kv, vv = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
     B, Hq, Sq, D = qv.shape

@@ -18,6 +18,7 @@ Paths, in `auto` order:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -116,8 +117,10 @@ def _groups(groups: Any) -> int:
 
 def fold_batchnorm(gamma, beta, running_mean, running_var, eps: float):
     """(scale, shift) of batch norm in inference, in float32 on the arrays' device (float64 on the host)."""
-    if not eps > 0:
-        raise ValueError(f"conv2d: batch norm eps must be > 0, got {eps!r}")
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"conv2d: batch norm eps must be a real number, got {type(eps).__name__} {eps!r}")
+    if not 0 < eps < math.inf:  # NaN included; an infinite eps would zero the scale
+        raise ValueError(f"conv2d: batch norm eps must be > 0 and finite, got {eps!r}")
     xp = array_module(gamma)
     dt = np.float64 if xp is np else xp.float32
     scale = gamma.astype(dt) / xp.sqrt(running_var.astype(dt) + eps)
@@ -130,6 +133,9 @@ def _epilogue_vectors(bn, b, K: int, device_array):
     dt = np.float64 if xp is np else xp.float32
     scale = shift = None
     if bn is not None:
+        if not isinstance(bn, (tuple, list)):
+            raise TypeError(f"conv2d: bn must be a tuple (scale, shift) or (gamma, beta, running_mean, running_var, "
+                            f"eps), got {type(bn).__name__}")
         bn = [as_array(v, "conv2d", f"bn[{i}]") if i < 4 else v for i, v in enumerate(bn)]
         if len(bn) not in (2, 5):
             raise ValueError(f"conv2d: bn must be (scale, shift) or (gamma, beta, running_mean, running_var, eps), "
@@ -162,6 +168,8 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
             raise TypeError(f"conv2d: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
     activations.check("conv2d", activation, ACTIVATIONS)
+    if not isinstance(allow_tf32, (bool, np.bool_)):  # "no" would mean yes
+        raise TypeError(f"conv2d: allow_tf32 must be True or False, got {type(allow_tf32).__name__} {allow_tf32!r}")
     groups = _groups(groups)
     stride, padding = _pair("conv2d", "stride", stride, 1), _pair("conv2d", "padding", padding, 0)
     dilation = _pair("conv2d", "dilation", dilation, 1)
@@ -228,7 +236,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
 def _bn_signature(bn) -> tuple:
     """What the checks of `bn` read: its length, its arrays' signatures and eps."""
     try:
-        return tuple(signature(v) if hasattr(v, "shape") else v for v in bn)
+        return tuple(signature(v) if hasattr(v, "shape") else option_key(v) for v in bn)
     except TypeError:  # not a sequence: the checks say so
         return (type(bn),)
 

@@ -62,6 +62,9 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
         raise ValueError(f"{name}: x must be 4-D ({', '.join(layout)}), got shape {tuple(x.shape)}")
     if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
         raise TypeError(f"{name}: x must be a floating-point array, got {x.dtype}")
+    if not isinstance(count_include_pad, (bool, np.bool_)):  # "no" would mean yes
+        raise TypeError(f"{name}: count_include_pad must be True or False, got {type(count_include_pad).__name__} "
+                        f"{count_include_pad!r}")
     kernel = _pair(name, "kernel_size", kernel_size, 1)
     stride = kernel if stride is None else _pair(name, "stride", stride, 1)
     padding = _pair(name, "padding", padding, 0)
