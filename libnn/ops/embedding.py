@@ -218,6 +218,18 @@ def _empty_result(problem: EmbeddingProblem, *arrays):
     return cupy.empty(problem.out_shape, dtypes.parse(problem.dtype))
 
 
+def _nan_result(problem: EmbeddingProblem, *arrays):
+    """y when a table the tokens index has no rows: every token is out of range. (The kernel would
+    give the same for an empty word table, but an empty type table's pointer is null, which the kernel
+    reads as no type table.)"""
+    import cupy
+    return cupy.full(problem.out_shape, np.nan, np.float32).astype(dtypes.parse(problem.dtype))
+
+
+def _no_rows(problem: EmbeddingProblem) -> bool:
+    return problem.rows == 0 or (problem.has_type_ids and problem.type_rows == 0)
+
+
 # --- custom path: kernels/embedding.cu ---------------------------------------------------------------
 WARP_MAX_H = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -308,6 +320,8 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
     arrays = (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
     if problem.M == 0 or problem.H == 0:
         return functools.partial(_empty_result, problem)
+    if _no_rows(problem):
+        return functools.partial(_nan_result, problem)
     kernel_inputs = _kernel_inputs(*arrays)
     as_given = all(k is a for k, a in zip(kernel_inputs, arrays))
     kids, ktype_ids = kernel_inputs[0], kernel_inputs[3]
@@ -375,9 +389,9 @@ def _cupy(problem: EmbeddingProblem, *arrays):
                  + 2 * memory.array_bytes(problem.out_shape, np.float32))  # e and the where's copy, in fp32
     if problem.M == 0 or problem.H == 0:
         return functools.partial(_empty_result, problem)
+    if _no_rows(problem):
+        return functools.partial(_nan_result, problem)
     p = problem
-    if p.rows == 0 or p.type_rows == 0:  # every token is out of range: nothing to gather from
-        return lambda *arrays: cupy.full(p.out_shape, np.nan, np.float32).astype(weight_dtype)
     positions = slice(p.position_offset, p.position_offset + p.S) if p.shape else p.position_offset
     f32 = cupy.float32
 
