@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable
 
 from libnn.errors import FallbackWarning, LibraryError, NoPathError, PathUnavailableError
 from libnn.runtime import device as _device
+from libnn.runtime import memory
 from libnn.runtime.cache import register_stats
 
 _OPS: dict[str, "Op"] = {}
@@ -108,13 +109,19 @@ class Op:
         `prepare()` checks the arguments and returns the problem, the paths are resolved and bound,
         and the bound call is kept under `key`."""
         try:
-            bound = self.calls.get(key)
-        except TypeError:  # an unhashable option: the checks name it, or the call runs unbound
-            return self.bind(prepare(), path, args)(*args)
-        if bound is None:
-            bound = self.bind(prepare(), path, args)
-            self.calls.add(key, bound)
-        return bound(*args)
+            try:
+                bound = self.calls.get(key)
+            except TypeError:  # an unhashable option: the checks name it, or the call runs unbound
+                return self.bind(prepare(), path, args)(*args)
+            if bound is None:
+                bound = self.bind(prepare(), path, args)
+                self.calls.add(key, bound)
+            return bound(*args)
+        except MemoryError as exc:
+            if type(exc) is MemoryError:  # libnn's own (memory.require): names the op and the bytes already
+                raise
+            # CuPy's OutOfMemoryError or NumPy's: memory taken since the bind's check, or a temporary
+            raise MemoryError(f"{self.name}: out of memory: {exc}") from exc
 
     def dispatch(self, problem: Any, path: str, *args: Any) -> Any:
         """Run `problem` on `path` (a path name or "auto") without keeping the bound call;
@@ -124,6 +131,8 @@ class Op:
     def bind(self, problem: Any, path: str, args: tuple) -> "Bound":
         """A bound call for `problem` on `path`, bound with the first call's `args`."""
         candidates, passed_over = self.resolve(problem, path)
+        if candidates[0].device == "gpu":
+            _require_gpu_memory(self.name, problem)
         return Bound(self, problem, candidates, passed_over, args)
 
     def resolve(self, problem: Any, path: str) -> tuple[tuple[Path, ...], dict[str, str]]:
@@ -249,6 +258,15 @@ def option_key(value: Any) -> Any:
     if kind is tuple or kind is list:
         return (*map(type, value), *value)
     return (kind, value)
+
+
+def _require_gpu_memory(op: str, problem: Any) -> None:
+    """Refuse, before any allocation, a problem whose output (`problem.output_bytes`, which every GPU
+    path allocates; ops without it are not checked here) would not fit in free GPU memory. Checked
+    once per signature, at the bind: a later call that runs out raises CuPy's error, named by `call`."""
+    needed = getattr(problem, "output_bytes", None)
+    if needed:
+        memory.require(needed, "gpu", op, f"the output of {problem.describe()}")
 
 
 def _others(reasons: dict[str, str], ran: str) -> dict[str, str]:

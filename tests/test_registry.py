@@ -140,3 +140,25 @@ def test_an_unhashable_option_runs_unbound_after_the_checks():
     op = make_op()
     assert op.call(("sig", [1]), lambda: Problem("fp16"), "auto", 1) == ("fast", 1)
     assert len(op.calls) == 0
+
+
+def test_running_out_of_memory_inside_a_path_names_the_op_and_keeps_libnn_s_own_refusals():
+    """CuPy's OutOfMemoryError and NumPy's are MemoryError subclasses that name neither the op nor the
+    call: the front end names the op; a MemoryError libnn raised itself (which names them) passes as it is."""
+    class LibraryOutOfMemory(MemoryError):
+        pass
+
+    op = Op("toy-memory-op", order=("only",))
+    raised = {}
+
+    @op.path("only", kind="reference", device="cpu")
+    def only(problem, value):
+        raise raised["error"]
+
+    raised["error"] = LibraryOutOfMemory("Out of memory allocating 1,024 bytes")
+    with pytest.raises(MemoryError, match=r"^toy-memory-op: out of memory: Out of memory allocating 1,024 bytes") as caught:
+        op.call(("sig",), lambda: Problem("fp16"), "auto", 1)
+    assert isinstance(caught.value.__cause__, LibraryOutOfMemory)
+    raised["error"] = MemoryError("toy: x needs 2 GiB, more than the 1 GiB of host RAM available")
+    with pytest.raises(MemoryError, match=r"^toy: x needs 2 GiB"):
+        op.call(("sig",), lambda: Problem("fp16"), "auto", 1)
