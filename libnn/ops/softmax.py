@@ -50,8 +50,12 @@ class SoftmaxProblem:
         return f"{'log_' if self.log else ''}softmax shape {self.shape} dim {self.dim} {self.dtype}"
 
     @property
+    def output_bytes(self) -> int:
+        return memory.array_bytes(self.shape, dtypes.parse(self.dtype))
+
+    @property
     def bytes_moved(self) -> int:
-        return 2 * int(np.prod(self.shape)) * np.dtype(dtypes.parse(self.dtype)).itemsize
+        return 2 * self.output_bytes
 
     @property
     def outer(self) -> int:
