@@ -317,3 +317,10 @@ def test_the_fused_kernel_matches_what_bert_computed_before(rng):
     before = layer_norm(steps, g["norm_weight"], g["norm_bias"], eps=1e-12)
     after = embedding(gpu(ids), gpu(weight), **g)
     assert rel_error(after, host(before)) <= tolerance("fp16")
+
+
+def test_arrays_on_two_devices_are_refused(rng):
+    ids, weight, kwargs = make(rng, (2, 5), 16, "fp32", BERT)
+    with pytest.raises(libnn.LibnnError, match="embedding: all arrays must be on one device, got ids on cpu, "
+                                               "weight on gpu:0"):
+        embedding(ids, gpu(weight), **{k: gpu(v) for k, v in kwargs.items()})
