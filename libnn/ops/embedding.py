@@ -18,7 +18,8 @@ rows for out-of-range ids (and type ids), and never read outside a table; caller
 check the ranges (nn.Embedding and BertEncoder do, once per forward). The reference path, on the host,
 raises an IndexError naming the argument.
 
-Paths, in `auto` order:
+Paths, in `auto` order (custom first on the count of passes over the (tokens, hidden) activations,
+one against the cupy path's five or more; not yet timed: `libnn bench` has no embedding case):
 - custom:    kernels/embedding.cu: one warp per token (a block for hidden > 1024) gathers the rows
              (16 bytes at a time where hidden and the pointers allow), sums them and normalizes in
              fp32, and writes y once. Per call: y from cupy.empty and one packed launch (ids of a
