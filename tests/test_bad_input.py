@@ -328,6 +328,28 @@ def test_activations_refuse_a_list(layer):
         layer()([1.0, 2.0])
 
 
+# --- nn.Conv2dBNAct ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: nn.Conv2dBNAct(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(4), None), ValueError,
+     "the BatchNorm2d has num_features=4 but the Conv2d before it has out_channels=6"),
+    (lambda: nn.Conv2dBNAct(nn.Linear(2, 3), nn.BatchNorm2d(3), None), TypeError, "conv must be a Conv2d, got Linear"),
+    (lambda: nn.Conv2dBNAct(nn.Conv2d(2, 3, 3), nn.ReLU(), None), TypeError, "bn must be a BatchNorm2d, got ReLU"),
+    (lambda: nn.Conv2dBNAct(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), "tanh"), ValueError, "activation must be one of"),
+    (lambda: nn.Conv2dBNAct(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), None, fold="no"), TypeError,
+     "fold must be True or False"),
+], ids=["channels", "conv", "bn", "activation", "fold"])
+def test_conv_bn_fusion_checks_its_parts(build, error, match):
+    with pytest.raises(error, match=f"^Conv2dBNAct: {match}"):
+        build()
+
+
+def test_sequential_conv_then_mismatched_batchnorm_is_named_not_a_broadcast_error():
+    model = nn.Sequential(nn.Conv2d(2, 6, 3), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match="num_features=4 but the Conv2d before it has out_channels=6"):
+        model(np.ones((1, 5, 5, 2), np.float32))
+
+
 # --- pooling layers --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layer", [nn.MaxPool2d, nn.AvgPool2d])
@@ -645,6 +667,29 @@ def test_load_state_dict_assign_keeps_the_array_and_a_plain_load_copies_it():
     assert layer.bias.dtype == np.float32  # cast to the layer's dtype: a new array all the same
     layer.load_state_dict({"weight": weight.copy(), "bias": bias})
     assert layer.bias is not bias
+
+
+# --- nn.weights.write and Module.save ---------------------------------------------------------------
+
+@pytest.mark.parametrize("make_path, state, error, match", [
+    (lambda tmp: None, {}, TypeError, "^weights.write: path must be a str or pathlib.Path, got NoneType"),
+    (lambda tmp: tmp / "w.pt", {}, ValueError, r"w.pt': expected one of \('.safetensors', '.npz'\), got '.pt'"),
+    (lambda tmp: tmp, {}, ValueError, "expected one of"),  # a directory: no suffix
+    (lambda tmp: tmp / "missing" / "w.npz", {}, FileNotFoundError, "the directory '.*missing' does not exist"),
+    (lambda tmp: tmp / "w.npz", [("w", np.ones(2))], TypeError, "^weights.write: state must be a dict of arrays"),
+    (lambda tmp: tmp / "w.npz", {"names": np.array(["a"])}, ValueError, "tensor 'names' has dtype <U1; weights must be"),
+    (lambda tmp: tmp / "w.npz", {"objects": np.array([None])}, ValueError, "tensor 'objects' has dtype object"),
+], ids=["None", "suffix", "directory", "no-directory", "list", "strings", "objects"])
+def test_write_refuses_what_read_would_refuse_before_writing(tmp_path, make_path, state, error, match):
+    path = make_path(tmp_path)
+    with pytest.raises(error, match=match):
+        weights.write(path, state)
+    assert not (tmp_path / "w.npz").exists()
+
+
+def test_save_of_a_model_into_a_missing_directory_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="the directory '.*nowhere' does not exist"):
+        nn.Linear(2, 3).save(tmp_path / "nowhere" / "w.safetensors")
 
 
 # --- the CLI ---------------------------------------------------------------------------------------

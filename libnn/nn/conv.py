@@ -216,7 +216,15 @@ class Conv2dBNAct(Module):
 
     def __init__(self, conv: Conv2d, bn: BatchNorm2d, activation: str | None, fold: bool = True):
         super().__init__()
-        self.conv, self.bn, self.activation, self.fold = conv, bn, activation, fold
+        for name, value, kind in (("conv", conv, Conv2d), ("bn", bn, BatchNorm2d)):
+            if not isinstance(value, kind):
+                raise TypeError(f"Conv2dBNAct: {name} must be a {kind.__name__}, got {type(value).__name__}")
+        if bn.num_features != conv.out_channels:
+            raise ValueError(f"Conv2dBNAct: the BatchNorm2d has num_features={bn.num_features} but the Conv2d before "
+                             f"it has out_channels={conv.out_channels}")
+        checks.choice("Conv2dBNAct", "activation", activation, CONV_ACTIVATIONS)
+        self.conv, self.bn, self.activation = conv, bn, activation
+        self.fold = checks.flag("Conv2dBNAct", "fold", fold)
         self._folded: Conv2d | None = None
         self._epilogue: tuple[Any, Any] | None = None
 

@@ -8,6 +8,7 @@ shape before it changes anything. bf16 tensors come back as ml_dtypes.bfloat16 a
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Mapping
 import zlib
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,21 @@ FORMATS = (".safetensors", ".npz")
 NUMERIC_KINDS = "biufc"  # bool, integers, floats, complex; bf16 (ml_dtypes) counts as a float
 
 
+def _path(function: str, path: Any) -> Path:
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{function}: path must be a str or pathlib.Path, got {type(path).__name__} {path!r}")
+    return Path(path)
+
+
+def _numeric(dtype: np.dtype) -> bool:
+    return dtype.kind in NUMERIC_KINDS or dtypes.short_name(dtype) == "bf16"
+
+
 def read(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor in a .safetensors or .npz file, by name. A file that is missing, a directory,
     empty, truncated, not in its suffix's format, or holds a non-numeric array is refused with a
     ValueError (FileNotFoundError if missing) that names the file."""
-    if not isinstance(path, (str, Path)):
-        raise TypeError(f"weights.read: path must be a str or pathlib.Path, got {type(path).__name__} {path!r}")
-    path = Path(path)
+    path = _path("weights.read", path)
     if path.is_dir():
         raise ValueError(f"weights file {str(path)!r} is a directory; expected a {' or '.join(FORMATS)} file in it")
     if not path.is_file():
@@ -37,7 +46,7 @@ def read(path: str | Path) -> dict[str, np.ndarray]:
         raise ValueError(f"weights file {str(path)!r} is empty")
     tensors = _read_npz(path) if path.suffix == ".npz" else _read_safetensors(path)
     for name, array in tensors.items():
-        if array.dtype.kind not in NUMERIC_KINDS and dtypes.short_name(array.dtype) != "bf16":
+        if not _numeric(array.dtype):
             raise ValueError(f"weights file {str(path)!r}: tensor {name!r} has dtype {array.dtype}; weights must "
                              "be numbers")
     return tensors
@@ -76,13 +85,22 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def write(path: str | Path, state: dict[str, Any]) -> None:
-    """Save a state dict (NumPy or CuPy arrays) as .safetensors or .npz."""
-    path = Path(path)
+    """Save a state dict (NumPy or CuPy arrays of numbers) as .safetensors or .npz; what `read` would
+    refuse is refused before anything is written."""
+    path = _path("weights.write", path)
+    if path.suffix not in FORMATS:
+        raise ValueError(f"weights file {str(path)!r}: expected one of {FORMATS}, got {path.suffix!r}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"weights file {str(path)!r}: the directory {str(path.parent)!r} does not exist")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"weights.write: state must be a dict of arrays by name, got {type(state).__name__}")
     arrays = {name: (value.get() if hasattr(value, "get") else np.asarray(value)) for name, value in state.items()}
+    for name, array in arrays.items():
+        if not _numeric(array.dtype):
+            raise ValueError(f"weights file {str(path)!r}: tensor {name!r} has dtype {array.dtype}; weights must be "
+                             "numbers")
     if path.suffix == ".npz":
         np.savez(path, **arrays)
-    elif path.suffix == ".safetensors":
+    else:
         from safetensors.numpy import save_file
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path))
-    else:
-        raise ValueError(f"weights file {str(path)!r}: expected one of {FORMATS}, got {path.suffix!r}")
