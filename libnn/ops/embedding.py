@@ -90,10 +90,15 @@ class EmbeddingProblem:
         return f"embedding ids {self.shape} hidden={self.H} {self.dtype} ({' + '.join(terms)}{norm})"
 
     @property
+    def output_bytes(self) -> int:
+        """y's bytes: what the registry checks against free GPU memory when a GPU path binds."""
+        return memory.array_bytes(self.out_shape, dtypes.parse(self.dtype))
+
+    @property
     def bytes_moved(self) -> int:
         """y written and each token's word row read (the position and type tables are small enough to
         be read from L2 after their first use)."""
-        return 2 * self.M * self.H * dtypes.parse(self.dtype).itemsize
+        return 2 * self.output_bytes
 
 
 def _is_float(dtype) -> bool:
@@ -208,11 +213,6 @@ def _gpu_support(problem: EmbeddingProblem) -> str | None:
     return None
 
 
-def _require_gpu(problem: EmbeddingProblem, nbytes: int) -> None:
-    memory.require(nbytes, "gpu", "embedding",
-                   f"the output of shape {problem.out_shape} ({problem.M} tokens of {problem.H})")
-
-
 def _empty_result(problem: EmbeddingProblem, *arrays):
     """y when there are no tokens or no hidden elements: nothing to gather."""
     import cupy
@@ -317,7 +317,6 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
 
     from libnn.runtime import launch
 
-    _require_gpu(problem, memory.array_bytes(problem.out_shape, weight.dtype))
     arrays = (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
     if problem.M == 0 or problem.H == 0:
         return functools.partial(_empty_result, problem)
@@ -386,8 +385,9 @@ def _cupy(problem: EmbeddingProblem, *arrays):
     from libnn.ops.layernorm import layer_norm
 
     weight_dtype = dtypes.parse(problem.dtype)
-    _require_gpu(problem, memory.array_bytes(problem.out_shape, weight_dtype)
-                 + 2 * memory.array_bytes(problem.out_shape, np.float32))  # e and the where's copy, in fp32
+    # y is checked by the registry; e and cupy.where's copy of it, in fp32, come on top
+    memory.require(problem.output_bytes + 2 * memory.array_bytes(problem.out_shape, np.float32), "gpu", "embedding",
+                   f"the output and the fp32 sums of {problem.describe()}")
     if problem.M == 0 or problem.H == 0:
         return functools.partial(_empty_result, problem)
     if _no_rows(problem):
