@@ -32,7 +32,7 @@ OPTIONS = {
              "norm_weight": True, "norm_bias": True},
 }
 BERT = OPTIONS["bert"]
-ROWS, POSITION_ROWS, TYPE_ROWS = 1000, 512, 2
+ROWS, POSITION_ROWS, TYPE_ROWS = 300, 512, 2
 
 
 def tolerance(dtype):
