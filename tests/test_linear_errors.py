@@ -88,11 +88,11 @@ def test_unknown_activation(xw):
 
 
 def test_unknown_path_lists_the_known_ones(xw):
-    with pytest.raises(ValueError, match=r"unknown path 'cudnn'.*'cublaslt', 'custom', 'reference'"):
-        linear(*xw, path="cudnn")
+    with pytest.raises(ValueError, match=r"unknown path 'cutlass'.*'cublaslt', 'custom', 'cudnn', 'reference'"):
+        linear(*xw, path="cutlass")
 
 
-@pytest.mark.parametrize("path", ["cublaslt", "custom"])
+@pytest.mark.parametrize("path", ["cublaslt", "cudnn", "custom"])
 def test_host_arrays_to_a_gpu_path_say_how_to_move_them(xw, path):
     with pytest.raises(TypeError, match=rf"path '{path}' runs on the GPU, but the arrays are host .*cupy.asarray"):
         linear(*xw, path=path)
@@ -105,7 +105,102 @@ def test_non_array_input_is_rejected(xw):
 
 def test_paths_report_availability_and_reasons():
     rows = {r["path"]: r for r in libnn.paths("linear")}
-    assert list(rows) == ["cublaslt", "custom", "reference"]
+    assert list(rows) == ["cublaslt", "cudnn", "custom", "reference"]
     assert rows["reference"]["available"] == "yes"
     if gpu_missing():
         assert rows["cublaslt"]["available"] == "no" and rows["cublaslt"]["reason"]
+
+
+# --- auto's order for the exact GELU: cudnn first where it can take the problem (no GPU needed) ---------
+@pytest.fixture
+def every_library_present(monkeypatch):
+    """Resolution as on a GPU machine with every library installed: the paths' availability checks
+    answer "present", so only supports() and slower() decide."""
+    from libnn.runtime import device
+
+    monkeypatch.setattr(device, "gpu_missing", lambda: None)
+    monkeypatch.setattr(device, "module_missing", lambda name: None)
+
+
+def gpu_problem(activation, dtype="fp16", M=4096, N=3072, K=768, bias=True, residual=False):
+    from libnn.ops.linear import LinearProblem
+
+    return LinearProblem(M=M, N=N, K=K, dtype=dtype, has_bias=bias, activation=activation, allow_tf32=False,
+                         device="gpu:0", has_residual=residual)
+
+
+def resolved(problem):
+    candidates, passed_over = libnn.get_op("linear").resolve(problem, "auto")
+    return [p.name for p in candidates], passed_over
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_auto_tries_cudnn_first_for_gelu_erf_and_cublaslt_before_custom(every_library_present, dtype, residual):
+    """cuBLASLt needs a second pass for the exact GELU, cudnn fuses it: cublaslt goes last, with custom
+    (half cuBLASLt's rate) behind it, so a graph cuDNN declines falls back to cuBLASLt's GEMM + pass."""
+    names, passed_over = resolved(gpu_problem("gelu_erf", dtype, residual=residual))
+    assert names == ["cudnn", "cublaslt", "custom"]
+    assert passed_over["cublaslt"] == ("tried last: cuBLASLt has no exact-GELU epilogue: gelu_erf is its GEMM, "
+                                       "then a pass over the output; cudnn computes it in the GEMM's epilogue")
+    assert passed_over["custom"].startswith("tried last: cudnn fuses gelu_erf")
+    assert "cudnn" not in passed_over
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_auto_keeps_cublaslt_first_where_its_epilogue_computes_the_activation(every_library_present, activation):
+    names, passed_over = resolved(gpu_problem(activation))
+    assert names == ["cublaslt", "cudnn", "custom"]
+    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
+
+
+@pytest.mark.parametrize("problem, why", [
+    (gpu_problem("gelu_erf", "fp32"), "dtype fp32 is not supported (supported: fp16, bf16"),
+    (gpu_problem("gelu_erf", N=1001), "N and K must be multiples of 8 (16-byte rows of fp16), got N=1001 K=768"),
+    (gpu_problem("gelu_erf", K=1003), "N and K must be multiples of 8 (16-byte rows of fp16), got N=3072 K=1003"),
+], ids=["fp32", "odd-N", "odd-K"])
+def test_gelu_erf_that_cudnn_cannot_take_keeps_cublaslt_first(every_library_present, problem, why):
+    """No deferral when cudnn refuses the problem: cuBLASLt's GEMM + pass, then custom, as before."""
+    names, passed_over = resolved(problem)
+    assert names == ["cublaslt", "custom"]
+    assert passed_over["cudnn"].startswith(why)
+    assert "cublaslt" not in passed_over
+
+
+def test_gelu_erf_without_cudnn_installed_keeps_cublaslt_first(monkeypatch):
+    from libnn.runtime import device
+
+    monkeypatch.setattr(device, "gpu_missing", lambda: None)
+    monkeypatch.setattr(device, "module_missing", lambda name: "cudnn does not import (simulated)" if name == "cudnn"
+                        else None)
+    names, passed_over = resolved(gpu_problem("gelu_erf"))
+    assert names == ["cublaslt", "custom"]
+    assert passed_over["cudnn"] == "cudnn does not import (simulated)"
+
+
+def test_forcing_cudnn_on_a_problem_it_refuses_names_the_reason(every_library_present):
+    with pytest.raises(libnn.PathUnavailableError, match=r"path 'cudnn' cannot run linear M=4096 N=1001 K=768 fp16 "
+                                                         r"\(bias\+gelu_erf\): N and K must be multiples of 8"):
+        libnn.get_op("linear").resolve(gpu_problem("gelu_erf", N=1001), "cudnn")
+
+
+def test_a_graph_cudnn_declines_falls_back_to_cublaslt_visibly(every_library_present, monkeypatch):
+    """Under auto, a LibraryError from cudnn's bind (no engine for the graph) warns once and binds the
+    next path, cublaslt (stubbed here: no GPU), not custom."""
+    from dataclasses import replace
+
+    op = libnn.get_op("linear")
+
+    def decline(problem, *args):
+        raise libnn.LibraryError("cuDNN cannot run linear: no engine supports this graph (simulated)")
+
+    def stub(name):
+        return lambda problem, *args: (lambda *args: name)
+
+    monkeypatch.setitem(op.paths, "cudnn", replace(op.paths["cudnn"], run=decline))
+    for name in ("cublaslt", "custom"):
+        monkeypatch.setitem(op.paths, name, replace(op.paths[name], run=stub(name)))
+    with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*no engine supports this graph"):
+        assert op.dispatch(gpu_problem("gelu_erf"), "auto", None, None, None, None) == "cublaslt"
+    assert op.last_decision.path == "cublaslt"
+    assert "no engine supports" in op.last_decision.passed_over["cudnn"]

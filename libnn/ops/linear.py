@@ -11,7 +11,12 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - cublaslt:  cuBLASLt through nvmath-python: D = epilogue(A·B + β·C + bias) in one call, with the
              residual as C (β = 1) and bias, relu or gelu in the epilogue. cuBLASLt has no erf GELU, so
              "gelu_erf" is the GEMM (with the residual) followed by one memory-bound pass that adds the
-             bias and applies the GELU (kernels/epilogue.cu bias_act_rows).
+             bias and applies the GELU (kernels/epilogue.cu bias_act_rows); for that reason `auto`
+             tries cublaslt after cudnn for "gelu_erf" wherever cudnn can take the problem.
+- cudnn:     one cuDNN frontend graph, matmul → add(bias) → add(residual) → activation, which cuDNN's
+             runtime-fusion engines compile into one kernel: the exact GELU (cuDNN's GELU_FWD) in the
+             GEMM's epilogue, at no extra pass. fp16/bf16 with N and K multiples of 8; a graph cuDNN
+             declines raises LibraryError, and `auto` goes on to the next path with a FallbackWarning.
 - custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32; bias, residual
              and activation in the kernel's epilogue, "gelu_erf" included for fp16/bf16 (kernels of
              their own, gemm3_mma_gelu_erf_*); fp32 "gelu_erf" takes the GEMM + pass route.
@@ -31,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
 from libnn.runtime import memory
@@ -40,7 +46,7 @@ ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("linear", order=("cublaslt", "custom", "reference"))
+op = Op("linear", order=("cublaslt", "cudnn", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -143,18 +149,43 @@ def _gpu_support(problem: LinearProblem) -> str | None:
     return None
 
 
+def _erf_fused_by_cudnn(problem: LinearProblem) -> bool:
+    """Whether the problem is an exact GELU that the cudnn path can take (installed, and supported):
+    then its graph, with the erf GELU in the GEMM's epilogue, is the one `auto` tries first."""
+    cudnn = op.paths["cudnn"]
+    return problem.activation == "gelu_erf" and not (cudnn.missing() or cudnn.supports(problem))
+
+
+def _cublaslt_slower(problem: LinearProblem) -> str | None:
+    if _erf_fused_by_cudnn(problem):
+        return ("cuBLASLt has no exact-GELU epilogue: gelu_erf is its GEMM, then a pass over the output; "
+                "cudnn computes it in the GEMM's epilogue")
+    return None
+
+
+def _custom_slower(problem: LinearProblem) -> str | None:
+    """custom is deferred with cublaslt so that it stays behind it, should cudnn decline the graph:
+    kernels/gemm.cu runs at about half cuBLASLt's rate (RESULTS.md: 352 vs 760 TFLOP/s at 4096³ bf16),
+    a larger cost than cuBLASLt's pass (one read and one write of the output) at the FFN shapes of
+    `libnn bench linear`, where both are timed."""
+    if _erf_fused_by_cudnn(problem):
+        return "cudnn fuses gelu_erf, and kernels/gemm.cu runs at about half cuBLASLt's rate"
+    return None
+
+
 # cuBLASLt computes D = epilogue(alpha·A·B + beta·C + bias): the bias is "added before applying the final
 # postprocessing" (cublasLtEpilogue_t) and nvmath's matmul is documented as F(alpha·a @ b + beta·c) with F
 # the epilog, so C = residual, beta = 1 is act(x @ w.T + b + residual), the op's order, for every fused
 # activation. (test_linear_gpu's residual tests check this against the reference on the device.)
-@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support, binds=True)
+@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support,
+         slower=_cublaslt_slower, binds=True)
 def _cublaslt(problem: LinearProblem, x, w, b, r):
     from libnn.backends import cublaslt
 
     return _bind_gpu(cublaslt.bind_linear, problem.activation in FUSED_ACTIVATIONS, problem, x, w, b, r)
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower, binds=True)
 def _custom(problem: LinearProblem, x, w, b, r):
     return _bind_gpu(bind_custom, _custom_fuses(problem), problem, x, w, b, r)
 
@@ -194,6 +225,104 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
     return launch.bind("epilogue.cu", f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}", (blocks,), (256,),
                        (launch.ARRAY, launch.ARRAY, np.int64(total), np.int32(N),
                         np.int32(activations.KERNEL_CODES[activation])))
+
+
+# --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
+CUDNN_DTYPES = ("fp16", "bf16")
+# The pygraph method of each activation. cuDNN's names differ from libnn's: its `gelu` (GELU_FWD) is
+# the exact erf GELU, libnn's "gelu_erf"; its `gelu_approx_tanh` (GELU_APPROX_TANH_FWD) is libnn's "gelu".
+CUDNN_ACTIVATIONS = {None: None, "relu": "relu", "gelu": "gelu_approx_tanh", "gelu_erf": "gelu"}
+# UIDs of the graph's tensors in the variant pack
+X, W, BIAS, RESIDUAL, Y = 1, 2, 3, 4, 5
+
+
+def _cudnn_support(problem: LinearProblem) -> str | None:
+    if problem.dtype not in CUDNN_DTYPES:
+        return (f"dtype {problem.dtype} is not supported (supported: {', '.join(CUDNN_DTYPES)}; cuDNN's fused "
+                "matmul engines run on tensor cores)")
+    if problem.activation not in CUDNN_ACTIVATIONS:
+        return f"activation {problem.activation!r} has no cuDNN pointwise mode here"
+    if problem.N % 8 or problem.K % 8:
+        # the tensor-core engines read and write 16-byte rows; cudnn-frontend's own matmul fuzzer keeps
+        # M, N and K to multiples of 8 except in its unaligned stress test
+        return f"N and K must be multiples of 8 (16-byte rows of {problem.dtype}), got N={problem.N} K={problem.K}"
+    return None
+
+
+def cudnn_graph_key(problem: LinearProblem) -> tuple:
+    """Everything the graph depends on. The strides are not in it because they follow from M, N and K:
+    the runner passes C-contiguous x (M, K), w (N, K), bias (N,), residual and y (M, N)."""
+    return ("linear", problem.M, problem.N, problem.K, problem.dtype, problem.has_bias, problem.has_residual,
+            problem.activation)
+
+
+def _cudnn_uids(problem: LinearProblem) -> list[int]:
+    """The variant pack in the order the runner passes its arrays: x, w, [bias], [residual], y."""
+    return [X, W] + [BIAS] * problem.has_bias + [RESIDUAL] * problem.has_residual + [Y]
+
+
+def _cudnn_graph_builder(problem: LinearProblem):
+    """x @ w.T → + bias → + residual → activation → y, one node per line, as a batch of one: x is
+    [1, M, K] row-major; w, stored (N, K) row-major, is the matmul's B = w.T, [1, K, N] with strides
+    [N·K, 1, K] (a column-major B, read in place, as cudnn-frontend's test_matmul_fuzzer lays out
+    COL_MAJOR_PACKED operands); the bias is [1, 1, N], broadcast over the rows; the residual and y
+    are [1, M, N] row-major. Everything between the matmul and y is virtual fp32: one kernel writes y."""
+    def build(handle):
+        import cudnn
+
+        from libnn.backends.cudnn import data_type
+
+        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        rows = [p.M * p.N, p.N, 1]
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+        x = g.tensor(dim=[1, p.M, p.K], stride=[p.M * p.K, p.K, 1], data_type=io, uid=X)
+        w_t = g.tensor(dim=[1, p.K, p.N], stride=[p.N * p.K, 1, p.K], data_type=io, uid=W)
+        y = g.matmul(A=x, B=w_t, compute_data_type=f32)
+        if p.has_bias:
+            y = g.add(a=y, b=g.tensor(dim=[1, 1, p.N], stride=[p.N, p.N, 1], data_type=io, uid=BIAS),
+                      compute_data_type=f32)
+        if p.has_residual:
+            y = g.add(a=y, b=g.tensor(dim=[1, p.M, p.N], stride=rows, data_type=io, uid=RESIDUAL),
+                      compute_data_type=f32)
+        if p.activation == "relu":
+            y = g.relu(input=y, compute_data_type=f32)
+        elif p.activation == "gelu":
+            y = g.gelu_approx_tanh(input=y, compute_data_type=f32)
+        elif p.activation == "gelu_erf":
+            y = g.gelu(input=y, compute_data_type=f32)  # GELU_FWD: 0.5·v·(1 + erf(v/√2))
+        y.set_output(True).set_data_type(io).set_stride(rows).set_uid(Y)
+        return g
+    return build
+
+
+def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
+    """The runner of the cuDNN graph of `problem` for C-contiguous (M, K), (N, K), (N,) and (M, N) CuPy
+    arrays of this signature (b and r None where the problem has none). LibraryError where cuDNN
+    declines the graph (no engine for the shape or the fusion; remembered, so a later bind fails fast)
+    or an array is not 16-byte aligned (the frontend declares every tensor so)."""
+    import cupy
+
+    from libnn.backends import cudnn as cudnn_backend
+
+    misaligned = [name for name, a in (("x", x), ("w", w), ("b", b), ("residual", r))
+                  if a is not None and a.data.ptr % 16]
+    if misaligned:
+        raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
+                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    execute = cudnn_backend.graph_for(cudnn_graph_key(problem), _cudnn_graph_builder(problem),
+                                      problem.describe).executor(_cudnn_uids(problem))
+    shape, dtype = (problem.M, problem.N), x.dtype
+
+    def run(x, w, b, r):
+        y = cupy.empty(shape, dtype)
+        execute(*[a for a in (x, w, b, r) if a is not None], y)  # b and r are None exactly when not in the graph
+        return y
+    return run
+
+
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
+def _cudnn(problem: LinearProblem, x, w, b, r):
+    return _bind_gpu(bind_cudnn, True, problem, x, w, b, r)
 
 
 @op.path("reference", kind="reference", device="cpu")
