@@ -37,7 +37,7 @@ from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.graphs import SequenceInputs
 from libnn.nn.linear import Linear
-from libnn.nn.module import Module
+from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import LayerNorm
 from libnn.nn.transformer import (
     key_padding,
@@ -344,7 +344,9 @@ class BertEncoder(Module):
         raw, files = _read_checkpoint(directory)
         state, report = _checkpoint_state(raw)
         report.files = files
-        model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu", path=path)
+        with uninitialised():  # every parameter is replaced by the checkpoint's, or the load fails
+            model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu",
+                        path=path)
         try:
             model.load_state_dict(state, assign=True)  # the arrays just read: no copy of the checkpoint
         except (KeyError, ValueError, TypeError) as exc:  # a key, shape or dtype: name the checkpoint

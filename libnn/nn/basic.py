@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from libnn.nn import checks
-from libnn.nn.module import Module
+from libnn.nn.module import Module, init_normal
 from libnn.ops.conv2d import LAYOUTS
 from libnn.ops.softmax import softmax
 from libnn.runtime.arrays import array_module, as_array, describe, is_cupy, min_max
@@ -118,10 +118,10 @@ class Embedding(Module):
         checks.parameters_fit("Embedding", f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}",
                               num_embeddings * embedding_dim, parsed, device)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        weight = np.random.default_rng(seed).standard_normal((num_embeddings, embedding_dim))
+        weight = init_normal((num_embeddings, embedding_dim), parsed, "cpu", seed)
         if padding_idx is not None:
             weight[padding_idx] = 0
-        self.register_parameter("weight", weight.astype(parsed))
+        self.register_parameter("weight", weight)
         if device != "cpu":
             self.to(device)
 
