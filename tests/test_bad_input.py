@@ -350,6 +350,27 @@ def test_sequential_conv_then_mismatched_batchnorm_is_named_not_a_broadcast_erro
         model(np.ones((1, 5, 5, 2), np.float32))
 
 
+# --- nn.MultiheadAttention and nn.TransformerEncoderLayer: forward ---------------------------------
+
+@pytest.mark.parametrize("layer, call, error, match", [
+    ("MultiheadAttention", lambda m: m(np.ones((2, 3, 8)), is_causal="no"), TypeError,
+     "is_causal must be True or False, got str 'no'"),  # truthy: it applied the causal mask
+    ("TransformerEncoderLayer", lambda m: m(np.ones((2, 3, 8), np.float32), is_causal=1), TypeError,
+     "is_causal must be True or False, got int 1"),
+    ("MultiheadAttention", lambda m: m(np.ones((2, 3, 8), np.int32)), TypeError,
+     "query must be a floating-point array .* got dtype int32"),
+    ("MultiheadAttention", lambda m: m(np.ones((2, 3, 8), np.float32), np.ones((2, 3, 8), np.complex64),
+                                       np.ones((2, 3, 8), np.complex64)), TypeError,
+     "key must be a floating-point array .* got dtype complex64"),
+    ("TransformerEncoderLayer", lambda m: m(np.ones((2, 3, 8), bool)), TypeError,
+     "src must be a floating-point array .* got dtype bool"),
+    ("TransformerEncoderLayer", lambda m: m([[[1.0] * 8]]), TypeError, "src must be an array"),
+], ids=["mha-is_causal", "encoder-is_causal", "mha-int", "mha-complex-key", "encoder-bool", "encoder-list"])
+def test_transformer_layers_check_their_inputs_and_flags(layer, call, error, match):
+    with pytest.raises(error, match=f"^{layer}: {match}"):
+        call(CONSTRUCTORS[layer]())
+
+
 # --- pooling layers --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layer", [nn.MaxPool2d, nn.AvgPool2d])

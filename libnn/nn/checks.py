@@ -125,14 +125,14 @@ def parameters_fit(layer: str, argument: str, elements: int, dtype: np.dtype, de
         memory.require(elements * dtype.itemsize, "gpu", layer, argument)
 
 
-def float_input(layer: str, x: Any, like: Any = None) -> Any:
-    """`x` as an array of a floating-point dtype (an integer one would have the result rounded back to
-    it), on the device of the parameter `like` when there is one."""
-    x = as_array(x, layer, "x")
+def float_input(layer: str, x: Any, like: Any = None, name: str = "x") -> Any:
+    """`x` (the argument `name`) as an array of a floating-point dtype (an integer one would have the
+    result rounded back to it), on the device of the parameter `like` when there is one."""
+    x = as_array(x, layer, name)
     if not _is_float(x.dtype):
-        raise TypeError(f"{layer}: x must be a floating-point array ({FLOAT_DTYPES}), got dtype {x.dtype}; "
-                        "convert it first (x.astype(...))")
+        raise TypeError(f"{layer}: {name} must be a floating-point array ({FLOAT_DTYPES}), got dtype {x.dtype}; "
+                        f"convert it first ({name}.astype(...))")
     if like is not None and is_cupy(x) != is_cupy(like):
-        raise TypeError(f"{layer}: x is {describe(x)} but the layer's parameters are {describe(like)}; "
-                        "move x (cupy.asarray / cupy.asnumpy) or the layer (.to('gpu') / .to('cpu'))")
+        raise TypeError(f"{layer}: {name} is {describe(x)} but the layer's parameters are {describe(like)}; "
+                        f"move {name} (cupy.asarray / cupy.asnumpy) or the layer (.to('gpu') / .to('cpu'))")
     return x

@@ -151,7 +151,9 @@ class MultiheadAttention(Module):
         if need_weights:
             raise ValueError("MultiheadAttention: need_weights=True is not supported: the fused attention never "
                              "forms the attention weights; pass need_weights=False")
-        query = as_array(query, "MultiheadAttention", "query")
+        where, like = "MultiheadAttention", self.in_proj_weight
+        query = checks.float_input(where, query, like, "query")
+        is_causal = checks.flag(where, "is_causal", is_causal)
         self_attention = (key is None and value is None) or (key is query and value is query)
         if not self_attention and (key is None or value is None):
             raise ValueError("MultiheadAttention: pass both key and value (cross-attention) or neither "
@@ -159,7 +161,7 @@ class MultiheadAttention(Module):
         self._check_input(query, "query")
         B, Sq = query.shape[:2]
         if not self_attention:
-            key, value = as_array(key, "MultiheadAttention", "key"), as_array(value, "MultiheadAttention", "value")
+            key, value = checks.float_input(where, key, like, "key"), checks.float_input(where, value, like, "value")
             self._check_input(key, "key")
             self._check_input(value, "value")
             if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
@@ -170,9 +172,9 @@ class MultiheadAttention(Module):
         lens, bias = self._masks(query, key_padding_mask, attn_mask, B, Sq, Skv)
         if self_attention:
             o = packed_self_attention(query, self.in_proj_weight, self.in_proj_bias, self.num_heads,
-                                      seq_lens_kv=lens, bias=bias, causal=bool(is_causal), path=self.path)
+                                      seq_lens_kv=lens, bias=bias, causal=is_causal, path=self.path)
         else:
-            o = self._cross_attention(query, key, value, lens, bias, bool(is_causal))
+            o = self._cross_attention(query, key, value, lens, bias, is_causal)
         return self.out_proj(o), None
 
     def _check_input(self, a: Any, name: str) -> None:
@@ -271,7 +273,8 @@ class TransformerEncoderLayer(Module):
     def forward(self, src: Any, src_mask: Any = None, src_key_padding_mask: Any = None,
                 is_causal: bool = False) -> Any:
         """src (B, S, d_model) → (B, S, d_model); masks as for MultiheadAttention."""
-        src = as_array(src, "TransformerEncoderLayer", "src")
+        src = checks.float_input("TransformerEncoderLayer", src, self.linear1.weight, "src")
+        is_causal = checks.flag("TransformerEncoderLayer", "is_causal", is_causal)
         if src.ndim != 3 or src.shape[-1] != self.d_model:
             raise ValueError(f"TransformerEncoderLayer: src must be 3-D (batch, seq_len, d_model={self.d_model}) "
                              f"(batch_first=True), got shape {tuple(src.shape)}")
