@@ -385,11 +385,13 @@ def test_residual_on_another_device_is_rejected(rng):
         linear(x, w, b, residual=random_normal(rng, (2, 3), "fp32"))
 
 
-def test_auto_runs_gelu_erf_with_residual_on_cublaslt(rng):
+def test_auto_runs_gelu_erf_with_residual_fused_on_cudnn(rng):
+    """cuDNN's graph computes the exact GELU in the GEMM's epilogue; cuBLASLt (GEMM + pass) is tried
+    after it (see the cudnn section below)."""
     x, w, b = draw(rng, 64, 96, 128, "fp16")
     r = random_normal(rng, (64, 96), "fp16")
     y = linear(*to_gpu(x, w, b), "gelu_erf", residual=to_gpu(r)[0])
-    assert libnn.get_op("linear").last_decision.path == "cublaslt"
+    assert libnn.get_op("linear").last_decision.path == "cudnn"
     assert rel_error(y, linear(x, w, b, "gelu_erf", residual=r)) <= tolerance("fp16")
 
 
@@ -433,3 +435,179 @@ def test_epilogue_pass_gelu_erf_is_not_the_tanh_gelu():
         bind_epilogue_pass("fp32", 1, 4, activation)(yg, None)
         expected = activations.apply(v.astype(np.float64), activation)
         np.testing.assert_allclose(yg.get(), expected, rtol=1e-3)
+
+
+# --- cudnn path: matmul → add(bias) → add(residual) → activation in one cuDNN graph -------------------
+# fp16/bf16 with N and K multiples of 8 (supports() refuses the rest, see the refusal test); M is free.
+CUDNN_DTYPES = ["fp16", "bf16"]
+# A graph per (shape, dtype, epilogue), each compiled by cuDNN's runtime fusion: 128 here, so few shapes.
+CUDNN_SHAPES = [(1, 64, 136), (13, 24, 40), (127, 264, 64), (509, 1000, 1016)]
+CUDNN_EPILOGUES = [(bias, residual, activation) for activation in (None, "relu", "gelu", "gelu_erf")
+                   for bias in (True, False) for residual in (False, True)]
+
+
+def epilogue_id(e):
+    bias, residual, activation = e
+    return "+".join(filter(None, ["bias" if bias else None, "residual" if residual else None, activation])) or "plain"
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", CUDNN_DTYPES)
+@pytest.mark.parametrize("shape", CUDNN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("epilogue", CUDNN_EPILOGUES, ids=epilogue_id)
+def test_cudnn_path_matches_reference(rng, dtype, shape, epilogue):
+    """Every activation, with and without bias and residual, M = 1 and prime M, against float64 (1e-2
+    relative L2); the output is a fresh array (poisoned memory shows unwritten elements) and the
+    residual is read, never written."""
+    bias, residual, activation = epilogue
+    x, w, b = draw(rng, *shape, dtype, bias)
+    r = random_normal(rng, shape[:2], dtype) if residual else None
+    expected = linear(x, w, b, activation, residual=r, path="reference").astype(np.float64)
+    xg, wg, bg, rg = to_gpu(x, w, b, r)
+    y = linear(xg, wg, bg, activation, residual=rg, path="cudnn")
+    assert y.shape == expected.shape and y.dtype == x.dtype
+    if r is not None:
+        np.testing.assert_array_equal(rg.get(), r)
+    assert_close(y, expected, x, w, b, r, dtype, "cudnn", activation)
+
+
+@pytest.mark.parametrize("dtype", CUDNN_DTYPES)
+def test_cudnn_gelu_erf_is_the_exact_gelu_and_gelu_the_tanh_one(dtype):
+    """At v = -3 the exact GELU is -4.050e-3 and the tanh approximation -3.637e-3, 10% apart: cuDNN's
+    GELU_FWD must be the first (libnn's gelu_erf) and GELU_APPROX_TANH_FWD the second (libnn's gelu).
+    y = v·1 exactly: x holds v in its first column, w is 1 in its first column, the rest 0."""
+    x, w = np.zeros((8, 8)), np.zeros((8, 8))
+    x[:, 0] = [-3.0, -2.5, -1.0, -0.25, 0.5, 1.0, 2.0, 3.0]
+    w[:, 0] = 1.0
+    x, w = x.astype(dtypes.parse(dtype)), w.astype(dtypes.parse(dtype))
+    got = {a: linear(*to_gpu(x, w), a, path="cudnn").get().astype(np.float64)[:, 0] for a in ("gelu_erf", "gelu")}
+    exact, tanh = (activations.apply(x[:, 0].astype(np.float64), a) for a in ("gelu_erf", "gelu"))
+    assert abs(got["gelu_erf"][0] / exact[0] - 1) < 1e-2 and abs(got["gelu_erf"][0] / tanh[0] - 1) > 5e-2
+    assert abs(got["gelu"][0] / tanh[0] - 1) < 1e-2 and abs(got["gelu"][0] / exact[0] - 1) > 5e-2
+    assert rel_error(got["gelu_erf"], exact) <= tolerance(dtype) and rel_error(got["gelu"], tanh) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_erf"])
+def test_cudnn_bound_call_computes_each_calls_new_data_and_builds_one_graph(rng, activation):
+    """The second call with the same signature runs the bound call on its own arrays and builds no graph;
+    a new signature of the same problem (a strided x) binds again but finds the graph; a new M builds one."""
+    op, graphs = libnn.get_op("linear"), libnn.cache_info()["cudnn graphs"]
+    x1, w, b = to_gpu(*draw(rng, 37, 48, 64, "bf16"))
+    r1 = to_gpu(random_normal(rng, (37, 48), "bf16"))[0]
+    linear(x1, w, b, activation, residual=r1, path="cudnn")
+    bound, built = len(op.calls), graphs.builds
+    x2, _, _ = draw(rng, 37, 48, 64, "bf16")
+    r2 = random_normal(rng, (37, 48), "bf16")
+    y = linear(*to_gpu(x2), w, b, activation, residual=to_gpu(r2)[0], path="cudnn")
+    assert len(op.calls) == bound and graphs.builds == built
+    assert rel_error(y, linear(x2, w.get(), b.get(), activation, residual=r2, path="reference")) <= tolerance("bf16")
+    wide = to_gpu(np.repeat(x2, 2, axis=1))[0][:, ::2]  # x2 again, as a strided view
+    y_strided = linear(wide, w, b, activation, residual=to_gpu(r2)[0], path="cudnn")
+    assert len(op.calls) == bound + 1 and graphs.builds == built
+    assert rel_error(y_strided, y.get()) <= tolerance("bf16")
+    linear(x1[:36], w, b, activation, residual=r1[:36], path="cudnn")
+    assert graphs.builds == built + 1
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_cudnn_keeps_leading_dimensions_and_takes_strided_operands(rng):
+    import cupy
+
+    x, w, b = draw(rng, 6 * 5, 24, 40, "fp16")
+    r = random_normal(rng, (5, 6, 24), "fp16")
+    expected = linear(x.reshape(6, 5, 40)[:, ::-1], w, b, "gelu_erf", residual=r.transpose(1, 0, 2), path="reference")
+    y = linear(cupy.asarray(x).reshape(6, 5, 40)[:, ::-1], *to_gpu(w, b), "gelu_erf",
+               residual=cupy.asarray(r).transpose(1, 0, 2), path="cudnn")
+    assert y.shape == (6, 5, 24) and rel_error(y, expected) <= tolerance("fp16")
+
+
+@pytest.mark.parametrize("N, K", [(1001, 64), (64, 1003), (12, 8)], ids=str)
+def test_cudnn_refuses_n_or_k_not_a_multiple_of_8_and_auto_runs_cublaslt(rng, N, K):
+    x, w, b = draw(rng, 33, N, K, "fp16")
+    args = to_gpu(x, w, b)
+    with pytest.raises(PathUnavailableError, match=rf"path 'cudnn' cannot run linear M=33 N={N} K={K} fp16 "
+                                                    rf"\(bias\+gelu_erf\): N and K must be multiples of 8 "
+                                                    rf"\(16-byte rows of fp16\), got N={N} K={K}"):
+        linear(*args, "gelu_erf", path="cudnn")
+    y = linear(*args, "gelu_erf")
+    decision = libnn.get_op("linear").last_decision
+    assert decision.path == "cublaslt" and decision.passed_over["cudnn"].startswith("N and K must be multiples of 8")
+    assert rel_error(y, linear(x, w, b, "gelu_erf", path="reference")) <= tolerance("fp16")
+
+
+def test_cudnn_refuses_fp32_by_name(rng):
+    with pytest.raises(PathUnavailableError, match=r"path 'cudnn' cannot run .*fp32 is not supported "
+                                                    r"\(supported: fp16, bf16"):
+        linear(*to_gpu(*draw(rng, 8, 8, 8, "fp32")), "gelu_erf", path="cudnn")
+
+
+@pytest.mark.parametrize("M, N, K", [(4096, 3072, 768), (2048, 1536, 384)], ids=str)
+def test_auto_picks_cudnn_for_gelu_erf_at_bert_ffn_shapes(rng, M, N, K):
+    """The BERT FFN's first GEMM with the exact GELU goes to cuDNN's fused graph, and cuBLASLt is kept
+    as the fallback (tried last, with its reason)."""
+    x, w, b = draw(rng, M, N, K, "fp16")
+    y = linear(*to_gpu(x, w, b), "gelu_erf")
+    decision = libnn.get_op("linear").last_decision
+    assert decision.path == "cudnn"
+    assert decision.passed_over["cublaslt"].startswith("tried last: cuBLASLt has no exact-GELU epilogue")
+    rows = slice(0, 256)  # the float64 reference of a slice: cheap
+    assert rel_error(y[rows], linear(x[rows], w, b, "gelu_erf", path="reference")) <= tolerance("fp16")
+
+
+def test_cudnn_declining_the_graph_falls_back_to_cublaslt_visibly(rng, monkeypatch):
+    """A graph cuDNN has no engine for (simulated) is a LibraryError: under auto a FallbackWarning and
+    cuBLASLt's GEMM + pass; forced, cuDNN's words."""
+    from libnn.backends import cudnn as backend
+
+    def refuse(*args, **kwargs):
+        raise libnn.LibraryError("cuDNN cannot run this: no engine supports this graph (simulated)")
+
+    monkeypatch.setattr(backend, "graph_for", refuse)
+    libnn.get_op("linear").calls.clear()  # bound calls of earlier tests would not bind again
+    x, w, b = draw(rng, 40, 64, 72, "bf16")
+    with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*no engine supports this graph"):
+        y = linear(*to_gpu(x, w, b), "gelu_erf")
+    assert libnn.get_op("linear").last_decision.path == "cublaslt"
+    assert rel_error(y, linear(x, w, b, "gelu_erf", path="reference")) <= tolerance("bf16")
+    with pytest.raises(libnn.LibraryError, match="no engine supports"):
+        linear(*to_gpu(x, w, b), "gelu_erf", path="cudnn")
+
+
+def test_cudnn_declines_a_misaligned_operand_and_auto_falls_back(rng):
+    """The frontend declares every tensor 16-byte aligned: a view 2 bytes into its allocation is a
+    LibraryError naming it, and auto falls back to cuBLASLt."""
+    import cupy
+
+    x, w, b = draw(rng, 65, 72, 64, "fp16")
+    big = cupy.asarray(np.concatenate([np.zeros(1, np.float16), x.ravel()]))
+    x_view = big[1:].reshape(x.shape)
+    assert x_view.data.ptr % 16 == 2
+    with pytest.raises(libnn.LibraryError, match="cuDNN needs 16-byte aligned buffers; x is not"):
+        linear(x_view, *to_gpu(w, b), "gelu_erf", path="cudnn")
+    with pytest.warns(libnn.FallbackWarning, match="path 'cudnn' failed.*16-byte aligned"):
+        y = linear(x_view, *to_gpu(w, b), "gelu_erf")
+    assert libnn.get_op("linear").last_decision.path == "cublaslt"
+    assert rel_error(y, linear(x, w, b, "gelu_erf", path="reference")) <= tolerance("fp16")
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu_erf"])
+def test_cudnn_nan_reaches_its_row_through_every_activation(rng, activation):
+    """NaN stays NaN, through relu too (the op's promise on every path); an inf row stays non-finite
+    without an activation (relu(-inf) is 0, and gelu(-inf) = -inf·0 has no one answer)."""
+    import cupy
+
+    x, w, b = to_gpu(*draw(rng, 4, 8, 16, "fp16"))
+    x[1, 3], x[2, 0] = cupy.nan, cupy.inf
+    y = linear(x, w, b, activation, path="cudnn").get()
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 3]]).all()
+    if activation is None:
+        assert not np.isfinite(y[2]).any()
+
+
+def test_cudnn_empty_and_zero_k_inputs(rng):
+    import cupy
+
+    b = to_gpu(random_normal(rng, (8,), "fp16"))[0]
+    assert linear(cupy.empty((0, 16), cupy.float16), cupy.ones((8, 16), cupy.float16), b, path="cudnn").shape == (0, 8)
+    y = linear(cupy.empty((3, 0), cupy.float16), cupy.empty((8, 0), cupy.float16), b, "relu", path="cudnn")
+    np.testing.assert_allclose(y.get(), np.broadcast_to(np.maximum(b.get(), 0), (3, 8)))
