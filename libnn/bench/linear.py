@@ -13,10 +13,13 @@ Cases (each on every path that supports it):
   Python overhead for a cached call);
 - an odd shape (M, N, K not multiples of 8), where the aligned fast kernels cannot run;
 - BERT's FFN in fp16 (M = 256·128, N = 1536, K = 384, and M = 32·128, N = 3072, K = 768): the exact
-  GELU (gelu_erf) on cuBLASLt (GEMM, then the bias_act_rows pass) and on custom (erf in gemm3's
-  epilogue), next to the plain GEMM + bias (target: gelu_erf ≤ 1.10× plain), and the pass alone in
-  GB/s against the copy ceiling (target ≥ 85%), with PyTorch's GELU on the same tensor;
-- the FFN's second GEMM with the residual added in its epilogue, next to PyTorch's linear then add.
+  GELU (gelu_erf) on cuBLASLt (GEMM, then the bias_act_rows pass), on cudnn (one cuDNN graph, the erf
+  GELU in the GEMM's epilogue) and on custom (erf in gemm3's epilogue), next to cuBLASLt's plain
+  GEMM + bias (target: gelu_erf ≤ 1.10× that), and the pass alone in GB/s against the copy ceiling
+  (target ≥ 85%), with PyTorch's GELU on the same tensor;
+- the FFN's second GEMM with the residual added in its epilogue (cuBLASLt, cudnn, custom), next to
+  PyTorch's linear then add.
+A path that declines a case (cuDNN without an engine for the graph) gets a row with its reason.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Callable
 
 from libnn import dtypes
 from libnn.bench import harness
+from libnn.errors import LibraryError, PathUnavailableError
 from libnn.ops.linear import bind_epilogue_pass, custom_versions, launch_custom_version, linear
 
 
@@ -44,6 +48,7 @@ class Case:
     variants: bool = False      # also time each numbered custom kernel
     host_overhead: bool = False  # also measure host time per call
     gelu_pass: bool = False     # also time the GEMM's GELU pass alone (and PyTorch's GELU) in GB/s
+    cudnn: bool = False         # also time the cudnn path (the FFN cases: fp16, N and K multiples of 8)
 
     @property
     def flops(self) -> int:
@@ -60,15 +65,15 @@ CASES = [
     Case("decode", 1, 4096, 4096, "bf16", host_overhead=True),
     Case("decode", 16, 4096, 4096, "bf16", host_overhead=True),
     Case("odd", 1000, 1001, 1003, "bf16"),
-    Case("ffn1 gelu_erf", 256 * 128, 1536, 384, "fp16", activation="gelu_erf", gelu_pass=True),
-    Case("ffn1 plain", 256 * 128, 1536, 384, "fp16", activation=None),
-    Case("ffn1 gelu_erf", 32 * 128, 3072, 768, "fp16", activation="gelu_erf", gelu_pass=True),
-    Case("ffn1 plain", 32 * 128, 3072, 768, "fp16", activation=None),
-    Case("ffn2 +residual", 32 * 128, 768, 3072, "fp16", activation=None, residual=True),
+    Case("ffn1 gelu_erf", 256 * 128, 1536, 384, "fp16", activation="gelu_erf", gelu_pass=True, cudnn=True),
+    Case("ffn1 plain", 256 * 128, 1536, 384, "fp16", activation=None, cudnn=True),
+    Case("ffn1 gelu_erf", 32 * 128, 3072, 768, "fp16", activation="gelu_erf", gelu_pass=True, cudnn=True),
+    Case("ffn1 plain", 32 * 128, 3072, 768, "fp16", activation=None, cudnn=True),
+    Case("ffn2 +residual", 32 * 128, 768, 3072, "fp16", activation=None, residual=True, cudnn=True),
 ]
 QUICK = [Case("square", 1024, 1024, 1024, "bf16", variants=True), Case("decode", 1, 1024, 1024, "bf16", host_overhead=True),
-         Case("ffn1 gelu_erf", 32 * 128, 3072, 768, "fp16", activation="gelu_erf", gelu_pass=True),
-         Case("ffn1 plain", 32 * 128, 3072, 768, "fp16", activation=None)]
+         Case("ffn1 gelu_erf", 32 * 128, 3072, 768, "fp16", activation="gelu_erf", gelu_pass=True, cudnn=True),
+         Case("ffn1 plain", 32 * 128, 3072, 768, "fp16", activation=None, cudnn=True)]
 
 
 def _inputs(case: Case, l2_bytes: int) -> list[tuple[Any, Any, Any, Any]]:
@@ -117,6 +122,8 @@ def _paths(case: Case) -> dict[str, Callable]:
         return lambda args: linear(*args[:3], case.activation, residual=args[3], allow_tf32=case.allow_tf32, path=path)
 
     runs = {"cublaslt": forced("cublaslt")}
+    if case.cudnn:
+        runs["cudnn"] = forced("cudnn")
     if not case.allow_tf32:
         runs["custom"] = forced("custom")
     if case.variants:
@@ -132,6 +139,8 @@ def _how(case: Case, path: str) -> str:
     """How a path computes the case's epilogue, for the table."""
     if case.activation == "gelu_erf" and path == "cublaslt":
         return "GEMM + pass"
+    if path == "cudnn" and (case.activation or case.residual or case.bias):
+        return "one cuDNN graph"
     if case.activation == "gelu_erf" and path == "custom":
         return "erf in GEMM" if case.dtype != "fp32" else "GEMM + pass"
     if path == "torch eager" and (case.activation or case.residual):
@@ -188,13 +197,18 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
         for path, fn in _paths(case).items():
             variant = path.startswith("custom v")
             runs = 5 if path.endswith("v1") and case.M * case.N * case.K > 2**33 else 30
-            t = harness.time_gpu(fn, inputs, warmup=3, runs=runs)
-            tflops = case.flops / t.median_s / 1e12
             row = {"case": case.name, "shape": f"{case.M}x{case.N}x{case.K}", "dtype": case.dtype + (
                    " tf32" if case.allow_tf32 else ""), "epilogue": "+".join(filter(None, [
                    "bias" if case.bias else None, "residual" if case.residual else None, case.activation])) or "-",
-                   "path": path, "how": _how(case, path), "ms": t.median_ms, "TFLOP/s": tflops,
-                   "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops}
+                   "path": path, "how": _how(case, path)}
+            try:
+                t = harness.time_gpu(fn, inputs, warmup=3, runs=runs)
+            except (LibraryError, PathUnavailableError) as exc:  # cuDNN without an engine, or not installed
+                row["note"] = str(exc).splitlines()[0][:80]
+                case_rows.append(row)
+                continue
+            tflops = case.flops / t.median_s / 1e12
+            row.update({"ms": t.median_ms, "TFLOP/s": tflops, "%ceil": 100 * tflops / ceilings.gemm_bf16_tflops})
             if not variant:  # the numbered kernels are there for their GPU time; v1 takes seconds per call
                 args = inputs[0]
                 row["per-call ms"] = harness.time_per_call(lambda: fn(args), calls=20, repeats=3, warmup=2)
@@ -205,14 +219,15 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
         if "cublaslt" in {r["path"] for r in case_rows}:
             base = next(r["ms"] for r in case_rows if r["path"] == "cublaslt")
             for r in case_rows:
-                r["cublaslt/x"] = base / r["ms"]  # >1: faster than cuBLASLt
+                if r.get("ms"):
+                    r["cublaslt/x"] = base / r["ms"]  # >1: faster than cuBLASLt
         if case.gelu_pass:
             case_rows += _gelu_pass_rows(case, props["l2CacheSize"], ceilings)
         rows += case_rows
         del inputs
         cupy.get_default_memory_pool().free_all_blocks()
     columns = ["case", "shape", "dtype", "epilogue", "path", "how", "ms", "per-call ms", "TFLOP/s", "%ceil",
-               "cublaslt/x", "GB/s", "%copy", "host_us"]
+               "cublaslt/x", "GB/s", "%copy", "host_us", "note"]
     print(harness.format_table(rows, columns))
     print(_targets(rows))
     if json_path:
@@ -223,7 +238,7 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
 def _targets(rows: list[dict[str, Any]]) -> str:
     """The issue's targets, each with the measured value and whether it is met."""
     def ms(case, path, dtype="bf16"):
-        return next((r["ms"] for r in rows if r["case"] == case and r["path"] == path and r["dtype"] == dtype), None)
+        return next((r.get("ms") for r in rows if r["case"] == case and r["path"] == path and r["dtype"] == dtype), None)
 
     lines = ["targets:"]
     epi, plain, torch = ms("epilogue bias+gelu", "cublaslt"), ms("plain GEMM", "cublaslt"), ms("epilogue bias+gelu", "torch eager")
@@ -239,12 +254,16 @@ def _targets(rows: list[dict[str, Any]]) -> str:
             lines.append(f"  host time per cached call, M={r['shape'].split('x')[0]} {r['path']}: {r['host_us']:.1f} us (target <= 15)")
     for shape in dict.fromkeys(r["shape"] for r in rows if r["case"] == "ffn1 gelu_erf"):
         def ffn(case, path):
-            return next((r["ms"] for r in rows if r["case"] == case and r["shape"] == shape and r["path"] == path), None)
+            return next((r.get("ms") for r in rows if r["case"] == case and r["shape"] == shape and r["path"] == path),
+                        None)
         plain = ffn("ffn1 plain", "cublaslt")
-        for path in ("cublaslt", "custom"):
+        for path in ("cublaslt", "cudnn", "custom"):
             if plain and (erf := ffn("ffn1 gelu_erf", path)):
                 lines.append(f"  FFN {shape} fp16: bias+gelu_erf on {path} / plain GEMM+bias on cublaslt = {erf / plain:.3f}"
                              f"  (target <= 1.10: {'met' if erf / plain <= 1.10 else 'MISSED'})")
+        for r in rows:
+            if r["case"] == "ffn1 gelu_erf" and r["shape"] == shape and r.get("note"):
+                lines.append(f"  FFN {shape} fp16: bias+gelu_erf on {r['path']} declined: {r['note']}")
     for r in rows:
         if r["path"] == "bias+gelu_erf pass":
             lines.append(f"  GELU pass alone {r['shape']} {r['dtype']}: {r['%copy']:.0f}% of copy bandwidth"
