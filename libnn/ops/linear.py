@@ -229,9 +229,9 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
 
 # --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
 CUDNN_DTYPES = ("fp16", "bf16")
-# The pygraph method of each activation. cuDNN's names differ from libnn's: its `gelu` (GELU_FWD) is
-# the exact erf GELU, libnn's "gelu_erf"; its `gelu_approx_tanh` (GELU_APPROX_TANH_FWD) is libnn's "gelu".
-CUDNN_ACTIVATIONS = {None: None, "relu": "relu", "gelu": "gelu_approx_tanh", "gelu_erf": "gelu"}
+# The activations _cudnn_graph_builder maps to a pointwise node (conv2d's builder shows the next ones:
+# silu as swish, relu6 as relu with upper_clip=6).
+CUDNN_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 # UIDs of the graph's tensors in the variant pack
 X, W, BIAS, RESIDUAL, Y = 1, 2, 3, 4, 5
 
@@ -243,8 +243,9 @@ def _cudnn_support(problem: LinearProblem) -> str | None:
     if problem.activation not in CUDNN_ACTIVATIONS:
         return f"activation {problem.activation!r} has no cuDNN pointwise mode here"
     if problem.N % 8 or problem.K % 8:
-        # the tensor-core engines read and write 16-byte rows; cudnn-frontend's own matmul fuzzer keeps
-        # M, N and K to multiples of 8 except in its unaligned stress test
+        # Conservative, not measured: cudnn-frontend's matmul fuzzer keeps N and K to multiples of 8 (16-byte
+        # rows) outside its unaligned stress test, which skips what cuDNN declines. cuBLASLt and custom take
+        # any shape, so refusing here costs a warning-free route to them, not a result.
         return f"N and K must be multiples of 8 (16-byte rows of {problem.dtype}), got N={problem.N} K={problem.K}"
     return None
 
@@ -284,12 +285,14 @@ def _cudnn_graph_builder(problem: LinearProblem):
         if p.has_residual:
             y = g.add(a=y, b=g.tensor(dim=[1, p.M, p.N], stride=rows, data_type=io, uid=RESIDUAL),
                       compute_data_type=f32)
+        # cuDNN's names are not libnn's: its gelu (GELU_FWD) is the exact 0.5·v·(1 + erf(v/√2)), libnn's
+        # "gelu_erf"; its gelu_approx_tanh (GELU_APPROX_TANH_FWD) is libnn's "gelu"
         if p.activation == "relu":
             y = g.relu(input=y, compute_data_type=f32)
         elif p.activation == "gelu":
             y = g.gelu_approx_tanh(input=y, compute_data_type=f32)
         elif p.activation == "gelu_erf":
-            y = g.gelu(input=y, compute_data_type=f32)  # GELU_FWD: 0.5·v·(1 + erf(v/√2))
+            y = g.gelu(input=y, compute_data_type=f32)
         y.set_output(True).set_data_type(io).set_stride(rows).set_uid(Y)
         return g
     return build
