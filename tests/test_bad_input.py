@@ -889,7 +889,9 @@ def test_flags_must_be_bools(layer, argument, value):
     ("Conv2d", "activation", "gelu_erf"), ("Conv2d", "layout", "NCWH"), ("Conv2d", "algo", "winograd"),
     ("MaxPool2d", "layout", "CHWN"), ("AvgPool2d", "layout", None), ("Flatten", "layout", "NWHC"),
     ("GELU", "approximate", "erf"), ("GELU", "approximate", None), ("TransformerEncoderLayer", "activation", "gelu_erf"),
-    ("TransformerEncoderLayer", "activation", None),
+    ("TransformerEncoderLayer", "activation", None), ("Linear", "path", "bogus"), ("Conv2d", "path", ["auto"]),
+    ("LayerNorm", "path", "cublaslt"), ("Softmax", "path", None), ("LogSoftmax", "path", "cudnn"),
+    ("MaxPool2d", "path", "cudnn"), ("AvgPool2d", "path", 3), ("TransformerEncoderLayer", "path", "gpu"),
 ])
 def test_unknown_choices_are_named(layer, argument, value):
     with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be"):
@@ -940,3 +942,16 @@ def test_conv2d_keeps_its_arguments_as_pairs():
 def test_conv2d_forward_names_itself_for_a_list_input():
     with pytest.raises(TypeError, match="Conv2d: x must be an array"):
         nn.Conv2d(1, 1, 1)([[1.0]])
+
+
+def test_a_path_per_op_names_the_op_and_bert_checks_its_path():
+    from libnn.models.bert import BertConfig, BertEncoder
+
+    with pytest.raises(ValueError, match=r"^MultiheadAttention: path\['attention'\] must be one of \['auto', 'cudnn', "
+                                         r"'custom', 'reference', 'unfused'\], got 'cublaslt'"):
+        nn.MultiheadAttention(8, 2, path={"linear": "cublaslt", "attention": "cublaslt"})
+    with pytest.raises(ValueError, match=r"^BertEncoder: path names unknown ops \['linaer'\]; the ops are \["):
+        BertEncoder(BertConfig.from_dict(BERT), path={"linaer": "reference"})
+    with pytest.raises(ValueError, match=r"^TransformerEncoderLayer: path\['linear'\] must be one of .* got 'cufft'"):
+        nn.TransformerEncoderLayer(8, 2, 16, path={"linear": "cufft"})
+    assert nn.TransformerEncoderLayer(8, 2, 16, path={"linear": "reference", "layer_norm": "reference"}).path

@@ -316,6 +316,7 @@ class BertEncoder(Module):
                  path: str | dict[str, str] = "auto"):
         super().__init__()
         _check_fits("BertEncoder", config, pooler, dtype, device, "the config")
+        checks.path("BertEncoder", path, ("linear", "attention", "layer_norm"), per_op=True)
         self.config, self.path = config, path
         self.embeddings = BertEmbeddings(config, dtype, device, path)
         self.encoder = _Encoder(config, dtype, device, path)

@@ -74,7 +74,8 @@ class Softmax(Module):
 
     def __init__(self, dim: int = -1, *, path: str = "auto"):
         super().__init__()
-        self.dim, self.path = checks.size(type(self).__name__, "dim", dim, minimum=None), path
+        name = type(self).__name__
+        self.dim, self.path = checks.size(name, "dim", dim, minimum=None), checks.path(name, path, ("softmax",))
 
     def forward(self, x: Any) -> Any:
         return softmax(x, self.dim, log=self.log, path=self.path)

@@ -87,6 +87,30 @@ def choice(layer: str, name: str, value: Any, options: Sequence[Any]) -> Any:
     return value
 
 
+def path(layer: str, value: Any, ops: Sequence[str], per_op: bool = False) -> Any:
+    """"auto" or the name of a path of one of `ops` (the ops the layer calls), checked when the layer
+    is built rather than at its first forward (a typo); with `per_op`, also a dict naming a path per op
+    (any op: a layer hands the dict on to layers that call other ops)."""
+    if per_op and isinstance(value, dict):
+        from libnn.registry import ops as known_ops
+
+        if unknown := sorted(set(value) - set(known_ops()), key=str):
+            raise ValueError(f"{layer}: path names unknown ops {unknown}; the ops are {known_ops()}")
+        for op, name in value.items():
+            _path_name(f"{layer}: path[{op!r}]", name, (op,))
+        return value
+    return _path_name(f"{layer}: path", value, ops)
+
+
+def _path_name(what: str, value: Any, ops: Sequence[str]) -> str:
+    from libnn.registry import get_op
+
+    names = ["auto"] + sorted({name for op in ops for name in get_op(op).paths})
+    if not isinstance(value, str) or value not in names:
+        raise ValueError(f"{what} must be one of {names}, got {value!r}")
+    return value
+
+
 def seed(layer: str, value: Any) -> int | None:
     return None if value is None else size(layer, "seed", value, minimum=0)
 

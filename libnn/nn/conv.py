@@ -59,6 +59,7 @@ class Conv2d(Module):
         checks.choice("Conv2d", "activation", activation, CONV_ACTIVATIONS)
         checks.choice("Conv2d", "layout", layout, LAYOUTS)
         checks.choice("Conv2d", "algo", algo, ALGOS)
+        checks.path("Conv2d", path, {"direct": ("conv2d",), "fft": ("fft_conv",), "auto": ("conv2d", "fft_conv")}[algo])
         parsed, seed = checks.float_dtype("Conv2d", dtype), checks.seed("Conv2d", seed)
         checks.device("Conv2d", device)
         fft_able = stride == (1, 1) and dilation == (1, 1) and groups == 1
@@ -199,6 +200,7 @@ class MaxPool2d(Module):
         if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
             raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
         checks.choice(name, "layout", layout, LAYOUTS)
+        checks.path(name, path, ("pool2d",))
         self.kernel_size, self.stride, self.padding, self.layout, self.path = kernel, stride, padding, layout, path
 
     def forward(self, x: Any) -> Any:

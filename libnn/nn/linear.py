@@ -20,6 +20,7 @@ class Linear(Module):
         checks.choice("Linear", "activation", activation, ACTIVATIONS)
         parsed, seed = checks.float_dtype("Linear", dtype), checks.seed("Linear", seed)
         checks.device("Linear", device)
+        checks.path("Linear", path, ("linear",))
         checks.parameters_fit("Linear", f"in_features={in_features}, out_features={out_features}",
                               out_features * (in_features + bias), parsed, device)
         self.in_features, self.out_features = in_features, out_features

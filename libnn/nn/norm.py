@@ -31,6 +31,7 @@ class LayerNorm(Module):
         eps = checks.positive_float("LayerNorm", "eps", eps)
         elementwise_affine = checks.flag("LayerNorm", "elementwise_affine", elementwise_affine)
         bias = checks.flag("LayerNorm", "bias", bias)
+        checks.path("LayerNorm", path, ("layer_norm",))
         checks.parameters_fit("LayerNorm", "normalized_shape", 2 * shape[0], checks.float_dtype("LayerNorm", dtype),
                               checks.device("LayerNorm", device))
         self.normalized_shape, self.eps, self.path = shape, eps, path

@@ -129,6 +129,7 @@ class MultiheadAttention(Module):
         embed_dim, num_heads = _heads(where, ("embed_dim", embed_dim), ("num_heads", num_heads), batch_first)
         dropout, bias = checks.probability(where, "dropout", dropout), checks.flag(where, "bias", bias)
         parsed, seed = checks.float_dtype(where, dtype), checks.seed(where, seed)
+        checks.path(where, path, ("linear", "attention"), per_op=True)
         checks.parameters_fit(where, f"embed_dim={embed_dim}", 4 * embed_dim * (embed_dim + bias), parsed,
                               checks.device(where, device))
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
@@ -255,6 +256,7 @@ class TransformerEncoderLayer(Module):
         layer_norm_eps = checks.positive_float(where, "layer_norm_eps", layer_norm_eps)
         norm_first, bias = checks.flag(where, "norm_first", norm_first), checks.flag(where, "bias", bias)
         parsed, seed = checks.float_dtype(where, dtype), checks.seed(where, seed)
+        checks.path(where, path, ("linear", "attention", "layer_norm"), per_op=True)
         elements = 4 * d_model * (d_model + 1) + 2 * d_model * dim_feedforward + dim_feedforward + 5 * d_model
         checks.parameters_fit(where, f"d_model={d_model}, dim_feedforward={dim_feedforward}", elements, parsed,
                               checks.device(where, device))
