@@ -955,3 +955,9 @@ def test_a_path_per_op_names_the_op_and_bert_checks_its_path():
     with pytest.raises(ValueError, match=r"^TransformerEncoderLayer: path\['linear'\] must be one of .* got 'cufft'"):
         nn.TransformerEncoderLayer(8, 2, 16, path={"linear": "cufft"})
     assert nn.TransformerEncoderLayer(8, 2, 16, path={"linear": "reference", "layer_norm": "reference"}).path
+
+
+@pytest.mark.parametrize("path", ["bogus", None, ["reference"]], ids=repr)
+def test_use_path_refuses_a_name_no_op_has(path):
+    with pytest.raises(ValueError, match=r"^Sequential.use_path: path must be one of \['auto', "):
+        nn.Sequential(nn.Linear(2, 3)).use_path(path)

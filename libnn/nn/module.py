@@ -145,6 +145,9 @@ class Module:
 
     def use_path(self, path: str) -> "Module":
         """Force `path` ("auto", "cudnn", "custom", "reference", ...) on every layer that takes one."""
+        from libnn.registry import ops
+
+        checks.path(f"{type(self).__name__}.use_path", path, ops())
         for module in self.modules():
             if hasattr(module, "path"):
                 module.path = path
