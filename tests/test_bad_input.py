@@ -5,6 +5,39 @@ the argument, and the file where there is one; never a raw NumPy/CuPy traceback,
 Organised by function. The constructor sweeps at the end cover, per public constructor, the classes
 of input issue 14 lists: types (float, None, str, array, bool where ints are expected), ranges (0,
 negative, huge), dtypes (int, bool, complex, None, unknown names) and devices.
+
+Bad-input classes swept per public function (here, or in the op's or model's own test file):
+T types · R ranges (0, negative) · H huge, refused before allocating · K ranks and shapes ·
+D dtypes (int, bool, complex, strings, objects) · V devices (unknown, a GPU where there is none, a
+GPU path on host arrays) · C choices and flags (unknown names, truthy non-bools, paths) · F files
+(missing, a directory, empty, truncated, another format, wrong JSON shapes). x: tested; -: the
+function has no argument of the class.
+
+    function                                  T R H K D V C F   classes
+    nn.Linear, Conv2d, Embedding, BatchNorm2d x x x - x x x -   6 of 6
+    nn.LayerNorm                              x x x x x x x -   7 of 7
+    nn.MultiheadAttention                     x x x - x x x -   6 of 6
+    nn.TransformerEncoderLayer                x x x - x x x -   6 of 6
+    nn.MaxPool2d, AvgPool2d                   x x - - - - x -   3 of 3
+    nn.Conv2dBNAct                            x - - x - - x -   3 of 3
+    nn.Sequential (and [index])               x x - - - - x -   3 of 3
+    nn.Dropout                                x x - - - - x -   3 of 3
+    nn.Flatten, Softmax, LogSoftmax           x - - - - - x -   2 of 2
+    nn.GELU                                   - - - - - - x -   1 of 1
+    forward: activations, BatchNorm2d         x - - x x - - -   3 of 3
+    forward: pooling layers, Flatten          x x - x x - - -   4 of 4
+    forward: MultiheadAttention, Encoder      x - - x x - x -   4 of 4
+    Module.load_state_dict                    x - - x x - - -   3 of 3
+    Module.to                                 x - - - x x - -   3 of 3
+    Module.use_path                           - - - - - - x -   1 of 1
+    Module.load, weights.read                 x - - - x - - x   3 of 3
+    Module.save, weights.write                x - - - x - - x   3 of 3
+    ops.conv2d                                x x x x x x x -   7 of 7
+    ops.max_pool2d, avg_pool2d                x x x x x x x -   7 of 7
+    ops.attention                             x x x x x x x -   7 of 7
+    BertConfig.from_dict, BertEncoder(config) x x - - - - x -   3 of 3
+    BertEncoder.from_pretrained               x x x - x x x x   7 of 7
+    BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
 """
 
 from __future__ import annotations
@@ -961,3 +994,44 @@ def test_a_path_per_op_names_the_op_and_bert_checks_its_path():
 def test_use_path_refuses_a_name_no_op_has(path):
     with pytest.raises(ValueError, match=r"^Sequential.use_path: path must be one of \['auto', "):
         nn.Sequential(nn.Linear(2, 3)).use_path(path)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: nn.MaxPool2d(2)(np.ones((1, 4, 4, 1), np.int32)), TypeError, "^max_pool2d: x must be a floating-point"),
+    (lambda: nn.AvgPool2d(2)(np.ones((1, 4, 4, 1), np.complex64)), TypeError, "^avg_pool2d: x must be a floating"),
+    (lambda: nn.AvgPool2d(2)(np.ones((4, 4, 1))), ValueError, r"^avg_pool2d: x must be 4-D \(N, H, W, C\)"),
+    (lambda: nn.Flatten(2, 5)(np.ones((2, 3, 4))), ValueError, "^Flatten: end_dim 5 is out of range for a 3-D input"),
+    (lambda: nn.Flatten(2, 1)(np.ones((2, 3, 4))), ValueError, "^Flatten: start_dim 2 comes after end_dim 1"),
+    (lambda: nn.Flatten()([1.0, 2.0]), TypeError, "^Flatten: x must be an array"),
+    (lambda: nn.Softmax(dim=2)(np.ones((2, 3))), ValueError, "dim 2 is out of range"),
+    (lambda: nn.LayerNorm(4)(np.ones((2, 4), np.int64)), TypeError, "^layer_norm: x must be a floating-point"),
+], ids=["maxpool-int", "avgpool-complex", "avgpool-rank", "flatten-range", "flatten-order", "flatten-list",
+        "softmax-dim", "layernorm-int"])
+def test_layer_inputs_out_of_their_domain(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64], ids=str)
+def test_conv2d_refuses_non_float_x(dtype):
+    from libnn.ops import conv2d
+
+    with pytest.raises(TypeError, match=rf"^conv2d: x must be a floating-point array .* got {np.dtype(dtype)}"):
+        conv2d(np.ones((1, 4, 4, 2), dtype), np.ones((3, 3, 3, 2), dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64], ids=str)
+def test_attention_refuses_non_float_q(dtype):
+    from libnn.ops import attention
+
+    q = np.ones((1, 1, 3, 4), dtype)
+    with pytest.raises(TypeError, match=f"^attention: q must be a floating-point array .* got {np.dtype(dtype)}"):
+        attention(q, q, q)
+
+
+@pytest.mark.parametrize("pool", ["max_pool2d", "avg_pool2d"])
+def test_pooling_gpu_path_on_host_arrays_says_so(pool):
+    from libnn import ops
+
+    with pytest.raises(TypeError, match="^pool2d: path 'custom' runs on the GPU, but the arrays are host"):
+        getattr(ops, pool)(np.ones((1, 4, 4, 1), np.float32), 2, path="custom")
