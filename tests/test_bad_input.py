@@ -246,7 +246,8 @@ def test_attention_reference_refuses_huge_scores_before_allocating():
     (lambda x, w: _conv(x, w, bn=5), TypeError, r"^conv2d: bn must be a tuple \(scale, shift\) or .* got int"),
     (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, "1e-5")), TypeError,
      "^conv2d: batch norm eps must be a real number, got str"),
-    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, True)), TypeError, "^conv2d: batch norm eps must be a real number"),
+    (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, True)), TypeError,
+     "^conv2d: batch norm eps must be a real number"),
     (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, float("inf"))), ValueError,
      "^conv2d: batch norm eps must be > 0 and finite, got inf"),
     (lambda x, w: _conv(x, w, bn=(*[np.ones(3)] * 4, float("nan"))), ValueError, "^conv2d: batch norm eps must be > 0"),
@@ -731,7 +732,8 @@ def test_load_state_dict_assign_keeps_the_array_and_a_plain_load_copies_it():
     (lambda tmp: tmp, {}, ValueError, "expected one of"),  # a directory: no suffix
     (lambda tmp: tmp / "missing" / "w.npz", {}, FileNotFoundError, "the directory '.*missing' does not exist"),
     (lambda tmp: tmp / "w.npz", [("w", np.ones(2))], TypeError, "^weights.write: state must be a dict of arrays"),
-    (lambda tmp: tmp / "w.npz", {"names": np.array(["a"])}, ValueError, "tensor 'names' has dtype <U1; weights must be"),
+    (lambda tmp: tmp / "w.npz", {"names": np.array(["a"])}, ValueError,
+     "tensor 'names' has dtype <U1; weights must be"),
     (lambda tmp: tmp / "w.npz", {"objects": np.array([None])}, ValueError, "tensor 'objects' has dtype object"),
 ], ids=["None", "suffix", "directory", "no-directory", "list", "strings", "objects"])
 def test_write_refuses_what_read_would_refuse_before_writing(tmp_path, make_path, state, error, match):
@@ -921,7 +923,8 @@ def test_flags_must_be_bools(layer, argument, value):
     ("Linear", "activation", "relu6"), ("Linear", "activation", "tanh"), ("Linear", "activation", 1),
     ("Conv2d", "activation", "gelu_erf"), ("Conv2d", "layout", "NCWH"), ("Conv2d", "algo", "winograd"),
     ("MaxPool2d", "layout", "CHWN"), ("AvgPool2d", "layout", None), ("Flatten", "layout", "NWHC"),
-    ("GELU", "approximate", "erf"), ("GELU", "approximate", None), ("TransformerEncoderLayer", "activation", "gelu_erf"),
+    ("GELU", "approximate", "erf"), ("GELU", "approximate", None),
+    ("TransformerEncoderLayer", "activation", "gelu_erf"),
     ("TransformerEncoderLayer", "activation", None), ("Linear", "path", "bogus"), ("Conv2d", "path", ["auto"]),
     ("LayerNorm", "path", "cublaslt"), ("Softmax", "path", None), ("LogSoftmax", "path", "cudnn"),
     ("MaxPool2d", "path", "cudnn"), ("AvgPool2d", "path", 3), ("TransformerEncoderLayer", "path", "gpu"),
@@ -950,7 +953,8 @@ def test_seeds_must_be_non_negative_ints(layer, seed, error):
     ("LayerNorm", "normalized_shape", np.array([4]), ValueError), ("LayerNorm", "normalized_shape", [True], ValueError),
     ("Conv2d", "algo", "fft", None), ("Dropout", "p", float("nan"), ValueError), ("Dropout", "p", True, TypeError),
     ("MultiheadAttention", "num_heads", 3, ValueError), ("TransformerEncoderLayer", "nhead", 3, ValueError),
-    ("MultiheadAttention", "batch_first", False, ValueError), ("TransformerEncoderLayer", "batch_first", False, ValueError),
+    ("MultiheadAttention", "batch_first", False, ValueError),
+    ("TransformerEncoderLayer", "batch_first", False, ValueError),
     ("MultiheadAttention", "dropout", 1.5, ValueError), ("MultiheadAttention", "dropout", "0.1", TypeError),
     ("TransformerEncoderLayer", "dropout", -0.5, ValueError), ("TransformerEncoderLayer", "dropout", None, TypeError),
 ])

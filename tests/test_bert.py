@@ -431,7 +431,7 @@ def test_bert_parameters_are_final_after_load_and_to(checkpoint):
 
 
 def test_from_pretrained_draws_no_random_initial_values(checkpoint, monkeypatch):
-    """Every parameter comes from the checkpoint: drawing them first cost 1.4 s for a BERT-base."""
+    """Every parameter comes from the checkpoint: drawing them first cost 1.2 s for a BERT-base."""
     directory, _, state = checkpoint
 
     def refuse(*args, **kwargs):

@@ -83,7 +83,8 @@ class BertConfig:
         named in every error."""
         where = f"BertEncoder: {source}"
         if not isinstance(config, dict):
-            raise TypeError(f"{where} must be a JSON object of the config's fields by name, got {type(config).__name__}")
+            raise TypeError(f"{where} must be a JSON object of the config's fields by name, got "
+                            f"{type(config).__name__}")
         model_type = config.get("model_type", "bert")
         if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
             raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
@@ -443,7 +444,8 @@ def _check_fits(where: str, config: Any, pooler: bool, dtype: Any, device: str, 
     """The config (from `source`), dtype and device checked, and the parameters refused before any is
     drawn if they would not fit (the host builds them all, even for the GPU)."""
     if not isinstance(config, BertConfig):
-        raise TypeError(f"{where}: config must be a BertConfig (BertConfig.from_dict(...)), got {type(config).__name__}")
+        raise TypeError(f"{where}: config must be a BertConfig (BertConfig.from_dict(...)), got "
+                        f"{type(config).__name__}")
     parsed = checks.float_dtype(where, dtype)
     checks.device(where, device)
     config.check(where)

@@ -226,8 +226,8 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
     q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (signature(q), signature(k), signature(v), signature(bias), option_key(scale), causal, layout, seq_lens_q is None,
-           seq_lens_kv is None, path, stream_key())
+    key = (signature(q), signature(k), signature(v), signature(bias), option_key(scale), causal, layout,
+           seq_lens_q is None, seq_lens_kv is None, path, stream_key())
 
     def prepare():
         for name, a in (("q", q), ("k", k), ("v", v)):
