@@ -713,6 +713,11 @@ def test_bert_checkpoint_with_a_complex_tensor_names_the_directory_and_key(tmp_p
         BertEncoder.from_pretrained(directory)
 
 
+def test_load_state_dict_assign_must_be_a_bool():
+    with pytest.raises(TypeError, match="^Linear.load_state_dict: assign must be True or False, got str 'no'"):
+        nn.Linear(3, 2).load_state_dict({"weight": np.ones((2, 3)), "bias": np.ones(2)}, assign="no")
+
+
 def test_load_state_dict_assign_keeps_the_array_and_a_plain_load_copies_it():
     layer = nn.Linear(3, 2)
     weight, bias = np.ones((2, 3), np.float32), np.zeros(2, np.float32)

@@ -91,6 +91,7 @@ class Module:
         where = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping):
             raise TypeError(f"{where}: state must be a dict of arrays by key, got {type(state).__name__}")
+        copy = not checks.flag(where, "assign", assign)
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:
@@ -106,7 +107,7 @@ class Module:
                                  f"{tuple(own[key].shape)}")
             # the layer's own array again (a state_dict() round trip) is kept: nothing to copy, and the
             # version (what CUDA graphs check) stays
-            converted[key] = value if value is own[key] else _like(value, own[key], copy=not assign)
+            converted[key] = value if value is own[key] else _like(value, own[key], copy)
         for key, value in converted.items():
             owner, name = self._owner_of(key)
             owner.register_parameter(name, value)
