@@ -116,10 +116,11 @@ def test_paths_report_availability_and_reasons():
 def every_library_present(monkeypatch):
     """Resolution as on a GPU machine with every library installed: the paths' availability checks
     answer "present", so only supports() and slower() decide."""
-    from libnn.runtime import device
+    from libnn.runtime import device, memory
 
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
     monkeypatch.setattr(device, "module_missing", lambda name: None)
+    monkeypatch.setattr(memory, "gpu_available_bytes", lambda: 80 * 2**30)  # a bind checks the output fits
 
 
 def gpu_problem(activation, dtype="fp16", M=4096, N=3072, K=768, bias=True, residual=False):

@@ -363,6 +363,7 @@ def test_bound_call_with_residual_computes_each_calls_new_data(rng, path, activa
     assert len(op.calls) == bound
     expected = linear(x2, w.get(), b.get(), activation, residual=r2, path="reference")
     assert rel_error(y, expected) <= tolerance("bf16")
+    bound = len(op.calls)  # the reference call above bound a call of its own
     y_plain = linear(*to_gpu(x2), w, b, activation, path=path)
     assert len(op.calls) == bound + 1
     assert rel_error(y_plain, linear(x2, w.get(), b.get(), activation, path="reference")) <= tolerance("bf16")
@@ -410,7 +411,11 @@ def test_epilogue_pass_matches_reference(rng, dtype, activation, rows_n, bias):
     expected = activations.apply(y.astype(np.float64) + (0 if b is None else b.astype(np.float64)), activation)
     yg, bg = to_gpu(y, b)
     bind_epilogue_pass(dtype, rows, N, activation)(yg, bg)
-    assert rel_error(yg, expected) <= tolerance(dtype)
+    # fp16 flushes GELU's tails below 2**-24 to 0 (gelu(-7.5) is -1.5e-14): an absolute floor of fp16's
+    # smallest normal per element keeps a tiny output from reading as a 100% error
+    floor = 2.0**-14 * np.sqrt(expected.size) if dtype == "fp16" else 0.0
+    error = np.linalg.norm(yg.get().astype(np.float64) - expected)
+    assert error <= tolerance(dtype) * np.linalg.norm(expected) + floor
 
 
 def test_epilogue_pass_with_a_misaligned_bias_takes_the_scalar_path(rng):

@@ -87,6 +87,10 @@ class AttentionProblem:
         return full // 2 if self.causal else full
 
     @property
+    def output_bytes(self) -> int:
+        return memory.array_bytes((self.B, self.Hq, self.Sq, self.D), dtypes.parse(self.dtype))
+
+    @property
     def o_strides(self) -> tuple[int, int, int, int]:
         """o is contiguous in `layout`; its element strides in (B, H, S, D) order."""
         H, S, D = self.Hq, self.Sq, self.D
@@ -415,6 +419,10 @@ def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
 def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     from libnn.ops.attention_kernels import unfused_attention
 
+    p = problem
+    # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product
+    temporaries = 4 * (p.B * p.Hq * p.Sq * (p.Skv + 2 * p.D) + 2 * p.B * p.Hkv * p.Skv * p.D)
+    memory.require(temporaries, "gpu", "attention", f"the unfused path's fp32 scores and copies for {p.describe()}")
     return _run_kernels(unfused_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 

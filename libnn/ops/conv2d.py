@@ -71,6 +71,10 @@ class ConvProblem:
     def flops(self) -> int:
         return 2 * self.N * self.P * self.Q * self.K * self.R * self.S * (self.C // self.groups)
 
+    @property
+    def output_bytes(self) -> int:
+        return memory.array_bytes((self.N, self.K, self.P, self.Q), dtypes.parse(self.dtype))
+
     def x_strides(self) -> list[int]:
         """Element strides of x in cuDNN's dimension order (N, C, H, W)."""
         return _strides(self.layout, self.C, self.H, self.W)

@@ -225,7 +225,11 @@ def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
 
 
 def fft_shape(problem: FFTConvProblem, power_of_two: bool) -> tuple[int, ...]:
-    return tuple(1 << (p - 1).bit_length() if power_of_two else smooth_size(p) for p in problem.padded)
+    """The transform size per spatial dim, at least 2: CuPy takes an array with a size-1 transform axis
+    for F-order and refuses to plan its R2C/C2R transform; a longer transform of the zero-padded data
+    gives the same convolution."""
+    return tuple(1 << (n - 1).bit_length() if power_of_two else smooth_size(n)
+                 for n in (max(2, p) for p in problem.padded))
 
 
 # Up to this many channel pairs the contraction is one pass over the spectra (fft_cmul on the GPU, a

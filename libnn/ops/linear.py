@@ -71,6 +71,10 @@ class LinearProblem:
     def flops(self) -> int:
         return 2 * self.M * self.N * self.K
 
+    @property
+    def output_bytes(self) -> int:
+        return memory.array_bytes((self.M, self.N), dtypes.parse(self.dtype))
+
 
 def _check(x, w, b, activation, allow_tf32: bool, residual=None) -> LinearProblem:
     if w.ndim != 2:
