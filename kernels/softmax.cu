@@ -34,8 +34,9 @@ Versions (the launcher, libnn/ops/softmax.py, picks one; all take the same param
 3) softmax_cols_{f16,bf16,f32,f64}   inner > 1 (softmax over dim 1 of NCHW, over dim 0, ...)
    A block of (32, Y) threads takes 32 consecutive slices (flattened (o, i) positions p); thread
    (tx, ty) reads elements k = ty, ty + Y, ... of slice tx, so that each warp's loads are 32
-   consecutive inner positions (coalesced when inner >= 32). The Y online pairs of a slice are merged
-   in shared memory in a fixed order, and a second pass writes y.
+   consecutive inner positions (coalesced when inner >= 32), its sum compensated (Kahan: a thread
+   adds up to n / Y elements in a row). The Y online pairs of a slice are merged in shared memory in
+   a fixed order, and a second pass writes y.
 
 Online pairs: (m, s) means s = sum of exp(v - m) over the elements seen. An element v > m rescales
 s by exp(m - v) and adds exp(v - v) (1, or NaN for v = +inf, as the two-pass formula gets); an
@@ -140,6 +141,27 @@ __device__ __forceinline__ void add(C& m, C& s, C v) {
     } else if (v != neg_inf<C>()) {
         s += ex(v - m);
     }
+}
+// add, with the sum compensated (Kahan: c keeps the low-order bits the last addition lost, and is
+// rescaled with s): a thread of softmax_cols sums n / Y elements in a row, up to 2^16 for n = 2^20,
+// where plain fp32 addition drifted to a 7e-5 relative error
+template <class C>
+__device__ __forceinline__ void add_compensated(C& m, C& s, C& c, C v) {
+    C term;
+    if (v > m) {
+        const C scale = ex(m - v);
+        s *= scale;
+        c *= scale;
+        m = v;
+        term = ex(v - v);  // NaN for v = +inf, as in add
+    } else if (v != neg_inf<C>()) {
+        term = ex(v - m);
+    } else {
+        return;
+    }
+    const C corrected = term - c, total = s + corrected;
+    c = (total - s) - corrected;
+    s = total;
 }
 // s of a pair rescaled to the maximum mm >= m. A pair still at m = -inf has seen only -inf (s = 0) or
 // also NaN (s = NaN): its s is kept as it is, where exp(-inf - -inf) would make the 0 a NaN.
@@ -268,8 +290,8 @@ __device__ __forceinline__ void softmax_cols(const typename DT::T* __restrict__ 
         const i64 o = p / inner;
         const i64 first = live ? o * n * inner + (p - o * inner) + ty * inner : 0;
         const i64 end = live ? first - ty * inner + n * inner : 0;  // one past the slice's last element
-        C m = neg_inf<C>(), s = 0;
-        for (i64 e = first; e < end; e += stride) add(m, s, DT::ld(x[e]));
+        C m = neg_inf<C>(), s = 0, c = 0;
+        for (i64 e = first; e < end; e += stride) add_compensated(m, s, c, DT::ld(x[e]));
         __syncthreads();  // the previous tile's threads have read red_m[0], red_s[0]
         red_m[ty][tx] = m;
         red_s[ty][tx] = s;
