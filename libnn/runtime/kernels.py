@@ -99,29 +99,31 @@ class CompiledFile:
     file: Path | None = None  # where the disk cache keeps `cubin`
 
     def resources(self) -> list["KernelResources"]:
-        """Registers, shared memory and spills per kernel, from ptxas' report in the log. A log from
-        the disk cache can lack the report (seen on the H100 under pytest -n 6: an entry written by a
-        run-time compile earlier); for a verbose compile that is a miss, so the file is compiled again
-        and the cache entry replaced."""
+        """Registers, shared memory and spills per kernel, from ptxas' report in the log. A verbose
+        compile whose log lacks the report (NVRTC 13.0 answers a compile it has made before without
+        one, see `fresh_report`) is compiled again so that it has one, and its cache entry's log is
+        replaced."""
         found = parse_ptxas_report(self.log)
-        if found or self.file is None or VERBOSE not in self.options:
+        if found or VERBOSE not in self.options:
             return found
-        found = parse_ptxas_report(compile_file(self.path, self.arch, self.options, refresh=True).log)
-        return found or parse_ptxas_report(_log_of_fresh_process(self.path, self.arch, self.options))
+        report = fresh_report(self.path, self.arch, self.options)
+        if self.file is not None:
+            self.file.with_suffix(".log").write_text(report)
+        return parse_ptxas_report(report)
 
 
-def _log_of_fresh_process(path: Path, arch: str, options: tuple[str, ...]) -> str:
-    """The log of a compile in a new process. NVRTC 13.0 (the H100 image) leaves ptxas' report out of
-    a process's compiles for an architecture once that process has compiled for it at run time (seen
-    under pytest on the H100, a second in-process compile came back without it too); a process that
-    has compiled nothing yet gets it. The compile also refreshes the cache entry."""
-    import subprocess
-    import sys
+REPORT_PROBE = "libnn_report_probe_"  # the name prefix of fresh_report's empty kernel
 
-    code = ("import sys; from libnn.runtime.kernels import compile_file; "
-            "sys.stdout.write(compile_file(sys.argv[1], sys.argv[2], tuple(sys.argv[3:]), refresh=True).log)")
-    done = subprocess.run([sys.executable, "-c", code, str(path), arch, *options], capture_output=True, text=True)
-    return done.stdout
+
+def fresh_report(path: Path, arch: str, options: tuple[str, ...]) -> str:
+    """The log of a compile of `path` that no cache can answer. NVRTC 13.0 (the H100 image) gives a
+    program it has compiled before, in this process or in another, back with an empty log: on the
+    H100 the second compile of a file had no ptxas report, in a new process too. An empty kernel with
+    a unique name appended to the source makes the program new; parse_ptxas_report leaves it out."""
+    import uuid
+
+    probe = f'\nextern "C" __global__ void {REPORT_PROBE}{uuid.uuid4().hex}() {{}}\n'
+    return _compile_uncached(path, path.read_bytes() + probe.encode(), arch, options).log
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def parse_ptxas_report(log: str) -> list[KernelResources]:
         elif (m := _USED.search(line)) and kernel:
             found.append(KernelResources(kernel, arch, int(m.group(1)), int(m.group(2) or 0), *frame))
             kernel = None
-    return found
+    return [r for r in found if not r.kernel.startswith(REPORT_PROBE)]
 
 
 _SOURCE_ERROR = re.compile(r"^(.*?\.cuh?)\((\d+)\): (?:catastrophic )?error: (.*)$", re.M)

@@ -29,15 +29,18 @@ class Launch:
     order of the ARRAY placeholders."""
 
     __slots__ = ("_launch", "_function", "_grid", "_block", "_smem", "_stream", "_slots", "_pointers",
-                 "_address", "_array_slots", "_lock", "_success", "name")
+                 "_address", "_array_slots", "_lock", "_success", "_invalid_context", "_device", "name")
 
     def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
                  stream_ptr: int, args: Sequence[Any]):
+        import cupy
         from cuda.bindings import driver
 
         self.name = name
+        self._device = cupy.cuda.runtime.getDevice()  # the device `function` is loaded on
         self._launch = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
+        self._invalid_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         self._function = driver.CUfunction(function.kernel.ptr)
         self._grid = (*grid, *(1,) * (3 - len(grid)))
         self._block = (*block, *(1,) * (3 - len(block)))
@@ -58,8 +61,20 @@ class Launch:
             for i, a in zip(self._array_slots, arrays):
                 slots[i] = 0 if a is None else a.data.ptr
             (err,) = self._launch(self._function, *self._grid, *self._block, self._smem, self._stream, self._address, 0)
+            if err is self._invalid_context:  # a thread whose CUDA context CuPy has not made current yet
+                self._make_context_current()
+                (err,) = self._launch(self._function, *self._grid, *self._block, self._smem, self._stream,
+                                      self._address, 0)
         if err is not self._success:
             raise LibraryError(f"launching {self.name} failed: {err.name}")
+
+    def _make_context_current(self) -> None:
+        """A new thread has no current context for the driver API until the runtime API (CuPy) makes
+        the device's primary context current in it, which CuPy does lazily: do it now."""
+        import cupy
+
+        cupy.cuda.runtime.setDevice(self._device)
+        cupy.cuda.runtime.free(0)  # setDevice alone defers making the primary context current
 
 
 def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], *,
