@@ -45,7 +45,9 @@ from libnn.nn.transformer import (
     op_path,
     packed_self_attention,
 )
+from libnn.ops.embedding import embedding
 from libnn.ops.linear import FUSED_ACTIVATIONS
+from libnn.registry import get_op
 from libnn.runtime.arrays import array_module, as_array, is_cupy, min_max
 
 MODEL_TYPES = ("bert",)
@@ -181,18 +183,20 @@ class BertEmbeddings(Module):
         self.token_type_embeddings = Embedding(c.type_vocab_size, c.hidden_size, dtype=dtype, device=device)
         self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps, dtype=dtype, device=device,
                                    path=op_path(path, "layer_norm"))
+        # one path name for the whole model ("cudnn", "cublaslt") that the embedding op lacks leaves it on
+        # auto, as the gather it replaced had no path at all
+        self.path = op_path(path, "embedding")
+        if self.path not in get_op("embedding").paths:
+            self.path = "auto"
 
     def forward(self, input_ids: Any, token_type_ids: Any) -> Any:
-        """Gathers straight from the tables: BertEncoder.forward has checked the ids' ranges already
-        (one synchronisation for all of them, where each Embedding would take its own)."""
-        xp = array_module(input_ids)
-        S = input_ids.shape[1]
-        x = xp.take(self.word_embeddings.weight, input_ids, axis=0) + self.position_embeddings.weight[:S]
-        if token_type_ids is None:  # Hugging Face's default: every token of type 0
-            x += self.token_type_embeddings.weight[0]
-        else:
-            x += xp.take(self.token_type_embeddings.weight, token_type_ids, axis=0)
-        return self.LayerNorm(x)
+        """word + position + token type (None: type 0, Hugging Face's default), then LayerNorm, in one
+        op (one kernel on the GPU). The tables are read straight: BertEncoder.forward has checked the
+        ids' ranges already (one synchronisation for all of them, where each Embedding would take its own)."""
+        norm = self.LayerNorm
+        return embedding(input_ids, self.word_embeddings.weight, position_weight=self.position_embeddings.weight,
+                         type_ids=token_type_ids, type_weight=self.token_type_embeddings.weight,
+                         norm_weight=norm.weight, norm_bias=norm.bias, eps=norm.eps, normalize=True, path=self.path)
 
 
 class BertSelfAttention(Module):
@@ -236,7 +240,7 @@ class _DenseLayerNorm(Module):
                                    path=op_path(path, "layer_norm"))
 
     def forward(self, x: Any, residual: Any) -> Any:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x, residual=residual))  # the residual added in the GEMM's epilogue
 
 
 class BertAttention(Module):
@@ -317,7 +321,7 @@ class BertEncoder(Module):
                  path: str | dict[str, str] = "auto"):
         super().__init__()
         _check_fits("BertEncoder", config, pooler, dtype, device, "the config")
-        checks.path("BertEncoder", path, ("linear", "attention", "layer_norm"), per_op=True)
+        checks.path("BertEncoder", path, ("linear", "attention", "layer_norm", "embedding"), per_op=True)
         self.config, self.path = config, path
         self.embeddings = BertEmbeddings(config, dtype, device, path)
         self.encoder = _Encoder(config, dtype, device, path)
@@ -419,19 +423,20 @@ class BertEncoder(Module):
         """What runs, and what was fused at load."""
         c = self.config
         act = c.activation
-        act_where = "in the GEMM epilogue" if act in FUSED_ACTIVATIONS else "a second element-wise pass after the GEMM"
+        act_where = ("in the GEMM epilogue" if act in FUSED_ACTIVATIONS else
+                     "in the epilogue of cuDNN's fused matmul graph (fp16/bf16), else a pass after cuBLASLt's GEMM")
         heads = f"{c.num_attention_heads} heads of {c.hidden_size // c.num_attention_heads}"
         last = f"0-{c.num_hidden_layers - 1}" if c.num_hidden_layers > 1 else "0"
         dtype = dtypes.short_name(self.embeddings.word_embeddings.weight.dtype)
         lines = [(f"BertEncoder: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads}, intermediate "
                   f"{c.intermediate_size}, {dtype}"),
-                 "embeddings: word + position + token_type, LayerNorm",
+                 "embeddings: word + position + token_type and LayerNorm in one op (one kernel on the GPU)",
                  (f"encoder.layer.{last}.attention.self: query+key+value fused into one packed "
                   f"({3 * c.hidden_size}x{c.hidden_size}) GEMM with its bias in the epilogue; attention on "
                   "strided BSHD views of its output (no copies)"),
-                 "encoder.layer.*.attention.output.dense: bias in the GEMM epilogue; residual add, LayerNorm",
+                 "encoder.layer.*.attention.output.dense: bias and the residual in the GEMM epilogue; LayerNorm",
                  f"encoder.layer.*.intermediate.dense: bias in the GEMM epilogue; {act} ({c.hidden_act!r}) {act_where}",
-                 "encoder.layer.*.output.dense: bias in the GEMM epilogue; residual add, LayerNorm"]
+                 "encoder.layer.*.output.dense: bias and the residual in the GEMM epilogue; LayerNorm"]
         if self.pooler is not None:
             lines.append("pooler.dense: bias in the GEMM epilogue, tanh after")
         if self.load_report is not None:

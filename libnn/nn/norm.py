@@ -39,8 +39,10 @@ class LayerNorm(Module):
         self.register_parameter("weight", full(shape, 1.0, dtype, device) if elementwise_affine else None)
         self.register_parameter("bias", full(shape, 0.0, dtype, device) if elementwise_affine and bias else None)
 
-    def forward(self, x: Any) -> Any:
-        return layer_norm(x, self.weight, self.bias, eps=self.eps, path=self.path)
+    def forward(self, x: Any, residual: Any = None) -> Any:
+        """LayerNorm(x + residual): a residual (x's shape) is added as the rows are read, not by a pass
+        of its own."""
+        return layer_norm(x, self.weight, self.bias, residual=residual, eps=self.eps, path=self.path)
 
     def __repr__(self) -> str:
         return (f"LayerNorm({self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "

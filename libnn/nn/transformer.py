@@ -281,11 +281,12 @@ class TransformerEncoderLayer(Module):
             raise ValueError(f"TransformerEncoderLayer: src must be 3-D (batch, seq_len, d_model={self.d_model}) "
                              f"(batch_first=True), got shape {tuple(src.shape)}")
         x = src
+        # every residual add is fused: into linear2's GEMM epilogue, or into the LayerNorm that follows it
         if self.norm_first:
             x = x + self._attend(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
-            return x + self.linear2(self.linear1(self.norm2(x)))
-        x = self.norm1(x + self._attend(x, src_mask, src_key_padding_mask, is_causal))
-        return self.norm2(x + self.linear2(self.linear1(x)))
+            return self.linear2(self.linear1(self.norm2(x)), residual=x)
+        x = self.norm1(self._attend(x, src_mask, src_key_padding_mask, is_causal), residual=x)
+        return self.norm2(self.linear2(self.linear1(x), residual=x))
 
     def _attend(self, x: Any, mask: Any, key_padding_mask: Any, is_causal: bool) -> Any:
         return self.self_attn(x, key_padding_mask=key_padding_mask, attn_mask=mask, is_causal=is_causal)[0]
@@ -294,5 +295,6 @@ class TransformerEncoderLayer(Module):
         return [(f"self_attn: q, k, v in one GEMM ({3 * self.d_model}x{self.d_model}), attention on strided "
                  "BSHD views of its output"),
                 f"linear1: bias+{ENCODER_ACTIVATIONS[self.activation]} in the GEMM epilogue",
-                "linear2, self_attn.out_proj: bias in the GEMM epilogue",
-                f"{'pre' if self.norm_first else 'post'}-norm residual blocks (norm1, norm2)"]
+                "linear2, self_attn.out_proj: bias in the GEMM epilogue; linear2 adds its residual there too",
+                f"{'pre' if self.norm_first else 'post'}-norm residual blocks (norm1, norm2)"
+                + ("" if self.norm_first else "; norm1 adds the attention's residual as it reads its rows")]
