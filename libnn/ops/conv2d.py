@@ -59,6 +59,7 @@ class ConvProblem:
     activation: str | None
     allow_tf32: bool
     device: str
+    aligned: bool = True  # x and w start on 16-byte boundaries (cuDNN's engines assume it)
 
     def describe(self) -> str:
         epilogue = "+".join(filter(None, ["scale" if self.has_scale else None, "shift" if self.has_shift else None,
@@ -202,7 +203,8 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
     has_bn = bn is not None
     problem = ConvProblem(N, H, W, C, K, R, S, P, Q, stride, padding, dilation, groups, dtypes.short_name(x.dtype),
                           layout, has_scale=has_bn, has_shift=has_bn or b is not None, activation=activation,
-                          allow_tf32=bool(allow_tf32), device=device)
+                          allow_tf32=bool(allow_tf32), device=device,
+                          aligned=device == "cpu" or all(a.data.ptr % 16 == 0 for a in (x, w)))
     if device == "cpu":  # host arrays run on the reference path
         _reference_fits(problem)
     return problem
@@ -263,6 +265,14 @@ def _gpu_support(problem: ConvProblem) -> str | None:
 
 
 # --- cudnn paths ------------------------------------------------------------------------------------
+def _cudnn_support(problem: ConvProblem) -> str | None:
+    if reason := _gpu_support(problem):
+        return reason
+    if not problem.aligned:  # an offset view: the engines' vector loads fault (CUDA misaligned address)
+        return "cuDNN's engines need x and w to start on 16-byte boundaries (a view offset into a larger array does not)"
+    return None
+
+
 def _graph_builder(problem: ConvProblem):
     """conv_fprop → mul(scale) → add(shift) → activation, one node per line."""
     def build(handle):
@@ -316,7 +326,7 @@ def bind_cudnn_graph(problem: ConvProblem):
     return run
 
 
-@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
 def _cudnn(problem: ConvProblem, x, w, b, bn):
     graph = bind_cudnn_graph(problem)
 
@@ -325,7 +335,8 @@ def _cudnn(problem: ConvProblem, x, w, b, bn):
     return run
 
 
-@op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
+@op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support,
+         binds=True)
 def _cudnn_then_epilogue(problem: ConvProblem, x, w, b, bn):
     graph = bind_cudnn_graph(problem.epilogue_only())
 
