@@ -31,6 +31,7 @@ from libnn.runtime.cache import PlanCache
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cublaslt_handle, workspace
 from libnn.runtime.stream import current_stream
+from libnn.runtime.timing import time_gpu
 
 # nvmath logs to the root logger unless given one; a logger of our own keeps its INFO lines (and
 # their cost) out of the application's logs.
@@ -128,8 +129,6 @@ class GemmPlan:
 
     def autotune(self, x, w, b, y, runs: int = 10, r=None) -> None:
         """Time every candidate on these operands (median of `runs`, CUDA events) and keep the fastest."""
-        from libnn.bench.harness import time_gpu
-
         run = self.runner(current_stream().ptr)
         for c in self.candidates:
             self.choose(c.index)

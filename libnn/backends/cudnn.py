@@ -20,11 +20,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from libnn.errors import LibraryError
-from libnn.runtime.cache import PlanCache
+from libnn.runtime.cache import PlanCache, cache_dir
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cudnn_handle, workspace
-from libnn.runtime.kernels import cache_dir
 from libnn.runtime.stream import current_stream
+from libnn.runtime.timing import time_gpu
 
 _graphs: PlanCache = PlanCache("cudnn graphs")
 
@@ -238,9 +238,6 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
                     on_plan: Callable[[PlanInfo], None] | None = None) -> list[PlanInfo]:
     """Every plan each heuristics mode offers for the graph, built one by one; with `time_plans`,
     each one's median time on `buffers`."""
-
-    from libnn.bench.harness import time_gpu
-
     handle = cudnn_handle()
     found = []
     for mode in modes:

@@ -4,6 +4,8 @@ Timing follows one method: CUDA events around the region on the current stream, 
 median of many runs, inputs rotated among several sets whose total exceeds the L2 cache so that
 repeated runs do not measure the cache. Rates are reported against ceilings measured on the same
 device in the same run (a device-to-device copy for bandwidth, a cuBLASLt bf16 GEMM for matrix math).
+`time_gpu` and `Timing` live in libnn.runtime.timing (the library's autotuners time with them too)
+and are imported here, so that every suite keeps calling `harness.time_gpu`.
 """
 
 from __future__ import annotations
@@ -15,61 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-
-@dataclass
-class Timing:
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    runs: int
-
-    @property
-    def median_s(self) -> float:
-        return self.median_ms / 1e3
-
-
-def time_gpu(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 5, runs: int = 30,
-             min_seconds: float = 0.0) -> Timing:
-    """Median time of `fn(inputs[i % len(inputs)])` on the current stream, one event pair per run.
-
-    `inputs` is a list of argument sets to rotate through; pass more than one set, together larger
-    than L2, when the data would otherwise stay cached between runs.
-    """
-    import cupy
-
-    stream = cupy.cuda.get_current_stream()
-    start_wall = time.perf_counter()
-    for i in range(warmup):
-        fn(inputs[i % len(inputs)])
-    stream.synchronize()
-    host_per_call = (time.perf_counter() - start_wall) / max(warmup, 1)
-    # Keep the GPU busy while the host queues the batch, so that each event pair brackets GPU work
-    # only; without this, runs shorter than the host's launch overhead would time the host.
-    _spin(min(0.2, 1.5 * host_per_call * runs))
-    events = []
-    start_wall = time.perf_counter()
-    i = 0
-    while i < runs or time.perf_counter() - start_wall < min_seconds:
-        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-        begin.record(stream)
-        fn(inputs[i % len(inputs)])
-        end.record(stream)
-        events.append((begin, end))
-        i += 1
-    stream.synchronize()
-    times = sorted(cupy.cuda.get_elapsed_time(b, e) for b, e in events)
-    return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10], len(times))
-
-
-def _spin(seconds: float) -> None:
-    import cupy
-
-    from libnn.runtime import kernels
-
-    rate_khz = cupy.cuda.Device().attributes["ClockRate"]
-    kernels.function("timing.cu", "spin_wait")((1,), (1,), (np.int64(seconds * rate_khz * 1e3),))
+from libnn.dtypes import bfloat16
+from libnn.ops.linear import linear
+from libnn.runtime.timing import Timing, time_gpu  # noqa: F401  (Timing: re-exported with time_gpu)
 
 
 def time_host(fn: Callable[[], Any], *, calls: int = 2000, repeats: int = 5) -> float:
@@ -122,9 +72,6 @@ class Ceilings:
 def measure_ceilings(gemm_size: int = 8192) -> Ceilings:
     """The two ceilings every rate is compared with, measured on this device now."""
     import cupy
-
-    from libnn.dtypes import bfloat16
-    from libnn.ops.linear import linear
 
     nbytes = 1 << 30
     src, dst = cupy.empty(nbytes, cupy.uint8), cupy.empty(nbytes, cupy.uint8)

@@ -10,7 +10,9 @@ import time
 import numpy as np
 
 from libnn.models.seed_cnn import PATHS, SeedCNN, load_heldout
+from libnn.registry import get_op
 from libnn.runtime.device import gpu_missing
+from libnn.runtime.timing import time_gpu
 
 OPS = ("conv2d", "pool2d", "linear", "softmax")  # the ops SeedCNN calls, for the "paths taken" line
 GPU_RUNS, CPU_RUNS = 20, 3
@@ -39,14 +41,10 @@ def run(batch: int = 64, path: str = "auto", dtype: str = "fp32") -> int:
 
     first = batches[0]
     if device == "gpu":
-        from libnn.bench.harness import time_gpu
-
         timing = time_gpu(model, [first], warmup=3, runs=GPU_RUNS)
         latency, how = timing.median_ms, f"median of {timing.runs}, CUDA events"
     else:
         latency, how = _wall_ms(model, first, CPU_RUNS), f"median of {CPU_RUNS}, wall time"
-    from libnn.registry import get_op
-
     taken = ", ".join(f"{op} {get_op(op).last_decision.path}" for op in OPS if get_op(op).last_decision)
     print(f"SeedCNN {dtype}, paths taken: {taken}")
     print(f"held-out accuracy: {correct / len(labels):.2%} ({correct}/{len(labels)})")

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from libnn.errors import LibnnError
+from libnn.runtime.cache import PlanCache
 from libnn.runtime.device import gpu_missing
+from libnn.runtime.stream import capturing
 
 
 _CUPY_TYPES: set[type] = set()  # the cupy array types seen so far: later checks are one set lookup
@@ -120,8 +122,6 @@ def min_max(arrays: list[Any]) -> list[tuple[int, int]] | None:
     """(min, max) of each non-empty array, read to the host with one synchronisation for all of them;
     None while a CUDA graph is prepared or captured (no GPU value can be read then: the caller skips
     its check, which the graph's checked first pass has run)."""
-    from libnn.runtime.stream import capturing
-
     if not arrays:
         return []
     xp = array_module(arrays[0])
@@ -139,8 +139,6 @@ def device_constant(n: int, value: float, dtype: Any) -> Any:
     and synchronised, so that a library reading it from any stream sees it filled: what cuDNN gets for
     an input the caller left out (unit scales, zero shifts, full sequence lengths)."""
     import cupy
-
-    from libnn.runtime.cache import PlanCache
 
     global _constants
     if _constants is None:

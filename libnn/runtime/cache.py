@@ -1,14 +1,17 @@
 """Plan caches: everything expensive (library plans, handles, compiled modules) is built once per key
 and reused. A key must name everything the object depends on (shapes, strides, dtypes, options,
 device); `cache_info()` reports hits and build time per cache, which is how tests check that a second
-call built nothing."""
+call built nothing. What outlives the process (compiled kernels, serialized cuDNN plans) goes under
+`cache_dir()`."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Generic, Hashable, TypeVar
 
 T = TypeVar("T")
@@ -69,3 +72,11 @@ def register_stats(name: str) -> CacheStats:
 def cache_info() -> dict[str, CacheStats]:
     """Statistics of every plan cache libnn has created in this process."""
     return dict(_STATS)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels and plans are kept on disk (kernels/ and cudnn/ below it):
+    $LIBNN_CACHE_DIR, else the user's cache dir."""
+    root = os.environ.get("LIBNN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "libnn")
+    return Path(root)

@@ -13,6 +13,8 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field
 
+from libnn.runtime.nvrtc import nvrtc_version
+
 
 @functools.lru_cache(maxsize=None)
 def module_missing(name: str) -> str | None:
@@ -162,8 +164,7 @@ def _library_versions() -> dict[str, str]:
         return f"{v // 1000}.{v % 1000 // 10}.{v % 10}"
 
     def nvrtc():
-        from libnn.runtime import kernels
-        return kernels.nvrtc_version()
+        return nvrtc_version()
 
     return {"numpy": _probe(lambda: importlib.import_module("numpy").__version__),
             "cupy": _probe(cupy_version), "CUDA": _probe(runtime), "nvmath-python": _probe(nvmath_version),

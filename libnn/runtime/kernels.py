@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from libnn.errors import KernelCompileError
-from libnn.runtime.cache import PlanCache
+from libnn.runtime.cache import PlanCache, cache_dir
+from libnn.runtime.device import compute_capability, current_device_id
+from libnn.runtime.nvrtc import bindings, check, nvrtc_version, supported_archs
 
 # -Xptxas=-v puts the resource report (registers, shared memory, spills) into every cached log.
 # NVRTC's default dialect is C++17 already; -std=c++17 or -lineinfo silence that report on NVRTC 13.0
@@ -49,44 +51,6 @@ def kernel_files() -> list[Path]:
 def _headers(directory: Path) -> bytes:
     """The contents of every libnn header a kernel file may include, for cache keys."""
     return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(directory.glob("*.cuh")))
-
-
-def cache_dir() -> Path:
-    """Where compiled kernels and plans are kept: $LIBNN_CACHE_DIR, else the user's cache dir."""
-    root = os.environ.get("LIBNN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "libnn")
-    return Path(root)
-
-
-def _nvrtc():
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError as exc:
-        raise KernelCompileError(
-            "compiling kernels needs NVRTC through cuda-bindings: install libnn[cu12] or libnn[cu13] "
-            f"(or libnn[test]); import failed: {exc}") from exc
-    return nvrtc
-
-
-def _check(result, what: str) -> None:
-    nvrtc = _nvrtc()
-    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        _, text = nvrtc.nvrtcGetErrorString(result)
-        raise KernelCompileError(f"NVRTC {what} failed: {text.decode()}")
-
-
-def nvrtc_version() -> str:
-    err, major, minor = _nvrtc().nvrtcVersion()
-    _check(err, "version query")
-    return f"{major}.{minor}"
-
-
-def supported_archs() -> list[int]:
-    """The sm_XX numbers this NVRTC can compile for."""
-    nvrtc = _nvrtc()
-    err, archs = nvrtc.nvrtcGetSupportedArchs()
-    _check(err, "supported-arch query")
-    return list(archs)
 
 
 @dataclass(frozen=True)
@@ -185,9 +149,9 @@ def _failure_message(path: Path, arch: str, log: str) -> str:
 
 
 def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, ...]) -> CompiledFile:
-    nvrtc = _nvrtc()
+    nvrtc = bindings()
     err, program = nvrtc.nvrtcCreateProgram(source, f"kernels/{path.name}".encode(), 0, [], [])
-    _check(err, "program creation")
+    check(err, "program creation")
     try:
         opts = [f"-arch={arch}".encode(), f"-I{path.parent}".encode(), *(o.encode() for o in options)]
         (compile_err,) = nvrtc.nvrtcCompileProgram(program, len(opts), opts)
@@ -203,10 +167,10 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
         get_size, get = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if arch.startswith("sm_") else \
                         (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
         err, size = get_size(program)
-        _check(err, "output size query")
+        check(err, "output size query")
         binary = bytearray(size)
         (err,) = get(program, binary)
-        _check(err, "output fetch")
+        check(err, "output fetch")
         return CompiledFile(path, arch, options, bytes(binary), log_text)
     finally:
         nvrtc.nvrtcDestroyProgram(program)
@@ -239,8 +203,6 @@ def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT
 def target_arch(device_id: int) -> str:
     """sm_XY for the device, or PTX for the newest arch NVRTC knows when the device is newer still
     (the driver then compiles the PTX for the device at load)."""
-    from libnn.runtime.device import compute_capability
-
     major, minor = compute_capability(device_id)
     cc = major * 10 + minor
     archs = supported_archs()
@@ -256,8 +218,6 @@ def load(name: str, options: tuple[str, ...] = DEFAULT_OPTIONS):
     compiled (or fetched from the disk cache, keyed by its contents) once per device and options."""
     import cupy
 
-    from libnn.runtime.device import current_device_id
-
     device_id = current_device_id()
 
     def build():
@@ -270,8 +230,6 @@ def load(name: str, options: tuple[str, ...] = DEFAULT_OPTIONS):
 def function(file: str, kernel: str, dynamic_smem: int = 0):
     """A kernel of kernels/<file> for the current device, allowed `dynamic_smem` bytes of dynamic
     shared memory (above 48 KB a kernel must opt in)."""
-    from libnn.runtime.device import current_device_id
-
     def build():
         f = load(file).get_function(kernel)
         if dynamic_smem > 48 * 1024:

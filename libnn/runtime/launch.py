@@ -20,6 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn.errors import LibraryError
+from libnn.runtime import kernels
+from libnn.runtime.stream import current_stream
 
 ARRAY = object()  # an argument that is an array: its device pointer is written at each launch (None: null)
 
@@ -82,9 +84,6 @@ def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args
     """A packed launch of kernels/<file>'s `kernel` on the stream (default: the current one). `args`
     lists the kernel's parameters in order: ARRAY for each array (passed at launch), NumPy scalars
     (np.int32, np.int64, np.float32, np.uint64) for the rest."""
-    from libnn.runtime import kernels
-    from libnn.runtime.stream import current_stream
-
     function = kernels.function(file, kernel, shared_mem)
     return Launch(function, f"kernels/{file}:{kernel}", grid, block, shared_mem,
                   current_stream().ptr if stream_ptr is None else stream_ptr, args)
