@@ -5,7 +5,9 @@ our own CUDA kernels (`custom`), and a float64 NumPy `reference`. `path="auto"` 
 path that supports the call; any path can be forced by name.
 """
 
-from libnn import nn, ops
+# ops first: importing an op module registers the op (libnn.registry looks ops up, never imports them)
+from libnn import ops  # isort: skip
+from libnn import nn
 from libnn.config import config
 from libnn.errors import (FallbackWarning, KernelCompileError, LibnnError, LibraryError, NoPathError,
                           PathUnavailableError)

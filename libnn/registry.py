@@ -275,8 +275,9 @@ def _others(reasons: dict[str, str], ran: str) -> dict[str, str]:
 
 
 def get_op(name: str) -> Op:
-    import libnn.ops  # noqa: F401  (registers every op)
-
+    """The op registered under `name`. Ops register themselves when their module is imported, and
+    `import libnn` (which importing any libnn module runs first) imports every op module through
+    libnn.ops: the registry, below the ops, never imports them."""
     if name not in _OPS:
         raise ValueError(f"unknown op {name!r}; known ops: {sorted(_OPS)}")
     return _OPS[name]
@@ -288,5 +289,5 @@ def paths(op: str) -> list[dict[str, str]]:
 
 
 def ops() -> list[str]:
-    import libnn.ops  # noqa: F401
+    """The names of every registered op (every op, once `libnn` is imported: see `get_op`)."""
     return sorted(_OPS)

@@ -63,12 +63,22 @@ import numbers
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 from libnn.errors import LibnnError
-from libnn.nn.module import Module
 from libnn.runtime.arrays import is_cupy
 from libnn.runtime.stream import graph_mode
+
+
+class Graphable(Protocol):
+    """What a graph needs of a model: calling it, its `version` (a libnn.nn.Module's: see
+    libnn.nn.module) and its parameters. A protocol rather than Module itself because Module.graphed()
+    builds a GraphedModule: this module sits below libnn.nn.module, not beside it."""
+    version: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -135,7 +145,7 @@ class _Capture:
 
 
 class GraphedModule:
-    def __init__(self, module: Module, *, warmup: int = 2, buckets: Sequence[int] | None = None,
+    def __init__(self, module: Graphable, *, warmup: int = 2, buckets: Sequence[int] | None = None,
                  seq_buckets: Sequence[int] | None = None, max_captures: int = 32):
         name = f"{type(module).__name__}.graphed()"
         if warmup < 1:

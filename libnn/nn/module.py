@@ -20,8 +20,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from libnn import dtypes
-from libnn.nn import checks
+from libnn import dtypes, registry
+from libnn.nn import checks, weights
+from libnn.nn.graphs import GraphedModule
 from libnn.runtime.arrays import as_array, is_cupy
 
 
@@ -114,14 +115,10 @@ class Module:
 
     def load(self, path: Any) -> "Module":
         """Load a .safetensors or .npz file (see libnn.nn.weights); on any error the model is unchanged."""
-        from libnn.nn import weights
-
         self.load_state_dict(weights.read(path))
         return self
 
     def save(self, path: Any) -> None:
-        from libnn.nn import weights
-
         weights.write(path, self.state_dict())
 
     def _owner_of(self, key: str) -> tuple["Module", str]:
@@ -146,9 +143,7 @@ class Module:
 
     def use_path(self, path: str) -> "Module":
         """Force `path` ("auto", "cudnn", "custom", "reference", ...) on every layer that takes one."""
-        from libnn.registry import ops
-
-        checks.path(f"{type(self).__name__}.use_path", path, ops())
+        checks.path(f"{type(self).__name__}.use_path", path, registry.ops())
         for module in self.modules():
             if hasattr(module, "path"):
                 module.path = path
@@ -164,8 +159,6 @@ class Module:
                 seq_buckets: Sequence[int] | None = None, max_captures: int = 32):
         """This model as one CUDA graph per input signature, or per batch (and sequence) bucket with
         `buckets` (and `seq_buckets`); see libnn.nn.graphs."""
-        from libnn.nn.graphs import GraphedModule
-
         return GraphedModule(self, warmup=warmup, buckets=buckets, seq_buckets=seq_buckets,
                              max_captures=max_captures)
 
