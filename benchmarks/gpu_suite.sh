@@ -54,14 +54,14 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  for op in ${BENCH:-overhead linear conv fftconv attention models}; do
+  for op in ${BENCH:-overhead linear conv2d fft_conv attention models}; do
     run bench python3 -m libnn bench "$op" ${BENCH_QUICK:+--quick} --json "$OUT/bench_$op.json"
   done
   run info python3 -m libnn run cnn --dtype fp16
-  for op in ${PLANS:-linear conv attention}; do
+  for op in ${PLANS:-linear conv2d attention}; do
     case $op in
       linear) run plans python3 -m libnn plans linear --m 8192 --n 16384 --k 4096 --dtype bf16 --activation gelu --time ;;
-      conv) run plans python3 -m libnn plans conv --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time ;;
+      conv2d) run plans python3 -m libnn plans conv2d --n 32 --c 64 --h 56 --w 56 --k 64 --r 3 --padding 1 --activation relu --time ;;
       attention) run plans python3 -m libnn plans attention --b 4 --h 16 --s 4096 --d 128 --dtype bf16 --time ;;
     esac
   done

@@ -236,12 +236,12 @@ def _pool2d():
 
 
 # --- FFT ----------------------------------------------------------------------------------------------
-@item("fft: every fft.cu version on small power-of-two lengths; fft_conv custom path")
+@item("fft: every fft_conv.cu version on small power-of-two lengths; fft_conv custom path")
 def _fft():
     import cupy
 
     from libnn.ops import fft_conv1d, fft_conv2d
-    from libnn.ops.fft_kernels import fft_c2c, versions
+    from libnn.ops.fft_conv_kernels import fft_c2c, versions
 
     # one block up to 2**12; four-step beyond, with strided column launches up to 8 rows, a transpose above
     for version in versions():

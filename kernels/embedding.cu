@@ -22,7 +22,7 @@ reads outside a table: a token whose id is outside [0, rows), whose type id is o
 y (the launcher checks the positions on the host, so only the ids can cause it in practice). Callers
 that need an error check the ranges themselves, once per forward (nn.Embedding and BertEncoder do).
 
-Numerics (the same as kernels/layernorm.cu's, so that the two normalize alike): two passes over the
+Numerics (the same as kernels/layer_norm.cu's, so that the two normalize alike): two passes over the
 token's sum e held in registers, the mean first, then the variance as the mean of (e - mean)^2, never
 E[e^2] - E[e]^2; both sums are taken of e - e[r, 0] (the row's first element is the pivot). e[r, 0] is
 computed with the same additions in the same order as every other element, so the pivot's own

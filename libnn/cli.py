@@ -78,7 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _plans(args: argparse.Namespace) -> int:
     from libnn.runtime.device import gpu_missing
 
-    needed = {"linear": ["m", "n", "k"], "conv": ["n", "c", "h", "w", "k", "r"], "attention": ["b", "h", "s", "d"]}[args.op]
+    needed = {"linear": ["m", "n", "k"], "conv2d": ["n", "c", "h", "w", "k", "r"], "attention": ["b", "h", "s", "d"]}[args.op]
     if missing := [f"--{a}" for a in needed if getattr(args, a) is None]:
         print(f"libnn plans {args.op}: missing {' '.join(missing)}", file=sys.stderr)
         return 2
@@ -145,41 +145,41 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv", "fftconv", "attention", "models", "overhead"],
+    s.add_argument("op", choices=["linear", "conv2d", "fft_conv", "attention", "models", "overhead"],
                    help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
                    "cost of a cached call of every op against PyTorch's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
-    s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fftconv: and a heat map PNG beside it)")
+    s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fft_conv: and a heat map PNG beside it)")
     s.add_argument("--only", metavar="PARTS", help="models only: the parts to run, comma-separated, among "
                    "cnn, block, encoder, server, cold (default all)")
     s.set_defaults(func=_bench)
 
     s = sub.add_parser("plans", help="the plans a library's heuristics offer for one problem (GPU only)",
-                       description="linear: --m --n --k (cuBLASLt). conv: --n --c --h --w --k --r [--s] "
+                       description="linear: --m --n --k (cuBLASLt). conv2d: --n --c --h --w --k --r [--s] "
                        "[--stride --padding --dilation --groups --layout] (cuDNN, heuristics modes A, B, FALLBACK). "
                        "attention: --b --h --s --d [--s-kv --h-kv --causal] (cuDNN SDPA, BHSD).")
-    s.add_argument("op", choices=["linear", "conv", "attention"], help="the op whose plans to list")
+    s.add_argument("op", choices=["linear", "conv2d", "attention"], help="the op whose plans to list")
     s.add_argument("--m", type=positive_int, help="linear: rows of x")
-    s.add_argument("--n", type=positive_int, help="linear: output features; conv: batch size")
-    s.add_argument("--k", type=positive_int, help="linear: input features; conv: output channels")
+    s.add_argument("--n", type=positive_int, help="linear: output features; conv2d: batch size")
+    s.add_argument("--k", type=positive_int, help="linear: input features; conv2d: output channels")
     s.add_argument("--b", type=positive_int, help="attention: batch size")
-    s.add_argument("--s", type=positive_int, help="attention: query sequence length; conv: filter width (default: --r)")
+    s.add_argument("--s", type=positive_int, help="attention: query sequence length; conv2d: filter width (default: --r)")
     s.add_argument("--d", type=positive_int, help="attention: head dimension")
     s.add_argument("--s-kv", type=positive_int, help="attention: key/value sequence length (default: --s)")
     s.add_argument("--h-kv", type=positive_int, help="attention: key/value heads (default: --h; fewer for GQA/MQA)")
     s.add_argument("--causal", action="store_true", help="attention: causal mask (top-left)")
-    s.add_argument("--c", type=positive_int, help="conv: input channels")
-    s.add_argument("--h", type=positive_int, help="conv: input height; attention: query heads")
-    s.add_argument("--w", type=positive_int, help="conv: input width")
-    s.add_argument("--r", type=positive_int, help="conv: filter height")
-    s.add_argument("--stride", type=positive_int, default=1, help="conv: stride (default 1)")
-    s.add_argument("--padding", type=non_negative_int, default=0, help="conv: padding (default 0)")
-    s.add_argument("--dilation", type=positive_int, default=1, help="conv: dilation (default 1)")
-    s.add_argument("--groups", type=positive_int, default=1, help="conv: groups (default 1)")
-    s.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"], help="conv: layout (default NHWC)")
-    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear, attention), fp16 (conv)")
+    s.add_argument("--c", type=positive_int, help="conv2d: input channels")
+    s.add_argument("--h", type=positive_int, help="conv2d: input height; attention: query heads")
+    s.add_argument("--w", type=positive_int, help="conv2d: input width")
+    s.add_argument("--r", type=positive_int, help="conv2d: filter height")
+    s.add_argument("--stride", type=positive_int, default=1, help="conv2d: stride (default 1)")
+    s.add_argument("--padding", type=non_negative_int, default=0, help="conv2d: padding (default 0)")
+    s.add_argument("--dilation", type=positive_int, default=1, help="conv2d: dilation (default 1)")
+    s.add_argument("--groups", type=positive_int, default=1, help="conv2d: groups (default 1)")
+    s.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"], help="conv2d: layout (default NHWC)")
+    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default bf16 (linear, attention), fp16 (conv2d)")
     s.add_argument("--activation", choices=["relu", "relu6", "gelu", "silu"], help="fused activation (default none)")
-    s.add_argument("--no-bias", action="store_true", help="without the bias (linear) or batch-norm (conv) epilogue")
+    s.add_argument("--no-bias", action="store_true", help="without the bias (linear) or batch-norm (conv2d) epilogue")
     s.add_argument("--tf32", action="store_true", help="allow TF32 for fp32")
     s.add_argument("--time", action="store_true", help="time every candidate (CUDA events, median)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")

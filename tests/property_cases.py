@@ -271,7 +271,7 @@ def _build_layer_norm(p, rng) -> Case:
         return layer_norm(a["x"], a["weight"], a["bias"], eps=p["eps"], path=path, **extra)
 
     # cuDNN's fp32 sums keep ~2 ulps less than ours (1.004e-5 seen at 5x1023 on the H100, see
-    # test_layernorm_gpu.py): it gets 2e-5
+    # test_layer_norm_gpu.py): it gets 2e-5
     return Case("layer_norm", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]},
                 path_tolerance={"cudnn": 2e-5} if dtype == "fp32" else {})
 

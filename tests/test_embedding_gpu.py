@@ -307,7 +307,7 @@ def test_the_fused_kernel_matches_what_bert_computed_before(rng):
     """take + add + add + layer_norm, BertEmbeddings.forward's steps, against the one call it becomes."""
     import cupy
 
-    from libnn.ops.layernorm import layer_norm
+    from libnn.ops.layer_norm import layer_norm
 
     ids, weight, kwargs = make(rng, (4, 33), 384, "fp16", BERT)
     g = {k: gpu(v) for k, v in kwargs.items()}

@@ -52,7 +52,7 @@ def test_long_causal_conv1d(rng, path, L, kl):
 def test_our_fft_matches_cufft(rng, version, log2n, inverse):
     import cupy
 
-    from libnn.ops.fft_kernels import fft_c2c, versions
+    from libnn.ops.fft_conv_kernels import fft_c2c, versions
 
     if version not in versions():
         pytest.skip(f"{version} is not built")

@@ -1,5 +1,5 @@
 """Layer normalization: y = (x − mean) / sqrt(var + eps) · weight + bias over the last dimension,
-through libnn.ops.layernorm. Parameters by PyTorch's names (weight, bias), so that a PyTorch
+through libnn.ops.layer_norm. Parameters by PyTorch's names (weight, bias), so that a PyTorch
 state_dict loads as it is."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from libnn.nn import checks
 from libnn.nn.module import Module, full
-from libnn.ops.layernorm import layer_norm
+from libnn.ops.layer_norm import layer_norm
 
 
 def _features(normalized_shape: Any) -> tuple[int]:

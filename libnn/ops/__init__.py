@@ -4,7 +4,7 @@ from libnn.ops.attention import attention
 from libnn.ops.conv2d import conv2d
 from libnn.ops.embedding import embedding
 from libnn.ops.fft_conv import fft_conv1d, fft_conv2d
-from libnn.ops.layernorm import layer_norm
+from libnn.ops.layer_norm import layer_norm
 from libnn.ops.linear import linear
 from libnn.ops.pool2d import avg_pool2d, max_pool2d
 from libnn.ops.softmax import softmax

@@ -102,10 +102,10 @@ def _bhsd(a, layout: str):
     return a if layout == "BHSD" else a.transpose(0, 2, 1, 3)
 
 
-def _element_strides(a) -> tuple[int, ...]:
-    """Element strides, with a size-1 dimension's (never used to move, and arbitrary in NumPy and
-    CuPy) replaced by the one a contiguous array would have, so it neither keys a second graph nor
-    fails an alignment check."""
+def _problem_strides(a) -> tuple[int, ...]:
+    """Element strides as the problem (a plan-cache key) records them: a size-1 dimension's (never used
+    to move, and arbitrary in NumPy and CuPy) replaced by the one a contiguous array would have, so it
+    neither keys a second graph nor fails an alignment check. Not attention_kernels._kernel_strides."""
     strides = [s // a.itemsize for s in a.strides]
     for i in reversed(range(a.ndim - 1)):
         if a.shape[i] == 1:
@@ -187,10 +187,10 @@ def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> Att
     _check_scale(scale)
     device = device_of({"q": q, "k": k, "v": v, "bias": bias}, "attention")
     arrays = [a for a in (qv, kv, vv, bias) if a is not None]
-    aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _element_strides(a)[:-1])
+    aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _problem_strides(a)[:-1])
                   for a in arrays)
     problem = AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
-                               _element_strides(qv), _element_strides(kv), _element_strides(vv),
+                               _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),
                                float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
                                has_lens_q, has_lens_kv, bias_shape, aligned, device)
     if device == "cpu":  # host arrays run on the reference path

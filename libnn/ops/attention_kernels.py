@@ -49,14 +49,16 @@ def flash_supports(dtype: str, head_dim: int) -> str | None:
     return None
 
 
-def _element_strides(a) -> tuple[int, ...]:
-    """Strides in elements, 0 along size-1 dimensions (never stepped, so never in an alignment check)."""
+def _kernel_strides(a) -> tuple[int, ...]:
+    """Strides in elements as the kernels take them: 0 along size-1 dimensions, which also marks a
+    broadcast bias dimension (never stepped, so never in an alignment check). Not attention.py's
+    _problem_strides, which keys plans and fills size-1 dimensions with contiguous strides instead."""
     return tuple(0 if n == 1 else s // a.itemsize for n, s in zip(a.shape, a.strides))
 
 
 def _rows_aligned(a) -> bool:
     """Every row of `a` starts on 16 bytes: the pointer and all strides but the last's."""
-    return a.data.ptr % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _element_strides(a)[:-1])
+    return a.data.ptr % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
 
 
 def flash_version(q, k, v, o, bias=None, scale: float = 1.0) -> str:
@@ -74,7 +76,7 @@ def _bias_for_flash(bias):
     import cupy
 
     Skv = bias.shape[3]
-    strides = _element_strides(bias)
+    strides = _kernel_strides(bias)
     if strides[3] == 1 and Skv % 8 == 0 and _rows_aligned(bias):
         return bias
     stored = bias[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides[:3])]
@@ -87,8 +89,8 @@ def _args(q, k, v, o, scale, causal, lens_q, lens_kv, bias) -> tuple:
     """The parameters attn1 and attn2 share, in kernels/attention.cu's order."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    strides = [*_element_strides(q)[:3], *_element_strides(k)[:3], *_element_strides(v)[:3],
-               *_element_strides(o)[:3], *(_element_strides(bias) if bias is not None else (0, 0, 0, 0))]
+    strides = [*_kernel_strides(q)[:3], *_kernel_strides(k)[:3], *_kernel_strides(v)[:3],
+               *_kernel_strides(o)[:3], *(_kernel_strides(bias) if bias is not None else (0, 0, 0, 0))]
     return (q, k, v, o, _NULL if bias is None else bias, _NULL if lens_q is None else lens_q,
             _NULL if lens_kv is None else lens_kv, *(np.int32(n) for n in (B, Hq, Hkv, Sq, Skv, D, _CAUSAL[causal])),
             np.float32(scale * math.log2(math.e)), *(np.int64(s) for s in strides))
@@ -150,7 +152,7 @@ def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_
     s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
     kernel = kernels.function(_FILE, f"attn_softmax_{suffix}")
-    bias_strides = _element_strides(bias) if bias is not None else (0, 0, 0, 0)
+    bias_strides = _kernel_strides(bias) if bias is not None else (0, 0, 0, 0)
     kernel((B * Hq * Sq,), (_SOFTMAX_THREADS,),
            (s, _NULL if bias is None else bias, _NULL if seq_lens_q is None else seq_lens_q,
             _NULL if seq_lens_kv is None else seq_lens_kv, *(np.int32(n) for n in (B, Hq, Sq, Skv, _CAUSAL[causal])),

@@ -364,10 +364,10 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
 
 
 # --- custom path: kernels/conv2d.cu ------------------------------------------------------------------
-_MAX_BLOCKS = 65535 * 8  # the grid-stride kernels need no more blocks than this to fill the GPU
+_MAX_BLOCKS_PER_IMAGE = 65535 * 8  # grid x of the grid-stride kernels (grid y walks the images): this fills the GPU
 
 
-def element_strides(layout: str, C: int, H: int, W: int) -> tuple[int, int, int, int]:
+def nhwc_strides(layout: str, C: int, H: int, W: int) -> tuple[int, int, int, int]:
     """Element strides of a contiguous tensor in (n, h, w, c) order, whichever its layout."""
     return (H * W * C, W * C, C, 1) if layout == "NHWC" else (C * H * W, W, 1, H * W)
 
@@ -387,13 +387,13 @@ def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, in
     if version == "conv2_depthwise":
         vector = 4 if p.dtype == "fp32" else 8
         groups_per_pixel = -(-min(p.C, 128) // vector)
-        blocks = min(-(-p.P * p.Q // (256 // groups_per_pixel)), _MAX_BLOCKS)
+        blocks = min(-(-p.P * p.Q // (256 // groups_per_pixel)), _MAX_BLOCKS_PER_IMAGE)
         return (blocks, -(-p.C // 128), images), 256, (p.R * p.S + 2) * 512
     if version == "conv3_igemm":
         return (-(-p.N * p.P * p.Q // 128), -(-p.K // 64)), 128, 49152
     if version == "conv4_igemm":
         return (-(-p.N * p.P * p.Q // 128), -(-p.K // 128)), 256, 0
-    return (min(-(-p.P * p.Q * p.K // 256), _MAX_BLOCKS), images), 256, 0
+    return (min(-(-p.P * p.Q * p.K // 256), _MAX_BLOCKS_PER_IMAGE), images), 256, 0
 
 
 def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None):
@@ -413,7 +413,7 @@ def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None 
     null = np.uint64(0)
     ints = [p.N, p.H, p.W, p.C, p.K, p.R, p.S, p.P, p.Q, *p.stride, *p.padding, *p.dilation, p.groups,
             activations.KERNEL_CODES[p.activation]]
-    strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.K, p.P, p.Q)]
+    strides = [*nhwc_strides(p.layout, p.C, p.H, p.W), *nhwc_strides(p.layout, p.K, p.P, p.Q)]
     kernel(grid, (block,), (x, w, null if scale is None else scale, null if shift is None else shift, y,
                             *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)), shared_mem=smem)
     return y

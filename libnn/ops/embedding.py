@@ -382,7 +382,7 @@ def _custom(problem: EmbeddingProblem, *arrays):
 def _cupy(problem: EmbeddingProblem, *arrays):
     import cupy
 
-    from libnn.ops.layernorm import layer_norm
+    from libnn.ops.layer_norm import layer_norm
 
     weight_dtype = dtypes.parse(problem.dtype)
     # y is checked by the registry; e and cupy.where's copy of it, in fp32, come on top

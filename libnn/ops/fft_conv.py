@@ -27,7 +27,7 @@ Paths, in `auto` order:
              memory it needs against free GPU memory, creates its two cuFFT plans and its workspaces
              (padded inputs, spectra, the inverse transform's output; kept up to KEEP_WORKSPACE_BYTES,
              taken from CuPy's pool at each call above). A later call launches
-               1. fft_pad (kernels/fft.cu): x and w, cast to fp32 and zero-padded, into one buffer;
+               1. fft_pad (kernels/fft_conv.cu): x and w, cast to fp32 and zero-padded, into one buffer;
                2. one batched R2C transform of it (x's and w's spectra at once);
                3. the spectrum product: fft_cmul for C·K ≤ GEMM_CHANNEL_PAIRS, else a batched GEMM
                   (CuPy's matmul, cuBLAS) on transposed copies of the spectra;
@@ -39,7 +39,7 @@ Paths, in `auto` order:
              from several threads on one stream take the bound call's lock while they launch. A bound
              call holds its plans and kept workspaces until it is dropped (`op.calls` keeps the last
              MAX_BOUND_CALLS signatures; `libnn.get_op("fft_conv").calls.clear()` releases them all).
-- custom:    our FFT (kernels/fft.cu, complex-to-complex, power-of-two sizes); bound for its size and
+- custom:    our FFT (kernels/fft_conv.cu, complex-to-complex, power-of-two sizes); bound for its size and
              memory check, CuPy element-wise steps per call.
 - reference: numpy.fft in float64.
 """
@@ -60,7 +60,7 @@ from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
-# cuFFT plans (CuPy's take int sizes) and kernels/fft.cu index one spatial dimension, and the cufft path
+# cuFFT plans (CuPy's take int sizes) and kernels/fft_conv.cu index one spatial dimension, and the cufft path
 # one whole transform, with an int
 MAX_PADDED = 2**31 - 1
 # A bound cufft call keeps its workspaces (several times the padded input) up to this size; larger ones
@@ -356,15 +356,15 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
     (H, W), (kh, kw), (OH, OW), (Fh, Fw) = (_planar(v) for v in (p.spatial, p.kernel, p.out, shape))
     ph, pw = (0,) * (2 - len(p.pads)) + tuple(before for before, _ in p.pads)  # a 1-D problem has no rows to pad
     suffix = dtypes.KERNEL_SUFFIX[p.dtype]
-    pad = launch.bind("fft.cu", f"fft_pad_{suffix}", (_grid(padded.size),), (256,),
+    pad = launch.bind("fft_conv.cu", f"fft_pad_{suffix}", (_grid(padded.size),), (256,),
                       (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(rows_x), np.int64(padded.size),
                        *(np.int32(v) for v in (H, W, ph, pw, kh, kw, Fh, Fw))))
     out_shape = (p.N, p.K, *p.out)
-    crop = launch.bind("fft.cu", f"fft_crop_{suffix}", (_grid(math.prod(out_shape)),), (256,),
+    crop = launch.bind("fft_conv.cu", f"fft_crop_{suffix}", (_grid(math.prod(out_shape)),), (256,),
                        (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(math.prod(out_shape)),
                         *(np.int32(v) for v in (p.K, OH, OW, Fh, Fw)), np.float32(1 / math.prod(shape))))
     if p.C * p.K <= GEMM_CHANNEL_PAIRS:
-        cmul = launch.bind("fft.cu", "fft_cmul", (_grid(product.size),), (256,),
+        cmul = launch.bind("fft_conv.cu", "fft_cmul", (_grid(product.size),), (256,),
                            (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in (p.N, p.C, p.K)),
                             np.int64(math.prod(half))))
 
@@ -400,7 +400,7 @@ def _grid(total: int) -> int:
 
 
 def _custom_support(problem: FFTConvProblem) -> str | None:
-    from libnn.ops.fft_kernels import MAX_LOG2N
+    from libnn.ops.fft_conv_kernels import MAX_LOG2N
 
     if reason := _gpu_support(problem):
         return reason
@@ -421,7 +421,7 @@ def _custom(problem, x, w, b):
 def _run_custom(problem, shape, x, w, b):
     import cupy
 
-    from libnn.ops.fft_kernels import fft_c2c
+    from libnn.ops.fft_conv_kernels import fft_c2c
 
     def fftn(a, inverse=False):  # complex-to-complex along each spatial axis, last axis first
         for axis in range(a.ndim - 1, 1, -1):

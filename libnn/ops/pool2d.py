@@ -130,7 +130,7 @@ def bind_pool(problem: PoolProblem, x):
     the general one otherwise; a strided x is made contiguous first."""
     import cupy
 
-    from libnn.ops.conv2d import element_strides
+    from libnn.ops.conv2d import nhwc_strides
     from libnn.runtime import launch
 
     p = problem
@@ -139,7 +139,7 @@ def bind_pool(problem: PoolProblem, x):
     lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
     threads_per_image = p.P * p.Q * -(-p.C // lanes)
     ints = [p.N, p.H, p.W, p.C, p.P, p.Q, *p.kernel, *p.stride, *p.padding, int(p.count_include_pad)]
-    strides = [*element_strides(p.layout, p.C, p.H, p.W), *element_strides(p.layout, p.C, p.P, p.Q)]
+    strides = [*nhwc_strides(p.layout, p.C, p.H, p.W), *nhwc_strides(p.layout, p.C, p.P, p.Q)]
     kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
                          (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
                          (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))

@@ -10,7 +10,7 @@ import pytest
 import libnn
 from libnn import dtypes
 from libnn.nn.norm import LayerNorm
-from libnn.ops.layernorm import layer_norm
+from libnn.ops.layer_norm import layer_norm
 from conftest import random_normal, rel_error
 
 

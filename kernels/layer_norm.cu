@@ -27,7 +27,7 @@ its elements in order, a butterfly over the warp (__shfl_xor_sync; every lane en
 bits), and for versions 2 and 3 a sum of the block's warp sums in a fixed order through shared
 memory. rstd is rsqrtf (2 ulp), 1/N a div.full (2 ulp): about 1e-7 relative in fp32.
 
-Versions (the launcher, libnn/ops/layernorm.py, picks one; all take the same parameters; each reads
+Versions (the launcher, libnn/ops/layer_norm.py, picks one; all take the same parameters; each reads
 res and writes s with the accesses it makes of x and y, so a residual changes no version's limits):
 
 1) ln1_warp_{vec,sca}{1,2,4}_{f32,f16,bf16}, and ln1_warp_{vec,sca}8_f32

@@ -1,4 +1,7 @@
-"""Batched complex-to-complex FFT on the GPU with our own kernels (kernels/fft.cu).
+"""The custom path of fft_conv: a batched complex-to-complex FFT with our own kernels
+(kernels/fft_conv.cu), launched on CuPy arrays. libnn/ops/fft_conv.py is the op's front end (checks,
+paths, the cuFFT path's element-wise passes) and calls `fft_c2c` here; this module is apart only to keep
+that file readable, as ops/attention_kernels.py is for attention.
 
 `fft_c2c(x, inverse)` transforms the last axis of a C-contiguous cupy complex64 array whose last
 dimension n is a power of two, unnormalized in both directions (forward sign -1; the inverse has no 1/n,
@@ -16,7 +19,7 @@ the caller scales):
   `_four_step_reference` mirrors these steps with NumPy and `_self_check` compares it to numpy.fft.
 
 Error: relative rms error ~ eps * log2(n) for fp32 (eps = 6e-8), twiddles from sincospif on exact
-arguments (see kernels/fft.cu).
+arguments (see kernels/fft_conv.cu).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from libnn.runtime import kernels
 from libnn.runtime.arrays import describe, is_cupy
 
-_FILE = "fft.cu"
+_FILE = "fft_conv.cu"
 _VERSIONS = ("fft_radix2_c2c", "fft_radix4_c2c")  # 1) baseline, 2) default
 _DEFAULT_VERSION = "fft_radix4_c2c"
 MAX_BLOCK_LOG2N = 12    # one block transforms up to 4096 points
@@ -38,7 +41,7 @@ _STRIDED_ROWS = 8       # four-step step 1: up to this many rows, one strided co
 
 
 def versions() -> tuple[str, ...]:
-    """The FFT kernel versions of kernels/fft.cu, baseline first; `fft_c2c(version=...)` takes one."""
+    """The FFT kernel versions of kernels/fft_conv.cu, baseline first; `fft_c2c(version=...)` takes one."""
     return _VERSIONS
 
 
@@ -68,7 +71,7 @@ def _max_grid(kernel, threads: int, smem: int) -> int:
 
 
 def _fft_launch_shape(version: str, log2n: int, batch: int) -> tuple[int, int, int]:
-    """(blocks needed, threads, dynamic shared memory bytes) from kernels/fft.cu's LAUNCH table."""
+    """(blocks needed, threads, dynamic shared memory bytes) from kernels/fft_conv.cu's LAUNCH table."""
     n = 1 << log2n
     if version == "fft_radix2_c2c":
         return batch, min(max(n // 2, 32), 256), (n + n // 2) * 8

@@ -4,6 +4,7 @@ cuDNN graph reused across calls and eps values; the visible fallback when cuDNN 
 fused residual (x + residual normalized, the sum returned) on every path and kernel version, against
 the reference and against the unfused add then layer_norm."""
 
+import importlib
 import warnings
 
 import numpy as np
@@ -12,11 +13,13 @@ import pytest
 import libnn
 from libnn import dtypes
 from libnn.nn.norm import LayerNorm
-from libnn.ops import layernorm
-from libnn.ops.layernorm import layer_norm
+from libnn.ops.layer_norm import layer_norm
 from conftest import random_normal, rel_error
 
 pytestmark = pytest.mark.gpu
+
+# the module, not the function `libnn.ops.layer_norm` that libnn/ops/__init__.py binds over its name
+layer_norm_op = importlib.import_module("libnn.ops.layer_norm")
 
 SHAPES = [(1, 1), (3, 7), (17, 384), (128, 768), (5, 1023), (2, 3, 4096), (1, 12289),
           (4, 20000),     # beyond the fp32 register kernels: ln3_loop for fp32
@@ -87,10 +90,10 @@ def test_large_mean_offset_does_not_cancel(rng, path, dtype, shape):
 def test_every_kernel_version_matches_reference(rng, dtype, shape):
     x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
     xg, wg, bg = gpu(x).reshape(-1, shape[-1]), gpu(weight), gpu(bias)
-    problem = layernorm._check(xg, wg, bg, None, 1e-5, False)
+    problem = layer_norm_op._check(xg, wg, bg, None, 1e-5, False)
     expected = reference(x, weight, bias).reshape(-1, shape[-1])
-    for version in layernorm.custom_versions(problem, layernorm._aligned(problem, xg, wg, bg)):
-        y = layernorm.launch_custom(problem, xg, wg, bg, version=version)
+    for version in layer_norm_op.custom_versions(problem, layer_norm_op._aligned(problem, xg, wg, bg)):
+        y = layer_norm_op.launch_custom(problem, xg, wg, bg, version=version)
         assert rel_error(y, expected) <= tolerance(dtype), version
 
 
@@ -108,9 +111,9 @@ def test_misaligned_rows_take_the_element_wise_kernels(rng, dtype, shape):
     xg = storage[1:].reshape(shape)
     assert xg.flags.c_contiguous and xg.data.ptr % 16 != 0
     expected = reference(x, weight, bias)
-    problem = layernorm._check(xg, gpu(weight), gpu(bias), None, 1e-5, False)
-    assert "ln2_block" not in layernorm.custom_versions(problem, aligned=False)
-    assert layernorm.custom_version(problem, aligned=False) == ("ln1_warp" if shape[-1] <= 1024 else "ln3_loop")
+    problem = layer_norm_op._check(xg, gpu(weight), gpu(bias), None, 1e-5, False)
+    assert "ln2_block" not in layer_norm_op.custom_versions(problem, aligned=False)
+    assert layer_norm_op.custom_version(problem, aligned=False) == ("ln1_warp" if shape[-1] <= 1024 else "ln3_loop")
     assert rel_error(layer_norm(xg, gpu(weight), gpu(bias), path="custom"), expected) <= tolerance(dtype)
     with pytest.raises(libnn.LibraryError, match="cuDNN needs 16-byte aligned buffers; x is not"):
         layer_norm(xg, gpu(weight), gpu(bias), path="cudnn")
@@ -169,9 +172,9 @@ def test_library_failure_under_auto_falls_back_visibly(rng, monkeypatch):
     from libnn.backends import cudnn as backend
 
     def fail(*args, **kwargs):
-        raise libnn.LibraryError("NVRTC could not load layernorm.cu (simulated)")
+        raise libnn.LibraryError("NVRTC could not load layer_norm.cu (simulated)")
 
-    monkeypatch.setattr(layernorm, "bind_custom", fail)
+    monkeypatch.setattr(layer_norm_op, "bind_custom", fail)
     libnn.get_op("layer_norm").calls.clear()  # bound calls of earlier tests would not bind again
     x, weight, bias = make(rng, (3, 64), "bf16")
     with pytest.warns(libnn.FallbackWarning, match="path 'custom' failed.*simulated"):
@@ -266,14 +269,14 @@ def test_every_kernel_version_adds_the_residual(rng, dtype, shape):
     x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
     r = make_residual(rng, shape, dtype)
     xg, wg, bg, rg = gpu(x), gpu(weight), gpu(bias), gpu(r)
-    problem = layernorm._check(xg, wg, bg, rg, 1e-5, True)
+    problem = layer_norm_op._check(xg, wg, bg, rg, 1e-5, True)
     expected = reference(x, weight, bias, residual=r)
-    for version in layernorm.custom_versions(problem, layernorm._aligned(problem, xg, wg, bg, rg)):
-        y, h = layernorm.launch_custom(problem, xg, wg, bg, rg, version=version)
+    for version in layer_norm_op.custom_versions(problem, layer_norm_op._aligned(problem, xg, wg, bg, rg)):
+        y, h = layer_norm_op.launch_custom(problem, xg, wg, bg, rg, version=version)
         assert rel_error(y, expected) <= tolerance(dtype), version
         np.testing.assert_array_equal(h.get(), exact_sum(x, r), err_msg=version)
-        y_only = layernorm.bind_custom(
-            layernorm._check(xg, wg, bg, rg, 1e-5, False), xg, wg, bg, rg, version)(xg, wg, bg, rg)
+        y_only = layer_norm_op.bind_custom(
+            layer_norm_op._check(xg, wg, bg, rg, 1e-5, False), xg, wg, bg, rg, version)(xg, wg, bg, rg)
         np.testing.assert_array_equal(y_only.get(), y.get(), err_msg=version)
 
 
@@ -290,8 +293,8 @@ def test_a_misaligned_residual_takes_the_element_wise_kernels(rng, dtype, shape)
     storage[1:] = gpu(r).ravel()
     rg = storage[1:].reshape(shape)
     assert rg.flags.c_contiguous and rg.data.ptr % 16 != 0
-    problem = layernorm._check(gpu(x), gpu(weight), gpu(bias), rg, 1e-5, True)
-    assert not layernorm._aligned(problem, gpu(x), gpu(weight), gpu(bias), rg)
+    problem = layer_norm_op._check(gpu(x), gpu(weight), gpu(bias), rg, 1e-5, True)
+    assert not layer_norm_op._aligned(problem, gpu(x), gpu(weight), gpu(bias), rg)
     y, h = layer_norm(gpu(x), gpu(weight), gpu(bias), residual=rg, return_sum=True, path="custom")
     assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance(dtype)
     np.testing.assert_array_equal(h.get(), exact_sum(x, r))

@@ -1,4 +1,4 @@
-"""`libnn bench fftconv`: FFT convolution (cuFFT and our FFT) against direct convolution (cuDNN),
+"""`libnn bench fft_conv`: FFT convolution (cuFFT and our FFT) against direct convolution (cuDNN),
 CuPy's fftconvolve and PyTorch, over image size × kernel size, single channel and multi-channel.
 
 Two times per path: `_ms`, the GPU time (CUDA events, the host kept ahead), and `_call_ms`, the time per

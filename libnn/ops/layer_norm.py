@@ -16,7 +16,7 @@ Paths, in `auto` order (custom first: on the H100 it matched or beat cuDNN's ban
 common shapes, 2.72 vs 2.67 TB/s at 131072×768 fp16, and costs a third of the host time per call,
 41 vs 124 µs; cuDNN is faster on the rows only the looping kernel takes, odd N past 1024 or longer
 than a block holds, e.g. 1024×65536, so for those auto tries cudnn first):
-- custom:    kernels/layernorm.cu (a row per warp up to N = 1024, a row per block in registers
+- custom:    kernels/layer_norm.cu (a row per warp up to N = 1024, a row per block in registers
              beyond, a looping row per block for the longest or unaligned rows).
 - cudnn:     the cuDNN frontend's layernorm node in its INFERENCE phase (no mean or inv_var
              outputs), fp32 compute, behind a pointwise add of the residual in the same graph.
@@ -259,10 +259,10 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     return _as_rows(runner, problem, x, weight, bias, residual)
 
 
-# --- custom path: kernels/layernorm.cu ----------------------------------------------------------------
+# --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
 WARP_MAX_N = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
-_WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/layernorm.cu builds
+_WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/layer_norm.cu builds
 _BLOCK_VPTS = (2, 4, 8)
 _MAX_BLOCKS = 65535            # rows are grid-strided; this many blocks fill any GPU
 
@@ -278,7 +278,7 @@ def _aligned(problem: LayerNormProblem, *arrays) -> bool:
 
 
 def custom_versions(problem: LayerNormProblem, aligned: bool = True) -> tuple[str, ...]:
-    """The versions of kernels/layernorm.cu that can run `problem` (for tests and benchmarks)."""
+    """The versions of kernels/layer_norm.cu that can run `problem` (for tests and benchmarks)."""
     V, N = _group(problem.dtype), problem.N
     found = []
     if N <= 32 * _WARP_VPTS[problem.dtype][-1] * V:
@@ -297,7 +297,7 @@ def custom_version(problem: LayerNormProblem, aligned: bool) -> str:
 
 
 def _launch(version: str, problem: LayerNormProblem, vec: bool) -> tuple[str, int, int]:
-    """(kernel name without the dtype suffix, grid, block) from kernels/layernorm.cu's LAUNCH table."""
+    """(kernel name without the dtype suffix, grid, block) from kernels/layer_norm.cu's LAUNCH table."""
     groups = _ceil_div(problem.N, _group(problem.dtype))  # V-element groups in a row
     if version == "ln1_warp":
         vpt = next(v for v in _WARP_VPTS[problem.dtype] if 32 * v >= groups)
@@ -314,7 +314,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
-    """The runner of one version of kernels/layernorm.cu (the default: the one the custom path picks)
+    """The runner of one version of kernels/layer_norm.cu (the default: the one the custom path picks)
     for (M, N) rows of x and the residual (or None) and (N,) vectors of this signature (their alignment
     included). The runner takes (x, weight, bias, residual) and returns y, or (y, sum) with
     `problem.return_sum`."""
@@ -325,12 +325,12 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
     aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     if version not in custom_versions(problem, aligned):
-        raise ValueError(f"layer_norm: kernels/layernorm.cu version {version!r} cannot run {problem.describe()} "
+        raise ValueError(f"layer_norm: kernels/layer_norm.cu version {version!r} cannot run {problem.describe()} "
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
                          f"{custom_versions(problem, aligned)}")
     name, grid, block = _launch(version, problem, aligned)
     # (x, residual, weight, bias, y, sum, M, N, eps); a null residual or sum: plain layer norm, no sum
-    kernel = launch.bind("layernorm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
+    kernel = launch.bind("layer_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
                          (*(launch.ARRAY,) * 6, np.int64(problem.M), np.int32(problem.N), np.float32(problem.eps)))
     shape, dtype = (problem.M, problem.N), x.dtype
 
@@ -347,7 +347,7 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
 
 
 def launch_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
-    """y, or (y, sum), for the (M, N) rows x (and residual) with one version of kernels/layernorm.cu
+    """y, or (y, sum), for the (M, N) rows x (and residual) with one version of kernels/layer_norm.cu
     (for tests and benchmarks)."""
     return bind_custom(problem, x, weight, bias, residual, version)(x, weight, bias, residual)
 
@@ -357,7 +357,7 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
     ran faster on cuDNN on the H100: 1024x65536 fp16 at 2.49 vs 0.71 TB/s, 8192x12289 at 1.69 vs 1.19."""
     aligned = problem.N % _group(problem.dtype) == 0
     if custom_version(problem, aligned) == "ln3_loop":
-        return (f"rows of {problem.N} take kernels/layernorm.cu's looping kernel, which cuDNN outran on "
+        return (f"rows of {problem.N} take kernels/layer_norm.cu's looping kernel, which cuDNN outran on "
                 "the H100 (1024x65536 fp16: 2.49 vs 0.71 TB/s)")
     return None
 

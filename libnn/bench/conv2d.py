@@ -1,4 +1,4 @@
-"""`libnn bench conv`: fused cuDNN graphs vs unfused vs our kernels vs PyTorch, and pooling.
+"""`libnn bench conv2d`: fused cuDNN graphs vs unfused vs our kernels vs PyTorch, and pooling.
 
 Paths per case (BN statistics pre-folded to per-channel fp32 scale and shift, as a layer holds them):
 cudnn (one fused graph conv→mul→add→act), cudnn unfused (cuDNN conv, then BN and the

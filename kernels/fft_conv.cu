@@ -12,7 +12,7 @@ Strides are in complex elements, so one kernel transforms the rows (elem_stride 
 length) or the columns (elem_stride = row length, batch_stride = 1) of a 2-D array. in == out (in place)
 is allowed: a block reads every element of the transforms it holds before it writes any of them, and
 distinct transforms must not share elements (as with any sane strides). Lengths above 4096 are the
-caller's: the four-step algorithm (libnn/ops/fft_kernels.py) = column FFTs, fft_twiddle, row FFTs and a
+caller's: the four-step algorithm (libnn/ops/fft_conv_kernels.py) = column FFTs, fft_twiddle, row FFTs and a
 transpose.
 
 Limits: n = 2^log2n with 1 <= log2n <= 12 (2 .. 4096 points; the whole transform lives in one block's
