@@ -10,8 +10,8 @@ import pytest
 
 from libnn import dtypes
 from libnn.models.seed_cnn import WEIGHTS, SeedCNN, load_heldout, preprocess_digits
+from libnn.nn.activation import ReLU
 from libnn.nn.basic import Dropout, Embedding, Flatten, LogSoftmax, Softmax
-from libnn.nn.conv import ReLU
 from libnn.nn.linear import Linear
 from libnn.nn.sequential import Sequential
 from libnn.ops.softmax import softmax

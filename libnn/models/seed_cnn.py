@@ -38,9 +38,12 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.nn.basic import Flatten, LogSoftmax
-from libnn.nn.conv import BatchNorm2d, Conv2d, MaxPool2d, ReLU
+from libnn.nn.activation import ReLU
+from libnn.nn.conv import Conv2d
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
+from libnn.nn.norm import BatchNorm2d
+from libnn.nn.pool import MaxPool2d
 from libnn.nn.sequential import Sequential
 from libnn.ops.conv2d import LAYOUTS
 from libnn.runtime.arrays import as_array, describe, is_cupy

@@ -1,12 +1,13 @@
 """Layers for inference, in the PyTorch style: parameters by name, state_dict keys PyTorch uses."""
 
+from libnn.nn.activation import GELU, ReLU, ReLU6, SiLU
 from libnn.nn.basic import Dropout, Embedding, Flatten, LogSoftmax, Softmax
-from libnn.nn.conv import (GELU, AvgPool2d, BatchNorm2d, Conv2d, Conv2dBNAct, MaxPool2d, ReLU, ReLU6,
-                           SiLU)
+from libnn.nn.conv import Conv2d, Conv2dBNAct
 from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
-from libnn.nn.norm import LayerNorm
+from libnn.nn.norm import BatchNorm2d, LayerNorm
+from libnn.nn.pool import AvgPool2d, MaxPool2d
 from libnn.nn.sequential import Sequential
 from libnn.nn.transformer import MultiheadAttention, TransformerEncoderLayer
 

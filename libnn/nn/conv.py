@@ -1,10 +1,10 @@
-"""Convolution, batch norm, activations and pooling layers, and the conv→BN→activation fusion that
-`Sequential` applies on its own.
+"""The convolution layer (direct or FFT) and the conv→BN→activation fusion that `Sequential` applies
+on its own. Batch norm is in nn/norm.py, activations in nn/activation.py, pooling in nn/pool.py.
 
-Weights are stored in PyTorch's layout and names (Conv2d.weight is (K, C/groups, R, S); BatchNorm2d
-has weight, bias, running_mean, running_var), so a PyTorch state_dict loads as it is. A layer computes
-in its `layout` ("NHWC" by default: the layout cuDNN's fused engines and our kernels are fastest in);
-the weight is converted to that layout once and the conversion cached until the weight changes.
+Weights are stored in PyTorch's layout and names (Conv2d.weight is (K, C/groups, R, S)), so a PyTorch
+state_dict loads as it is. A layer computes in its `layout` ("NHWC" by default: the layout cuDNN's
+fused engines and our kernels are fastest in); the weight is converted to that layout once and the
+conversion cached until the weight changes.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from libnn.nn import checks
-from libnn.nn.module import Module, full, init_uniform
+from libnn.nn.module import Module, init_uniform
+from libnn.nn.norm import BatchNorm2d
 from libnn.ops import activations
 from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from libnn.ops.conv2d import LAYOUTS, conv2d, fold_batchnorm
-from libnn.ops.pool2d import avg_pool2d, max_pool2d
 from libnn.runtime.arrays import array_module, as_array
 
 
@@ -119,97 +119,6 @@ class Conv2d(Module):
                 compute = compute * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
             y = activations.apply(compute, activation).astype(y.dtype)
         return y if self.layout == "NCHW" else xp.ascontiguousarray(y.transpose(0, 2, 3, 1))
-
-
-class BatchNorm2d(Module):
-    """Batch norm in inference: y = (x - running_mean) / sqrt(running_var + eps) * weight + bias."""
-
-    def __init__(self, num_features: int, eps: float = 1e-5, *, layout: str = "NHWC", dtype: Any = "fp32",
-                 device: str = "cpu"):
-        super().__init__()
-        num_features = checks.size("BatchNorm2d", "num_features", num_features)
-        eps = checks.positive_float("BatchNorm2d", "eps", eps)
-        checks.choice("BatchNorm2d", "layout", layout, LAYOUTS)
-        checks.parameters_fit("BatchNorm2d", "num_features", 4 * num_features, checks.float_dtype("BatchNorm2d", dtype),
-                              checks.device("BatchNorm2d", device))
-        self.num_features, self.eps, self.layout = num_features, eps, layout
-        for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
-            self.register_parameter(name, full((num_features,), value, dtype, device))
-
-    def folded(self) -> tuple[Any, Any]:
-        """(scale, shift) of the affine map this layer computes."""
-        return fold_batchnorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps)
-
-    def forward(self, x: Any) -> Any:
-        x = checks.float_input("BatchNorm2d", x, self.weight)
-        if x.ndim != 4:  # a 2-D (N, C) input would broadcast to a 4-D result
-            raise ValueError(f"BatchNorm2d: x must be 4-D ({', '.join(self.layout)}), got shape {tuple(x.shape)}")
-        channels = x.shape[3 if self.layout == "NHWC" else 1]
-        if channels != self.num_features:
-            raise ValueError(f"BatchNorm2d: x has {channels} channels (shape {tuple(x.shape)}, layout {self.layout}) "
-                             f"but the layer has num_features={self.num_features}")
-        scale, shift = self.folded()
-        shape = (1, 1, 1, -1) if self.layout == "NHWC" else (1, -1, 1, 1)
-        return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)
-
-
-class Activation(Module):
-    """An element-wise activation by name; ReLU, ReLU6, GELU and SiLU are its instances."""
-
-    name: str | None = None
-
-    def forward(self, x: Any) -> Any:
-        x = checks.float_input(type(self).__name__, x)
-        return activations.apply(x, self.name).astype(x.dtype)
-
-
-class ReLU(Activation):
-    name = "relu"
-
-
-class ReLU6(Activation):
-    name = "relu6"
-
-
-class GELU(Activation):
-    """PyTorch's nn.GELU: exact (erf) by default, the tanh approximation with approximate="tanh"."""
-
-    def __init__(self, approximate: str = "none"):
-        super().__init__()
-        if approximate not in ("none", "tanh"):
-            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
-        self.approximate = approximate
-        self.name = "gelu_erf" if approximate == "none" else "gelu"
-
-
-class SiLU(Activation):
-    name = "silu"
-
-
-class MaxPool2d(Module):
-    """Max over each window (AvgPool2d: the mean); stride defaults to the kernel size, padding is at
-    most half the window (PyTorch's rules)."""
-
-    def __init__(self, kernel_size: Any, stride: Any = None, padding: Any = 0, *, layout: str = "NHWC",
-                 path: str = "auto"):
-        super().__init__()
-        name = type(self).__name__
-        kernel = checks.pair(name, "kernel_size", kernel_size, 1)
-        stride = kernel if stride is None else checks.pair(name, "stride", stride, 1)
-        padding = checks.pair(name, "padding", padding, 0)
-        if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
-            raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
-        checks.choice(name, "layout", layout, LAYOUTS)
-        checks.path(name, path, ("pool2d",))
-        self.kernel_size, self.stride, self.padding, self.layout, self.path = kernel, stride, padding, layout, path
-
-    def forward(self, x: Any) -> Any:
-        return max_pool2d(x, self.kernel_size, self.stride, self.padding, layout=self.layout, path=self.path)
-
-
-class AvgPool2d(MaxPool2d):
-    def forward(self, x: Any) -> Any:
-        return avg_pool2d(x, self.kernel_size, self.stride, self.padding, layout=self.layout, path=self.path)
 
 
 class Conv2dBNAct(Module):

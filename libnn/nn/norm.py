@@ -1,6 +1,8 @@
-"""Layer normalization: y = (x − mean) / sqrt(var + eps) · weight + bias over the last dimension,
-through libnn.ops.layer_norm. Parameters by PyTorch's names (weight, bias), so that a PyTorch
-state_dict loads as it is."""
+"""Normalization layers, with parameters by PyTorch's names so that a PyTorch state_dict loads as it is:
+- LayerNorm: y = (x − mean) / sqrt(var + eps) · weight + bias over the last dimension, through
+  libnn.ops.layer_norm (weight, bias).
+- BatchNorm2d: batch norm in inference, the per-channel affine map of its running statistics (weight,
+  bias, running_mean, running_var); Sequential folds it into the Conv2d before it (nn/conv.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from libnn.nn import checks
 from libnn.nn.module import Module, full
+from libnn.ops.conv2d import LAYOUTS, fold_batchnorm
 from libnn.ops.layer_norm import layer_norm
 
 
@@ -47,3 +50,35 @@ class LayerNorm(Module):
     def __repr__(self) -> str:
         return (f"LayerNorm({self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
                 f"bias={self.bias is not None}, path={self.path!r})")
+
+
+class BatchNorm2d(Module):
+    """Batch norm in inference: y = (x - running_mean) / sqrt(running_var + eps) * weight + bias."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, *, layout: str = "NHWC", dtype: Any = "fp32",
+                 device: str = "cpu"):
+        super().__init__()
+        num_features = checks.size("BatchNorm2d", "num_features", num_features)
+        eps = checks.positive_float("BatchNorm2d", "eps", eps)
+        checks.choice("BatchNorm2d", "layout", layout, LAYOUTS)
+        checks.parameters_fit("BatchNorm2d", "num_features", 4 * num_features, checks.float_dtype("BatchNorm2d", dtype),
+                              checks.device("BatchNorm2d", device))
+        self.num_features, self.eps, self.layout = num_features, eps, layout
+        for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            self.register_parameter(name, full((num_features,), value, dtype, device))
+
+    def folded(self) -> tuple[Any, Any]:
+        """(scale, shift) of the affine map this layer computes."""
+        return fold_batchnorm(self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+
+    def forward(self, x: Any) -> Any:
+        x = checks.float_input("BatchNorm2d", x, self.weight)
+        if x.ndim != 4:  # a 2-D (N, C) input would broadcast to a 4-D result
+            raise ValueError(f"BatchNorm2d: x must be 4-D ({', '.join(self.layout)}), got shape {tuple(x.shape)}")
+        channels = x.shape[3 if self.layout == "NHWC" else 1]
+        if channels != self.num_features:
+            raise ValueError(f"BatchNorm2d: x has {channels} channels (shape {tuple(x.shape)}, layout {self.layout}) "
+                             f"but the layer has num_features={self.num_features}")
+        scale, shift = self.folded()
+        shape = (1, 1, 1, -1) if self.layout == "NHWC" else (1, -1, 1, 1)
+        return (x * scale.reshape(shape) + shift.reshape(shape)).astype(x.dtype)

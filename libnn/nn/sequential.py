@@ -18,9 +18,11 @@ from typing import Any
 
 from libnn.nn import checks
 from libnn.nn.basic import Flatten
-from libnn.nn.conv import Activation, BatchNorm2d, Conv2d, Conv2dBNAct
+from libnn.nn.activation import Activation
+from libnn.nn.conv import Conv2d, Conv2dBNAct
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
+from libnn.nn.norm import BatchNorm2d
 from libnn.runtime.arrays import array_module, as_array
 
 
