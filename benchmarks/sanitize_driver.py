@@ -79,12 +79,12 @@ DTYPES = ("fp16", "bf16", "fp32")
 # --- linear -------------------------------------------------------------------------------------------
 @item("linear: every gemm.cu version, odd M, N, K")
 def _linear_versions():
-    from libnn.ops.linear import custom_versions, launch_custom_version
+    from libnn.ops.linear import _check, custom_versions, launch_custom_version
 
     for dtype in DTYPES:
         for M, N, K in ((1, 1, 1), (1, 7, 13), (13, 17, 29), (129, 131, 67)):
             x, w, b = normal((M, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype)
-            for version in custom_versions(dtype):
+            for version in custom_versions(_check(x, w, b, "gelu", False)):
                 launch_custom_version(version, x, w, b, "gelu")
 
 
@@ -134,8 +134,11 @@ def _conv2d():
 
 @item("conv2d: the epilogue kernel (kernels/epilogue.cu) on odd sizes")
 def _conv_epilogue():
-    from libnn.ops import conv2d as conv_module
+    import importlib
+
     from libnn.ops.conv2d import apply_epilogue_kernel
+
+    conv_module = importlib.import_module("libnn.ops.conv2d")  # libnn.ops.conv2d itself is the function
 
     for dtype in DTYPES:
         for layout in ("NHWC", "NCHW"):
@@ -175,14 +178,15 @@ def _attention():
 
 @item("attention: both fused kernel versions where they apply")
 def _attention_versions():
-    from libnn.ops.attention_kernels import flash_attention, flash_version, versions
+    from libnn.ops.attention import _check, custom_versions
+    from libnn.ops.attention_kernels import flash_attention
 
     for dtype, D in (("fp16", 64), ("bf16", 32), ("fp16", 24), ("fp32", 72)):
         q, k, v = normal((1, 2, 19, D), dtype), normal((1, 2, 71, D), dtype), normal((1, 2, 71, D), dtype)
         o = normal((1, 2, 19, D), dtype)
-        for version in versions():
-            if version == "attn1_naive" or version == flash_version(q, k, v, o):
-                flash_attention(q, k, v, o, scale=0.3, causal="top_left", version=version)
+        problem = _check(q, k, v, None, 0.3, "top_left", "BHSD", False, False)
+        for version in custom_versions(problem):  # o, fresh from the pool, has aligned rows
+            flash_attention(q, k, v, o, scale=0.3, causal="top_left", version=version)
 
 
 # --- layer_norm ---------------------------------------------------------------------------------------
@@ -241,10 +245,10 @@ def _fft():
     import cupy
 
     from libnn.ops import fft_conv1d, fft_conv2d
-    from libnn.ops.fft_conv_kernels import fft_c2c, versions
+    from libnn.ops.fft_conv_kernels import VERSIONS, fft_c2c
 
     # one block up to 2**12; four-step beyond, with strided column launches up to 8 rows, a transpose above
-    for version in versions():
+    for version in VERSIONS:
         for rows, log2n in ((3, 1), (3, 2), (1, 5), (3, 10), (2, 12), (3, 13), (9, 13), (1, 14)):
             x = (normal((rows, 1 << log2n), "fp32") + 1j * normal((rows, 1 << log2n), "fp32")).astype(cupy.complex64)
             fft_c2c(x, version=version)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from libnn import dtypes
 from libnn.bench import harness
 from libnn.errors import LibraryError, PathUnavailableError
-from libnn.ops.linear import bind_epilogue_pass, custom_versions, launch_custom_version, linear
+from libnn.ops.linear import LinearProblem, bind_epilogue_pass, custom_versions, launch_custom_version, linear
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,9 @@ def _paths(case: Case) -> dict[str, Callable]:
     if not case.allow_tf32:
         runs["custom"] = forced("custom")
     if case.variants:
-        for version in custom_versions(case.dtype):
+        problem = LinearProblem(case.M, case.N, case.K, case.dtype, case.bias, case.activation, case.allow_tf32,
+                                "gpu:0", case.residual)
+        for version in custom_versions(problem):
             runs[f"custom {version}"] = (lambda v: lambda args: launch_custom_version(v, *args[:3], case.activation,
                                                                                       args[3]))(version)
     if torch := _torch_fn(case):

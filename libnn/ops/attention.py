@@ -391,6 +391,20 @@ def _custom_support(problem: AttentionProblem) -> str | None:
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
 
 
+def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[str, ...]:
+    """The numbered kernels of kernels/attention.cu that can run `problem`, baseline first (for tests and
+    the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, and
+    attn2_flash where it fits. `aligned`: whether o's rows start on 16 bytes too (q's, k's and v's are
+    the problem's; a misaligned bias counts against attn2 here, though flash_attention would copy it)."""
+    from libnn.ops.attention_kernels import flash_fits, flash_supports
+
+    if flash_supports(problem.dtype, problem.D):
+        return ()
+    fits = aligned and problem.aligned and flash_fits(problem.dtype, problem.D, problem.bias_shape is not None,
+                                                      problem.scale)
+    return ("attn1_naive", "attn2_flash") if fits else ("attn1_naive",)
+
+
 def _run_kernels(launcher, problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
     lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)

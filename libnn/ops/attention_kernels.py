@@ -35,11 +35,6 @@ _SOFTMAX_THREADS = 128
 _NULL = np.uint64(0)
 
 
-def versions() -> tuple[str, ...]:
-    """The fused kernels of kernels/attention.cu, baseline first; `flash_attention(version=...)` takes one."""
-    return _VERSIONS
-
-
 def flash_supports(dtype: str, head_dim: int) -> str | None:
     """None when the custom paths take this dtype and head dim, else why not."""
     if dtype not in dtypes.KERNEL_SUFFIX:
@@ -61,11 +56,17 @@ def _rows_aligned(a) -> bool:
     return a.data.ptr % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
 
 
+def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:
+    """Whether attn2_flash takes a problem, alignment aside (every row of q, k, v, o must also start on
+    16 bytes): fp16/bf16, D <= 128 with D % 8 == 0, scale != 0 under a bias."""
+    return (dtype in ("fp16", "bf16") and head_dim <= FLASH_BUCKETS[-1] and head_dim % 8 == 0
+            and (not has_bias or scale != 0))
+
+
 def flash_version(q, k, v, o, bias=None, scale: float = 1.0) -> str:
     """The kernel `flash_attention` runs for these arrays: attn2_flash where it applies, else attn1_naive."""
-    D = q.shape[3]
-    fits = (dtypes.short_name(q.dtype) in ("fp16", "bf16") and D <= FLASH_BUCKETS[-1] and D % 8 == 0
-            and all(_rows_aligned(a) for a in (q, k, v, o)) and (bias is None or scale != 0))
+    fits = (flash_fits(dtypes.short_name(q.dtype), q.shape[3], bias is not None, scale)
+            and all(_rows_aligned(a) for a in (q, k, v, o)))
     return "attn2_flash" if fits else "attn1_naive"
 
 
@@ -107,8 +108,8 @@ def flash_launch(head_dim: int, has_bias: bool, warps: int = FLASH_WARPS) -> tup
 
 def flash_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
                     bias=None, version: str | None = None) -> None:
-    """o = softmax(scale · q kᵀ + bias, masked) v, fused; `version` forces a kernel of versions()
-    (attn2_flash only where flash_version picks it)."""
+    """o = softmax(scale · q kᵀ + bias, masked) v, fused; `version` forces a kernel of kernels/attention.cu
+    (attention.custom_versions lists those a problem can take; attn2_flash only where flash_version picks it)."""
     B, Hq, Sq, D = q.shape
     if B * Hq * Sq == 0:
         return

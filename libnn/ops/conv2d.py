@@ -381,6 +381,14 @@ def custom_version(problem: ConvProblem) -> str:
     return "conv1_direct"
 
 
+def custom_versions(problem: ConvProblem, aligned: bool = True) -> tuple[str, ...]:
+    """The numbered versions of kernels/conv2d.cu that can run `problem`, baseline first (for tests and
+    benchmarks; `launch_custom` takes one): conv1_direct, which runs any problem, and the one
+    custom_version picks. Each kernel checks alignment itself, so `aligned` changes nothing here."""
+    chosen = custom_version(problem)
+    return ("conv1_direct",) if chosen == "conv1_direct" else ("conv1_direct", chosen)
+
+
 def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, int]:
     """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table."""
     images = min(p.N, 65535)  # the grid-stride kernels spread images over a grid dimension

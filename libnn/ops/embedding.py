@@ -250,7 +250,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def custom_versions(problem: EmbeddingProblem, aligned: bool = True) -> tuple[str, ...]:
-    """The versions of kernels/embedding.cu that can run `problem` (for tests and benchmarks)."""
+    """The numbered versions of kernels/embedding.cu that can run `problem`, baseline first (for tests
+    and benchmarks; `launch_custom` takes one). `aligned`: whether the arrays allow the 16-byte kernels
+    (`kernel_is_aligned` says)."""
     V, H = _group(problem.dtype), problem.H
     found = []
     if H <= 32 * _WARP_VPTS[problem.dtype][-1] * V:

@@ -32,17 +32,12 @@ from libnn.runtime import kernels
 from libnn.runtime.arrays import describe, is_cupy
 
 _FILE = "fft_conv.cu"
-_VERSIONS = ("fft_radix2_c2c", "fft_radix4_c2c")  # 1) baseline, 2) default
+VERSIONS = ("fft_radix2_c2c", "fft_radix4_c2c")  # 1) baseline, 2) default; `fft_c2c(version=...)` takes one
 _DEFAULT_VERSION = "fft_radix4_c2c"
 MAX_BLOCK_LOG2N = 12    # one block transforms up to 4096 points
 MAX_LOG2N = 24          # four-step with n1, n2 <= 4096
 _MAX_BATCH = 2**31 - 1  # the kernels take the batch as an int
 _STRIDED_ROWS = 8       # four-step step 1: up to this many rows, one strided column launch per row
-
-
-def versions() -> tuple[str, ...]:
-    """The FFT kernel versions of kernels/fft_conv.cu, baseline first; `fft_c2c(version=...)` takes one."""
-    return _VERSIONS
 
 
 # --- launches ------------------------------------------------------------------------------------
@@ -135,8 +130,8 @@ def _check(x, inverse, version) -> tuple[int, str]:
         raise ValueError(f"fft_c2c: the last dimension of x must be at most 2**{MAX_LOG2N} = {1 << MAX_LOG2N}, "
                          f"got {n} = 2**{log2n}")
     version = _DEFAULT_VERSION if version is None else version
-    if version not in _VERSIONS:
-        raise ValueError(f"fft_c2c: version must be one of {_VERSIONS} or None, got {version!r}")
+    if version not in VERSIONS:
+        raise ValueError(f"fft_c2c: version must be one of {VERSIONS} or None, got {version!r}")
     return log2n, version
 
 

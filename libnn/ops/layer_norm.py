@@ -278,7 +278,9 @@ def _aligned(problem: LayerNormProblem, *arrays) -> bool:
 
 
 def custom_versions(problem: LayerNormProblem, aligned: bool = True) -> tuple[str, ...]:
-    """The versions of kernels/layer_norm.cu that can run `problem` (for tests and benchmarks)."""
+    """The numbered versions of kernels/layer_norm.cu that can run `problem`, baseline first (for tests
+    and benchmarks; `launch_custom` takes one). `aligned`: whether the arrays allow the 16-byte kernels
+    (`_aligned` says)."""
     V, N = _group(problem.dtype), problem.N
     found = []
     if N <= 32 * _WARP_VPTS[problem.dtype][-1] * V:

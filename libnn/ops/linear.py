@@ -370,9 +370,11 @@ _LAUNCH = {"v1": _Launch("gemm1_naive", (32, 8, 1), 32, 8, erf_kernel="gemm1_nai
 _MAX_GRID_Y = 65535
 
 
-def custom_versions(dtype: str) -> tuple[str, ...]:
-    """The versions of kernels/gemm.cu that compute `dtype`, for benchmarks and tests."""
-    return _VERSIONS[dtype]
+def custom_versions(problem: LinearProblem, aligned: bool = True) -> tuple[str, ...]:
+    """The numbered versions of kernels/gemm.cu that can run `problem`, baseline first, the custom
+    path's last (for tests and benchmarks; `launch_custom_version` takes one). Every version takes any
+    alignment, so `aligned` (the shape every op's custom_versions has) changes nothing here."""
+    return _VERSIONS[problem.dtype]
 
 
 def _kernel(version: str, activation: str | None) -> str | None:
