@@ -17,6 +17,18 @@ def test_linear_layer_computes_linear_with_its_parameters(rng):
     assert layer(x).shape == (2, 5, 4)
 
 
+def test_linear_layer_takes_an_activation_override_and_sequential_fuses_through_it(rng, monkeypatch):
+    layer = nn.Linear(6, 4, seed=3, dtype="fp64")
+    x = random_normal(rng, (3, 6), "fp64")
+    assert rel_error(layer(x, activation="relu"), linear(x, layer.weight, layer.bias, "relu")) == 0
+    assert layer.activation is None  # the override is for this call only
+    seen = []
+    forward = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, *a, **k: seen.append(k) or forward(self, *a, **k))
+    y = nn.Sequential(layer, nn.ReLU())(x)
+    assert seen == [{"activation": "relu"}] and rel_error(y, np.maximum(x @ layer.weight.T + layer.bias, 0)) < 1e-15
+
+
 def test_state_dict_uses_pytorch_names_and_round_trips(rng):
     a, b = nn.Linear(3, 2, seed=0), nn.Linear(3, 2, seed=1)
     assert set(a.state_dict()) == {"weight", "bias"}

@@ -78,3 +78,17 @@ def test_auto_algo_follows_the_measured_crossover():
     assert not small.uses_fft(np.ones((1, 1024, 1024, 1)))
     with pytest.raises(ValueError, match="algo='fft' needs stride 1"):
         nn.Conv2d(1, 1, 3, stride=2, algo="fft")
+
+
+def test_with_parameters_builds_a_conv_of_the_same_configuration_holding_the_given_arrays():
+    conv = nn.Conv2d(4, 6, (3, 1), stride=2, padding=(1, 0), groups=2, activation="relu", layout="NCHW",
+                     dtype="fp64", algo="direct", seed=0)
+    conv.path = "reference"  # as use_path sets it
+    weight, bias = np.ones_like(conv.weight), np.full(6, 0.5)
+    clone = conv.with_parameters(weight, bias)
+    assert type(clone) is nn.Conv2d and clone is not conv
+    assert clone.weight is weight and clone.bias is bias and conv.weight is not weight
+    for name in ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+                 "activation", "layout", "algo", "path"):
+        assert getattr(clone, name) == getattr(conv, name), name
+    assert set(clone.state_dict()) == {"weight", "bias"}

@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from libnn import dtypes
 from libnn.nn import checks
-from libnn.nn.module import Module, init_uniform
+from libnn.nn.module import Module, init_uniform, uninitialised
 from libnn.nn.norm import BatchNorm2d
 from libnn.ops import activations
 from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from libnn.ops.conv2d import LAYOUTS, conv2d, fold_batchnorm
-from libnn.runtime.arrays import array_module, as_array
+from libnn.runtime.arrays import array_module, as_array, is_cupy
 
 
 # The smallest kernel size from which FFT convolution beat direct cuDNN convolution, by image size
@@ -87,6 +88,19 @@ class Conv2d(Module):
             xp = array_module(self.weight)
             self._converted = (self.weight, xp.ascontiguousarray(self.weight.transpose(0, 2, 3, 1)))
         return self._converted[1]
+
+    def with_parameters(self, weight: Any, bias: Any) -> "Conv2d":
+        """A Conv2d configured as this one, holding `weight` and `bias` (this layer's shapes, dtype and
+        device) in place of its own: built by the constructor, which draws no initial values here."""
+        with uninitialised():
+            clone = Conv2d(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                           self.dilation, self.groups, bias is not None, self.activation, layout=self.layout,
+                           dtype=dtypes.short_name(weight.dtype), device="gpu" if is_cupy(weight) else "cpu",
+                           algo=self.algo)
+        clone.path = self.path  # as use_path sets it: a path of another op, which the constructor refuses
+        clone.register_parameter("weight", weight)
+        clone.register_parameter("bias", bias)
+        return clone
 
     def uses_fft(self, x: Any) -> bool:
         if self.algo != "auto":
@@ -160,11 +174,5 @@ class Conv2dBNAct(Module):
             compute = xp.float64 if c.weight.dtype == xp.float64 else xp.float32
             w = (c.weight.astype(compute) * scale.reshape(-1, 1, 1, 1)).astype(c.weight.dtype)
             b = shift if c.bias is None else c.bias.astype(compute) * scale + shift
-            folded = Conv2d.__new__(Conv2d)
-            folded.__dict__.update({k: v for k, v in c.__dict__.items() if k not in ("_parameters", "_children")})
-            Module.__init__(folded)
-            folded.register_parameter("weight", w)
-            folded.register_parameter("bias", b.astype(c.weight.dtype))
-            folded._converted = None
-            self._folded = folded
+            self._folded = c.with_parameters(w, b.astype(c.weight.dtype))
         return self._folded

@@ -30,10 +30,11 @@ class Linear(Module):
         self.register_parameter("bias", init_uniform((out_features,), bound, dtype, device,
                                                      None if seed is None else seed + 1) if bias else None)
 
-    def forward(self, x: Any, residual: Any = None) -> Any:
+    def forward(self, x: Any, residual: Any = None, activation: str | None = None) -> Any:
         """activation(x @ weight.T + bias + residual): a residual (the output's shape) is added in the
-        GEMM's epilogue, not by a pass of its own."""
-        return linear(x, self.weight, self.bias, self.activation, residual=residual, path=self.path)
+        GEMM's epilogue, not by a pass of its own. `activation` overrides the layer's (as Conv2d.forward's
+        does): Sequential fuses a following activation layer through it."""
+        return linear(x, self.weight, self.bias, activation or self.activation, residual=residual, path=self.path)
 
     def __repr__(self) -> str:
         return (f"Linear(in_features={self.in_features}, out_features={self.out_features}, "

@@ -7,22 +7,25 @@ Before running, Sequential fuses what follows each other:
 - Flatten (layout NHWC) → Linear [→ activation]  becomes one FlattenLinear: the NHWC activation is
   flattened as it lies, with no transpose, and the GEMM uses the Linear's weight with its columns
   permuted once from PyTorch's (C, H, W) order to (H, W, C).
-The fused plan is rebuilt whenever a parameter or layer is replaced (load_state_dict, to(),
-`seq[0].weight = w`: the module's version changes). state_dict keys
-stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
+Each fusion is one rule (`_RULES`, tried in order at each position). The fused plan is rebuilt
+whenever a parameter or layer is replaced (load_state_dict, to(), `seq[0].weight = w`: the module's
+version changes). state_dict keys stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from libnn.nn import checks
-from libnn.nn.basic import Flatten
 from libnn.nn.activation import Activation
+from libnn.nn.basic import Flatten
 from libnn.nn.conv import Conv2d, Conv2dBNAct
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
 from libnn.nn.norm import BatchNorm2d
+from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
+from libnn.ops.linear import ACTIVATIONS as LINEAR_ACTIVATIONS
+from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module, as_array
 
 
@@ -37,9 +40,6 @@ class _WithActivation(Module):
         return f"{type(self.layer).__name__}+{self.activation} fused (activation in the epilogue)"
 
     def forward(self, x: Any) -> Any:
-        if isinstance(self.layer, Linear):
-            from libnn.ops.linear import linear
-            return linear(x, self.layer.weight, self.layer.bias, self.activation, path=self.layer.path)
         return self.layer(x, activation=self.activation)
 
 
@@ -60,8 +60,6 @@ class FlattenLinear(Module):
         return f"Flatten+Linear{act} fused (weight columns in NHWC order, no transpose)"
 
     def forward(self, x: Any) -> Any:
-        from libnn.ops.linear import linear
-
         x = as_array(x, "Flatten", "x")
         f, w = self.flatten, self.layer.weight
         as_it_lies = (x.ndim == 4 and f.start_dim == 1 and f.end_dim in (-1, 3) and w.ndim == 2
@@ -112,30 +110,10 @@ class Sequential(Module):
         names, modules = list(self._children), list(self._children.values())
         plan, i = [], 0
         while i < len(modules):
-            m = modules[i]
-            following = modules[i + 1: i + 3]
-            if isinstance(m, Conv2d) and following and isinstance(following[0], BatchNorm2d) and m.activation is None:
-                act = following[1] if len(following) > 1 and isinstance(following[1], Activation) else None
-                span = 3 if act else 2
-                plan.append(("+".join(names[i:i + span]), Conv2dBNAct(m, following[0], act.name if act else None,
-                                                                     fold=self.fold_bn)))
-                i += span
-            elif (isinstance(m, Flatten) and m.layout == "NHWC" and following
-                  and isinstance(following[0], Linear)):
-                layer = following[0]
-                act = following[1] if (len(following) > 1 and isinstance(following[1], Activation)
-                                       and layer.activation is None and _fusable(layer, following[1].name)) else None
-                span = 3 if act else 2
-                plan.append(("+".join(names[i:i + span]),
-                             FlattenLinear(m, layer, act.name if act else layer.activation)))
-                i += span
-            elif (isinstance(m, Conv2d | Linear) and following and isinstance(following[0], Activation)
-                  and m.activation is None and _fusable(m, following[0].name)):
-                plan.append((f"{names[i]}+{names[i + 1]}", _WithActivation(m, following[0].name)))
-                i += 2
-            else:
-                plan.append((names[i], m))
-                i += 1
+            span, module = next((found for rule in _RULES
+                                 if (found := rule(modules[i], modules[i + 1: i + 3], self.fold_bn))), (1, modules[i]))
+            plan.append(("+".join(names[i:i + span]), module))
+            i += span
         return plan
 
     def describe(self) -> list[str]:
@@ -148,8 +126,41 @@ class Sequential(Module):
         return x
 
 
-def _fusable(layer: Module, activation: str) -> bool:
-    from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
-    from libnn.ops.linear import ACTIVATIONS as LINEAR_ACTIVATIONS
+# --- fusion rules ----------------------------------------------------------------------------------
+# Each looks at a module and the (up to) two after it and returns (how many modules it covers, the
+# module that runs them in their place), or None; Sequential tries them in _RULES order at each position.
+FuseRule = Callable[[Module, list[Module], bool], "tuple[int, Module] | None"]
 
+
+def _conv_bn_activation(m: Module, following: list[Module], fold_bn: bool) -> tuple[int, Module] | None:
+    """Conv2d → BatchNorm2d [→ activation]: one Conv2dBNAct (the Conv2d must have no activation)."""
+    if not (isinstance(m, Conv2d) and m.activation is None and following and isinstance(following[0], BatchNorm2d)):
+        return None
+    act = following[1] if len(following) > 1 and isinstance(following[1], Activation) else None
+    return (3 if act else 2), Conv2dBNAct(m, following[0], act.name if act else None, fold=fold_bn)
+
+
+def _flatten_linear(m: Module, following: list[Module], fold_bn: bool) -> tuple[int, Module] | None:
+    """Flatten (layout NHWC) → Linear [→ activation the GEMM's epilogue computes]: one FlattenLinear."""
+    if not (isinstance(m, Flatten) and m.layout == "NHWC" and following and isinstance(following[0], Linear)):
+        return None
+    layer = following[0]
+    act = following[1] if (len(following) > 1 and isinstance(following[1], Activation)
+                           and layer.activation is None and _fusable(layer, following[1].name)) else None
+    return (3 if act else 2), FlattenLinear(m, layer, act.name if act else layer.activation)
+
+
+def _layer_activation(m: Module, following: list[Module], fold_bn: bool) -> tuple[int, Module] | None:
+    """Conv2d or Linear (without an activation) → an activation its epilogue computes."""
+    if not (isinstance(m, Conv2d | Linear) and m.activation is None and following
+            and isinstance(following[0], Activation) and _fusable(m, following[0].name)):
+        return None
+    return 2, _WithActivation(m, following[0].name)
+
+
+_RULES: tuple[FuseRule, ...] = (_conv_bn_activation, _flatten_linear, _layer_activation)
+
+
+def _fusable(layer: Module, activation: str) -> bool:
+    """Whether the epilogue of `layer`'s op (linear or conv2d) computes `activation`."""
     return activation in (LINEAR_ACTIVATIONS if isinstance(layer, Linear) else CONV_ACTIVATIONS)
