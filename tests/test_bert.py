@@ -13,7 +13,7 @@ from conftest import random_normal, rel_error
 
 from libnn import dtypes
 from libnn.models.bert import BertConfig, BertEncoder
-from libnn.nn import transformer
+from libnn.nn import functional
 
 TINY = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": 100, "hidden_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64, "hidden_act": "gelu",
@@ -161,8 +161,8 @@ def test_bert_right_padding_runs_as_sequence_lengths(rng, checkpoint, monkeypatc
     directory, config, state = checkpoint
     model = BertEncoder.from_pretrained(directory, path="reference")
     calls = []
-    real = transformer.attention
-    monkeypatch.setattr(transformer, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
+    real = functional.attention
+    monkeypatch.setattr(functional, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
     ids, types = inputs(rng, 3, 12)
     mask = right_padded([12, 5, 1], 12)
     out = model(ids, mask, types)
@@ -176,8 +176,8 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
     directory, config, state = checkpoint
     model = BertEncoder.from_pretrained(directory, path="reference")
     calls = []
-    real = transformer.attention
-    monkeypatch.setattr(transformer, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
+    real = functional.attention
+    monkeypatch.setattr(functional, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
     ids, types = inputs(rng, 3, 10)
     left = right_padded([10, 6, 2], 10)[:, ::-1].astype(bool)  # left padding, and a boolean mask
     out = model(ids, left, types)

@@ -10,12 +10,9 @@ import pytest
 from conftest import random_normal, rel_error
 
 from libnn import dtypes
-from libnn.nn import transformer
-from libnn.nn.transformer import (
-    MultiheadAttention,
-    TransformerEncoderLayer,
-    key_padding,
-)
+from libnn.nn import functional, transformer
+from libnn.nn.functional import key_padding
+from libnn.nn.transformer import MultiheadAttention, TransformerEncoderLayer
 
 E, H = 32, 4
 
@@ -133,7 +130,7 @@ def test_mha_cross_attention_reference_matches_numpy(rng, same_kv):
 def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
     """The packed projection runs as ONE GEMM and attention reads q, k, v as views of its output."""
     gemms, seen = [], {}
-    real_linear, real_attention = transformer.linear, transformer.attention
+    real_linear, real_attention = functional.linear, functional.attention
 
     def counting_linear(x, w, b=None, activation=None, **kw):
         gemms.append(w.shape)
@@ -143,8 +140,9 @@ def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
         seen.update(q=q, k=k, v=v, **kw)
         return real_attention(q, k, v, **kw)
 
-    monkeypatch.setattr(transformer, "linear", counting_linear)
-    monkeypatch.setattr(transformer, "attention", viewing_attention)
+    for module in (functional, transformer):  # packed_self_attention's calls, and cross-attention's
+        monkeypatch.setattr(module, "linear", counting_linear)
+        monkeypatch.setattr(module, "attention", viewing_attention)
     mha = MultiheadAttention(E, H, path="reference", seed=1)
     x = random_normal(rng, (2, 6, E), "fp32")
     mha(x)
@@ -181,8 +179,8 @@ def test_mha_masks_reference_matches_numpy(rng, monkeypatch):
     state = randomized(mha, rng)
     x = random_normal(rng, (3, 6, E), "fp32")
     calls = []
-    real = transformer.attention
-    monkeypatch.setattr(transformer, "attention",
+    real = functional.attention
+    monkeypatch.setattr(functional, "attention",
                         lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
     right = right_padding([6, 3, 1], 6)
     out = mha(x, key_padding_mask=right)[0]

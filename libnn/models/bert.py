@@ -35,16 +35,11 @@ import numpy as np
 from libnn import dtypes
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
+from libnn.nn.functional import key_padding, on_device_of, op_path, packed_self_attention
 from libnn.nn.graphs import SequenceInputs
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import LayerNorm
-from libnn.nn.transformer import (
-    key_padding,
-    on_device_of,
-    op_path,
-    packed_self_attention,
-)
 from libnn.ops.embedding import embedding
 from libnn.ops.linear import FUSED_ACTIVATIONS
 from libnn.registry import get_op
