@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv2d", "fft_conv", "attention", "models", "overhead"],
+    s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead"],
                    help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
                    "cost of a cached call of every op against PyTorch's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")

@@ -1,4 +1,4 @@
-"""`libnn bench conv2d`: fused cuDNN graphs vs unfused vs our kernels vs PyTorch, and pooling.
+"""`libnn bench conv2d`: fused cuDNN graphs vs unfused vs our kernels vs PyTorch (pooling: `bench pool2d`).
 
 Paths per case (BN statistics pre-folded to per-channel fp32 scale and shift, as a layer holds them):
 cudnn (one fused graph conv→mul→add→act), cudnn unfused (cuDNN conv, then BN and the
@@ -8,7 +8,7 @@ conv→bias→act), custom (kernels/conv2d.cu), and PyTorch eager (conv2d, batch
 channels_last) when installed.
 
 Targets (N=32 C=K=64 56² 3×3 fp16 NHWC): cudnn ≥ 1.3× faster than cudnn unfused and ≥ 1.35× faster
-than PyTorch eager; custom ≥ 30% of cudnn. Max pooling ≥ 80% of the measured copy bandwidth.
+than PyTorch eager; custom ≥ 30% of cudnn.
 """
 
 from __future__ import annotations
@@ -131,34 +131,17 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
     cases = _cases(quick)
     rows: list[dict[str, Any]] = []
     for i, case in enumerate(cases, 1):
-        harness.progress(i, len(cases) + 1, f"{case.name} N={case.N} {case.dtype} {case.layout}")
+        harness.progress(i, len(cases), f"{case.name} N={case.N} {case.dtype} {case.layout}")
         x, w, bn = _inputs(case)
         rows += harness.time_paths(_paths(case, x, w, bn), {"case": case.name, "N": case.N,
                                                             "dtype": f"{case.dtype} {case.layout}"},
                                    flops=case.flops, ceilings=ceilings, baseline="cudnn", errors=(LibnnError,))
         cupy.get_default_memory_pool().free_all_blocks()
-    harness.progress(len(cases) + 1, len(cases) + 1, "pooling")
-    rows += _pool_rows(ceilings, quick)
-    print(harness.format_table(rows, ["case", "N", "dtype", "path", "ms", "per-call ms", "TFLOP/s", "%ceil", "cudnn/x", "GB/s",
-                                      "%copy", "note"]))
+    print(harness.format_table(rows, ["case", "N", "dtype", "path", "ms", "per-call ms", "TFLOP/s", "%ceil", "cudnn/x",
+                                      "note"]))
     print(_targets(rows))
     if json_path:
         harness.save_json(json_path, {"ceilings": ceilings, "rows": rows})
-    return rows
-
-
-def _pool_rows(ceilings: harness.Ceilings, quick: bool) -> list[dict[str, Any]]:
-    import cupy
-
-    from libnn.ops.pool2d import _check, max_pool2d
-
-    rows = []
-    x = cupy.random.default_rng(3).standard_normal((8 if quick else 32, 112, 112, 64), dtype=cupy.float32).astype(cupy.float16)
-    for k, s, p in ((2, 2, 0), (3, 2, 1)):
-        t = harness.time_gpu(lambda _: max_pool2d(x, k, s, p), [None], warmup=3, runs=30)
-        gbs = _check("max", x, k, s, p, True, "NHWC").bytes_moved / t.median_s / 1e9
-        rows.append({"case": f"max pool {k}x{k}/{s}", "N": x.shape[0], "dtype": "fp16 NHWC", "path": "custom",
-                     "ms": t.median_ms, "GB/s": gbs, "%copy": 100 * gbs / ceilings.copy_gbs})
     return rows
 
 
@@ -176,7 +159,4 @@ def _targets(rows: list[dict[str, Any]]) -> str:
     if fused and ms("custom"):
         ratio = fused / ms("custom")
         lines.append(f"  custom speed / cudnn = {ratio:.2f}  (target >= 0.3: {'met' if ratio >= 0.3 else 'MISSED'})")
-    for r in rows:
-        if r["case"].startswith("max pool"):
-            lines.append(f"  {r['case']}: {r['%copy']:.0f}% of copy bandwidth  (target >= 80: {'met' if r['%copy'] >= 80 else 'MISSED'})")
     return "\n".join(lines)
