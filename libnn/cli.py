@@ -1,11 +1,22 @@
 """The `libnn` command: `libnn --help` lists the subcommands, each with its own --help."""
 
+# Each command imports the module that does its work (bench.*, inspect, demo, models.run_cnn,
+# runtime.kernels) when it runs, not here: `libnn --help` and `libnn info` would otherwise load them
+# all, about 40 ms more on a start-up of about 115 ms (python -X importtime -m libnn --help; inspect
+# alone brings the cuBLASLt and cuDNN backends). What every command shares is imported below; it
+# costs nothing, since `import libnn` has loaded it already.
+
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Sequence
+
+from libnn.errors import LibnnError
+from libnn.registry import ops, paths
+from libnn.runtime import device
 
 
 def _int_at_least(minimum: int):
@@ -25,16 +36,13 @@ positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
 def _info(args: argparse.Namespace) -> int:
-    from libnn.runtime.device import info
-
-    found = info()
+    found = device.info()
     print(json.dumps(found.as_dict(), indent=2) if args.json else found.table())
     return 0
 
 
 def _paths(args: argparse.Namespace) -> int:
     from libnn.bench.harness import format_table
-    from libnn.registry import ops, paths
 
     for op in [args.op] if args.op else ops():
         print(f"{op}:")
@@ -55,8 +63,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from libnn.runtime.device import gpu_missing
-
     if args.only is not None:
         from libnn.bench.models import PARTS
 
@@ -65,25 +71,21 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"libnn bench: --only takes parts of `bench models` among {', '.join(PARTS)}, comma-separated; "
                   f"got {args.only!r} for `bench {args.op}`", file=sys.stderr)
             return 2
-    if reason := gpu_missing():
+    if reason := device.gpu_missing():
         print(f"libnn bench needs a GPU: {reason}", file=sys.stderr)
         return 2
-    import importlib
-
     options = {} if args.only is None else {"only": args.only}
     importlib.import_module(f"libnn.bench.{args.op}").run(quick=args.quick, json_path=args.json, **options)
     return 0
 
 
 def _plans(args: argparse.Namespace) -> int:
-    from libnn.runtime.device import gpu_missing
-
     needed = {"linear": ["m", "n", "k"], "conv2d": ["n", "c", "h", "w", "k", "r"], "attention": ["b", "h", "s", "d"]}[args.op]
     if missing := [f"--{a}" for a in needed if getattr(args, a) is None]:
         print(f"libnn plans {args.op}: missing {' '.join(missing)}", file=sys.stderr)
         return 2
 
-    if reason := gpu_missing():
+    if reason := device.gpu_missing():
         print(f"libnn plans needs a GPU: {reason}", file=sys.stderr)
         return 2
     from libnn.inspect import attention_plans, conv_plans, linear_plans
@@ -199,7 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except Exception as exc:  # a user-facing command: the message, not a traceback
-        from libnn.errors import LibnnError
         # ModuleNotFoundError: an optional package this command needs is not installed (the message
         # says which); the environment's problem, not a bug to show a traceback for
         if not isinstance(exc, LibnnError | ValueError | TypeError | MemoryError | ModuleNotFoundError):

@@ -4,10 +4,19 @@ which one the heuristic put first, which was fastest, and which one libnn will r
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from libnn import dtypes
+from libnn.backends import cublaslt, cudnn
 from libnn.bench.harness import format_table
+from libnn.config import config
+from libnn.ops import activations
+from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, attention
+from libnn.ops.attention import _check as _attention_check, _graph_builder as _attention_graph_builder
+from libnn.ops.conv2d import _check as _conv2d_check, _graph_builder as _conv2d_graph_builder, conv2d, output_shape
+from libnn.ops.linear import ACTIVATIONS, LinearProblem
 
 
 @dataclass
@@ -28,12 +37,6 @@ def linear_plans(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = True,
                  allow_tf32: bool = False, time: bool = False) -> PlanReport:
     """The cuBLASLt algorithms for linear on (m, n, k); with `time`, each one's median time."""
     import cupy
-
-    from libnn import dtypes
-    from libnn.backends import cublaslt
-    from libnn.config import config
-    from libnn.ops import activations
-    from libnn.ops.linear import ACTIVATIONS, LinearProblem
 
     activations.check("linear", activation, ACTIVATIONS)
     dt = dtypes.parse(dtype)
@@ -82,9 +85,6 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
     `time`, timed); marks each mode's first choice, the fastest, and the plan libnn runs."""
     import cupy
 
-    from libnn import dtypes
-    from libnn.ops.conv2d import _check, _graph_builder, conv2d, output_shape
-
     dt = dtypes.parse(dtype)
     rng = cupy.random.default_rng(0)
     x_shape = (n, h, w, c) if layout == "NHWC" else (n, c, h, w)
@@ -92,7 +92,7 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
     x = rng.standard_normal(x_shape, dtype=cupy.float32).astype(dt)
     wt = (rng.standard_normal(w_shape, dtype=cupy.float32) / math.sqrt(c // groups * r * s)).astype(dt)
     vectors = [rng.standard_normal(k, dtype=cupy.float32) for _ in range(2)] if bn else None
-    problem = _check(x, wt, None, vectors, stride, padding, dilation, groups, activation, layout, False)
+    problem = _conv2d_check(x, wt, None, vectors, stride, padding, dilation, groups, activation, layout, False)
     y = cupy.empty(output_shape(problem), dt)
     buffers = {1: x, 2: wt, 5: y}
     if bn:
@@ -102,7 +102,7 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
         conv2d(x, wt, bn=vectors, stride=stride, padding=padding, dilation=dilation, groups=groups,
                activation=activation, layout=layout, path="cudnn")
 
-    return _cudnn_report(problem, _graph_builder(problem), buffers, run_libnn, modes, time, progress)
+    return _cudnn_report(problem, _conv2d_graph_builder(problem), buffers, run_libnn, modes, time, progress)
 
 
 def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_kv: int | None = None,
@@ -110,9 +110,6 @@ def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_k
                     modes: tuple[str, ...] = ("A", "B", "FALLBACK"), progress: bool = False) -> PlanReport:
     """Every plan cuDNN's heuristics offer for the fused attention (SDPA) graph; as conv_plans."""
     import cupy
-
-    from libnn import dtypes
-    from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, _check, _graph_builder, attention
 
     dt = dtypes.parse(dtype)
     rng = cupy.random.default_rng(0)
@@ -123,23 +120,19 @@ def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_k
         return rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
 
     q, k, v = tensor(h, s), tensor(h_kv, s_kv), tensor(h_kv, s_kv)
-    problem = _check(q, k, v, None, None, causal, layout, False, False)
+    problem = _attention_check(q, k, v, None, None, causal, layout, False, False)
     buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: cupy.empty_like(q)}
 
     def run_libnn():
         attention(q, k, v, causal=causal, layout=layout, path="cudnn")
 
-    return _cudnn_report(problem, _graph_builder(problem), buffers, run_libnn, modes, time, progress)
+    return _cudnn_report(problem, _attention_graph_builder(problem), buffers, run_libnn, modes, time, progress)
 
 
 def _cudnn_report(problem: Any, builder: Any, buffers: dict[int, Any], run_libnn: Any, modes: tuple[str, ...],
                   time: bool, progress: bool) -> PlanReport:
     """The plans of `builder`'s graph per heuristics mode, each built (and timed), with marks for each
     mode's first choice, the fastest, and the plan libnn runs (after `run_libnn()` fills its cache)."""
-    import sys
-
-    from libnn.backends import cudnn
-
     def report(info):
         if progress:
             print(f"  mode {info.mode} plan {info.index}: {info.name} "

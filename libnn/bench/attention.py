@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from libnn import dtypes
+from libnn.backends.cudnn import graph_for
 from libnn.bench import harness
+from libnn.errors import LibnnError
+from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, _check, _graph_builder, attention
+from libnn.runtime.handles import cudnn_handle, workspace
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,6 @@ def _inputs(case: Case):
 
 
 def _paths(case: Case, q, k, v) -> dict[str, Callable[[Any], Any]]:
-    from libnn.ops.attention import attention
-
     def libnn_path(path: str):
         return lambda _: attention(q, k, v, causal=case.causal, path=path)
 
@@ -95,10 +97,6 @@ def _raw_cudnn(case: Case, q, k, v) -> Callable[[Any], Any]:
     """The cuDNN graph libnn cached for this problem, executed directly with a prepared variant pack."""
     import cupy
 
-    from libnn.backends.cudnn import graph_for
-    from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, _check, _graph_builder
-    from libnn.runtime.handles import cudnn_handle, workspace
-
     problem = _check(q, k, v, None, None, case.causal, "BHSD", False, False)
     graph = graph_for(problem, _graph_builder(problem), problem.describe())
     o = cupy.empty_like(q)
@@ -109,8 +107,6 @@ def _raw_cudnn(case: Case, q, k, v) -> Callable[[Any], Any]:
 
 def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
     import cupy
-
-    from libnn.errors import LibnnError
 
     ceilings = harness.measure_ceilings()
     print(ceilings.describe())
@@ -143,8 +139,6 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
 def _host_overhead() -> dict[str, float]:
     """Host microseconds per cached call on a small problem (the GPU keeps up, so this is libnn's cost)."""
     import cupy
-
-    from libnn.ops.attention import attention
 
     q = cupy.random.default_rng(1).standard_normal((1, 8, 128, 64), dtype=cupy.float32).astype(cupy.float16)
     raw = _raw_cudnn(Case(1, 8, 128, 128, 64, False, "fp16"), q, q, q)

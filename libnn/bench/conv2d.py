@@ -14,11 +14,13 @@ than PyTorch eager; custom ≥ 30% of cudnn.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from libnn import dtypes
 from libnn.bench import harness
+from libnn.errors import LibnnError
+from libnn.ops.conv2d import _check, apply_epilogue_kernel, conv2d, fold_batchnorm
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,6 @@ def _inputs(case: Case):
 
 
 def _paths(case: Case, x, w, bn) -> dict[str, Callable[[Any], Any]]:
-    from dataclasses import replace
-
-    from libnn.ops.conv2d import _check, apply_epilogue_kernel, conv2d, fold_batchnorm
-
     common = dict(stride=case.stride, padding=case.padding, groups=case.groups, layout=case.layout)
     scale, shift = fold_batchnorm(*bn)
     problem = _check(x, w, None, bn, case.stride, case.padding, 1, case.groups, "relu", case.layout, False)
@@ -123,8 +121,6 @@ def _paths(case: Case, x, w, bn) -> dict[str, Callable[[Any], Any]]:
 
 def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
     import cupy
-
-    from libnn.errors import LibnnError
 
     ceilings = harness.measure_ceilings()
     print(ceilings.describe())

@@ -20,6 +20,10 @@ import math
 from typing import Any
 
 from libnn.bench import harness
+from libnn.nn.conv import Conv2d
+from libnn.ops.conv2d import conv2d
+from libnn.ops.fft_conv import fft_conv2d
+from libnn.registry import get_op
 
 IMAGES = (64, 256, 1024, 2048)
 KERNELS = (3, 7, 15, 31, 63, 127)
@@ -44,11 +48,6 @@ def _time_call(fn, gpu_ms: float | None) -> float | None:
 
 def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
     import cupy
-
-    from libnn.nn.conv import Conv2d
-    from libnn.ops.conv2d import conv2d
-    from libnn.ops.fft_conv import fft_conv2d
-    from libnn.registry import get_op
 
     images, kernels = ((64, 256), (3, 15)) if quick else (IMAGES, KERNELS)
     rng = cupy.random.default_rng(11)

@@ -44,6 +44,11 @@ from typing import Any, Callable
 
 from libnn import dtypes
 from libnn.bench import harness
+from libnn.errors import LibnnError
+from libnn.models.bert import BertConfig, BertEncoder
+from libnn.models.seed_cnn import SeedCNN
+from libnn.models.train_seed_cnn import torch_model
+from libnn.nn import BatchNorm2d, Conv2d, ReLU, Sequential
 
 PARTS = ("cnn", "block", "encoder", "server", "cold")
 SERVER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -93,21 +98,15 @@ def _libnn_model(case: Case, path: str = "auto", checkpoint: str | None = None):
 
     rng = cupy.random.default_rng(11)
     if case.model == "seed CNN":
-        from libnn.models import SeedCNN
-
         model = SeedCNN.pretrained(dtype=case.dtype, device="gpu", path=path)
         x = rng.standard_normal((case.batch, 1, 28, 28), dtype=cupy.float32).astype(dtypes.parse(case.dtype))
         return model, (x,)
     if case.model == "conv-BN-ReLU":
-        from libnn.nn import BatchNorm2d, Conv2d, ReLU, Sequential
-
         C, K, HW = BLOCK["C"], BLOCK["K"], BLOCK["HW"]
         kw = dict(layout="NHWC", dtype=case.dtype, device="gpu")
         model = Sequential(Conv2d(C, K, 3, padding=1, path=path, **kw), BatchNorm2d(K, **kw), ReLU())
         x = rng.standard_normal((case.batch, HW, HW, C), dtype=cupy.float32).astype(dtypes.parse(case.dtype))
         return model, (x,)
-    from libnn.models import BertEncoder
-
     model = BertEncoder.from_pretrained(checkpoint, dtype=case.dtype, device="gpu", path=path)
     ids, mask = _encoder_inputs(case)
     return model, (cupy.asarray(ids), cupy.asarray(mask))
@@ -149,8 +148,6 @@ def _torch_model(case: Case, checkpoint: str | None):
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
     if case.model == "seed CNN":
-        from libnn.models.train_seed_cnn import torch_model
-
         model = torch_model().cuda().eval().to(dtype).to(memory_format=torch.channels_last)
         x = torch.randn(case.batch, 1, 28, 28, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
         return model, {"input": x}
@@ -223,8 +220,6 @@ def _torch_graph(eager: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 # --- one case -------------------------------------------------------------------------------------
 def _rows_for(case: Case, checkpoint: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    from libnn.errors import LibnnError
-
     rows = []
     timings = _libnn_timings(case, checkpoint) + _torch_timings(case, checkpoint)
     for path, fn, extra in timings:
@@ -346,8 +341,6 @@ def _server_loop(quick: bool) -> dict[str, Any]:
     static batch-64 graph's throughput is reported for scale: small batches cannot reach it."""
     import cupy
     import numpy as np
-
-    from libnn.models import BertConfig, BertEncoder
 
     buckets = SERVER_BUCKETS[:4] if quick else SERVER_BUCKETS
     sizes = [int(n) for n in np.random.default_rng(5).integers(1, buckets[-1] + 1, 40 if quick else 200)]

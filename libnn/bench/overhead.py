@@ -27,7 +27,19 @@ from typing import Any, Callable
 import numpy as np
 
 from libnn import dtypes
+from libnn.backends import cublaslt, cudnn
 from libnn.bench import harness
+from libnn.bench.models import ENCODER, SEQ
+from libnn.models.bert import BertConfig, BertEncoder
+from libnn.models.seed_cnn import SeedCNN
+from libnn.models.train_seed_cnn import torch_model
+from libnn.nn import BatchNorm2d, Conv2d, Embedding, Linear, ReLU, Sequential, SiLU
+from libnn.ops import attention, conv2d, fft_conv2d, layer_norm, linear, max_pool2d, softmax
+from libnn.ops.conv2d import _check as _conv2d_check, _graph_builder as _conv2d_graph_builder
+from libnn.ops.linear import LinearProblem
+from libnn.runtime import kernels
+from libnn.runtime.handles import cudnn_handle, workspace
+from libnn.runtime.stream import current_stream
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,6 @@ def _linear(path: str):
     def setup():
         import torch
 
-        from libnn.ops import linear
         x, w, b = _normal((16, 64)), _normal((64, 64)), _normal((64,))
         tx, tw, tb = _torch(x), _torch(w), _torch(b)
         return (lambda: linear(x, w, b, path=path)), (lambda: torch.nn.functional.linear(tx, tw, tb))
@@ -67,16 +78,15 @@ def _conv(path: str):
     def setup():
         import torch
 
-        from libnn.ops import conv2d
         x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
         scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
         conv = torch.nn.Conv2d(16, 16, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
-        torch_model = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(16).cuda().half(), torch.nn.ReLU()).eval()
+        peer = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(16).cuda().half(), torch.nn.ReLU()).eval()
         tx = _torch(x).permute(0, 3, 1, 2)  # NHWC storage, NCHW view: channels_last
 
         def torch_call():
             with torch.inference_mode():
-                return torch_model(tx)
+                return peer(tx)
         return (lambda: conv2d(x, w, padding=1, bn=(scale, shift), activation="relu", path=path)), torch_call
     return setup
 
@@ -85,7 +95,6 @@ def _attention(path: str):
     def setup():
         import torch
 
-        from libnn.ops import attention
         q, k, v = (_normal((1, 2, 16, 64)) for _ in range(3))
         tq, tk, tv = _torch(q), _torch(k), _torch(v)
         return (lambda: attention(q, k, v, path=path)), \
@@ -97,7 +106,6 @@ def _layer_norm(path: str):
     def setup():
         import torch
 
-        from libnn.ops import layer_norm
         x, w, b = _normal((16, 64)), _normal((64,)), _normal((64,))
         tx, tw, tb = _torch(x), _torch(w), _torch(b)
         return (lambda: layer_norm(x, w, b, path=path)), \
@@ -108,7 +116,6 @@ def _layer_norm(path: str):
 def _softmax():
     import torch
 
-    from libnn.ops import softmax
     x = _normal((16, 64))
     tx = _torch(x)
     return (lambda: softmax(x)), (lambda: torch.softmax(tx, -1))
@@ -117,7 +124,6 @@ def _softmax():
 def _max_pool():
     import torch
 
-    from libnn.ops import max_pool2d
     x = _normal((1, 8, 8, 16))
     tx = _torch(x).permute(0, 3, 1, 2)
     return (lambda: max_pool2d(x, 2)), (lambda: torch.nn.functional.max_pool2d(tx, 2))
@@ -127,7 +133,6 @@ def _fft_conv(path: str):
     def setup():
         import cupyx.scipy.signal
 
-        from libnn.ops import fft_conv2d
         x, w = _normal((1, 1, 32, 32), "fp32"), _normal((1, 1, 7, 7), "fp32")
         x2, w2 = x[0, 0], w[0, 0, ::-1, ::-1]
         # the peer here is CuPy's fftconvolve (PyTorch has no FFT convolution op)
@@ -139,7 +144,6 @@ def _embedding():
     import cupy
     import torch
 
-    from libnn.nn import Embedding
     layer = Embedding(1000, 64, dtype="fp16", device="gpu", seed=1)
     ids = _rng().integers(0, 1000, (1, 16), dtype=cupy.int64)
     peer = torch.nn.Embedding(1000, 64).cuda().half()
@@ -150,7 +154,6 @@ def _embedding():
 def _linear_layer():
     import torch
 
-    from libnn.nn import Linear
     layer = Linear(64, 64, dtype="fp16", device="gpu", seed=1)
     peer = torch.nn.Linear(64, 64).cuda().half()
     x = _normal((16, 64))
@@ -165,7 +168,6 @@ def _linear_layer():
 def _sequential_conv():
     import torch
 
-    from libnn.nn import BatchNorm2d, Conv2d, ReLU, Sequential
     kw = dict(dtype="fp16", device="gpu")
     model = Sequential(Conv2d(16, 16, 3, padding=1, seed=1, **kw), BatchNorm2d(16, **kw), ReLU())
     conv = torch.nn.Conv2d(16, 16, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
@@ -182,8 +184,6 @@ def _sequential_conv():
 def _seed_cnn_models(batch: int):
     import torch
 
-    from libnn.models import SeedCNN
-    from libnn.models.train_seed_cnn import torch_model
     model = SeedCNN.pretrained(dtype="fp16", device="gpu")
     x = _normal((batch, 1, 28, 28))
     peer = torch_model().cuda().eval().half().to(memory_format=torch.channels_last)
@@ -228,8 +228,6 @@ def _encoder_eager():
     import torch
     from transformers import BertConfig as HFConfig, BertModel
 
-    from libnn.bench.models import ENCODER, SEQ
-    from libnn.models import BertConfig, BertEncoder
     model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype="fp16", device="gpu")
     ids = _rng().integers(0, ENCODER["vocab_size"], (1, SEQ), dtype="int64")
     peer = BertModel(HFConfig(**ENCODER), add_pooling_layer=False).cuda().eval().half()
@@ -240,7 +238,6 @@ def _depthwise_blocks():
     """Four EfficientNet-style blocks (1x1 expand, 3x3 depthwise, 1x1 project, BN and SiLU) at batch 1."""
     import torch
 
-    from libnn.nn import BatchNorm2d, Conv2d, Sequential, SiLU
     kw = dict(dtype="fp16", device="gpu")
     layers, peers = [], []
     for cin, cout in ((32, 32), (32, 32), (32, 64), (64, 64)):
@@ -315,7 +312,6 @@ def _floor_stream():
 def _epilogue_kernel_args():
     import cupy
 
-    from libnn.runtime import kernels
     y = _normal((16, 64))
     f = kernels.function("epilogue.cu", "channel_epilogue_f16")
     null = np.uint64(0)
@@ -350,10 +346,8 @@ def _floor_culaunch():
 
 
 def _floor_cublaslt():
-    from libnn.backends import cublaslt
-    from libnn.ops.linear import LinearProblem
-    from libnn.runtime.stream import current_stream
     import cupy
+
     x, w, b = _normal((16, 64)), _normal((64, 64)), _normal((64,))
     y = cupy.empty((16, 64), cupy.float16)
     problem = LinearProblem(16, 64, 64, "fp16", True, None, False, f"gpu:{x.device.id}")
@@ -365,14 +359,10 @@ def _floor_cublaslt():
 def _cudnn_conv_graph():
     import cupy
 
-    import importlib
-
-    from libnn.backends import cudnn as backend
-    conv_module = importlib.import_module("libnn.ops.conv2d")
     x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
     scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
-    problem = conv_module._check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
-    graph = backend.graph_for(problem, conv_module._graph_builder(problem), problem.describe)
+    problem = _conv2d_check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
+    graph = cudnn.graph_for(problem, _conv2d_graph_builder(problem), problem.describe)
     y = cupy.empty((1, 8, 8, 16), cupy.float16)
     buffers = {1: x, 2: w, 3: scale, 4: shift, 5: y}
     return graph, buffers
@@ -380,7 +370,6 @@ def _cudnn_conv_graph():
 
 def _floor_cudnn_execute():
     """The frontend's own generic execute, given the uid -> pointer dict."""
-    from libnn.runtime.handles import workspace
     graph, buffers = _cudnn_conv_graph()
     pack = {uid: a.data.ptr for uid, a in buffers.items()}
     space = workspace(graph.workspace_bytes).data.ptr
@@ -390,18 +379,13 @@ def _floor_cudnn_execute():
 def _floor_cudnn_execute_at_index():
     """execute_plan_at_index on a graph of its own whose every heuristic plan is built, so that index 0
     names a built plan whichever plan libnn's graph runs."""
-    import importlib
-
     import cupy
 
-    from libnn.backends import cudnn as backend
-    from libnn.runtime.handles import cudnn_handle, workspace
-    conv_module = importlib.import_module("libnn.ops.conv2d")
     _, buffers = _cudnn_conv_graph()
-    problem = conv_module._check(buffers[1], buffers[2], None, (buffers[3], buffers[4]), 1, 1, 1, 1, "relu", "NHWC",
-                                 False)
+    problem = _conv2d_check(buffers[1], buffers[2], None, (buffers[3], buffers[4]), 1, 1, 1, 1, "relu", "NHWC",
+                            False)
     handle = cudnn_handle()
-    graph = backend._planned(conv_module._graph_builder(problem), handle, ("A",))
+    graph = cudnn._planned(_conv2d_graph_builder(problem), handle, ("A",))
     graph.build_plan_at_index(0)
     pack = {uid: a.data.ptr for uid, a in buffers.items()}
     space = workspace(graph.get_workspace_size_plan_at_index(0)).data.ptr

@@ -9,13 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from libnn.bench import harness
+from libnn.ops.pool2d import _check, max_pool2d
 
 
 def rows(ceilings: harness.Ceilings, quick: bool) -> list[dict[str, Any]]:
     """One row per window: the kernel's time and its bytes moved per second against the copy ceiling."""
     import cupy
-
-    from libnn.ops.pool2d import _check, max_pool2d
 
     found = []
     x = cupy.random.default_rng(3).standard_normal((8 if quick else 32, 112, 112, 64), dtype=cupy.float32).astype(cupy.float16)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.nn import checks
+from libnn.nn import checks, weights
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import key_padding, on_device_of, op_path, packed_self_attention
 from libnn.nn.graphs import SequenceInputs
@@ -496,15 +496,13 @@ def _mean_pool(x: Any, valid: Any) -> Any:
     acc = x.astype(xp.float32 if is_cupy(x) else np.float64)
     if valid is None:
         return acc.mean(axis=1).astype(x.dtype)
-    weights = valid.astype(acc.dtype)
-    counts = xp.maximum(weights.sum(axis=1, keepdims=True), 1)  # a row with no token: zeros, not NaN
-    return ((acc * weights[:, :, None]).sum(axis=1) / counts).astype(x.dtype)
+    kept = valid.astype(acc.dtype)
+    counts = xp.maximum(kept.sum(axis=1, keepdims=True), 1)  # a row with no token: zeros, not NaN
+    return ((acc * kept[:, :, None]).sum(axis=1) / counts).astype(x.dtype)
 
 
 def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]:
     """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
-    from libnn.nn import weights
-
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
         return weights.read(single), [str(single)]

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from libnn.models.seed_cnn import HELDOUT, WEIGHTS, SeedCNN, preprocess_digits
+from libnn.nn import weights
 
 SEED = 0
 HELDOUT_FRACTION = 0.2
@@ -126,8 +127,6 @@ def main(argv: list[str] | None = None) -> int:
           f"argmax agreement {agree:.2%}")
     if args.dry_run:
         return 0
-
-    from libnn.nn import weights
 
     WEIGHTS.parent.mkdir(parents=True, exist_ok=True)
     weights.write(WEIGHTS, {k: v.numpy().astype(np.float32) for k, v in state.items()

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
+from libnn.registry import get_op, ops as known_ops
+from libnn.runtime import device as runtime_device
 from libnn.runtime import memory
 from libnn.runtime.arrays import as_array, describe, is_cupy
 
@@ -92,8 +94,6 @@ def path(layer: str, value: Any, ops: Sequence[str], per_op: bool = False) -> An
     is built rather than at its first forward (a typo); with `per_op`, also a dict naming a path per op
     (any op: a layer hands the dict on to layers that call other ops)."""
     if per_op and isinstance(value, dict):
-        from libnn.registry import ops as known_ops
-
         if unknown := sorted(set(value) - set(known_ops()), key=str):
             raise ValueError(f"{layer}: path names unknown ops {unknown}; the ops are {known_ops()}")
         for op, name in value.items():
@@ -103,8 +103,6 @@ def path(layer: str, value: Any, ops: Sequence[str], per_op: bool = False) -> An
 
 
 def _path_name(what: str, value: Any, ops: Sequence[str]) -> str:
-    from libnn.registry import get_op
-
     names = ["auto"] + sorted({name for op in ops for name in get_op(op).paths})
     if not isinstance(value, str) or value not in names:
         raise ValueError(f"{what} must be one of {names}, got {value!r}")
@@ -132,9 +130,7 @@ def device(layer: str, value: Any) -> str:
     """"cpu", or "gpu"/"cuda" where there is a GPU."""
     choice(layer, "device", value, DEVICES)
     if value != "cpu":
-        from libnn.runtime.device import gpu_missing
-
-        if reason := gpu_missing():
+        if reason := runtime_device.gpu_missing():  # looked up per call: tests stand in for it
             raise ValueError(f"{layer}: device={value!r} needs a GPU, and there is none here ({reason}); "
                              "use device='cpu'")
     return value

@@ -21,6 +21,7 @@ from libnn.nn.norm import BatchNorm2d
 from libnn.ops import activations
 from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from libnn.ops.conv2d import LAYOUTS, conv2d, fold_batchnorm
+from libnn.ops.fft_conv import fft_conv2d
 from libnn.runtime.arrays import array_module, as_array, is_cupy
 
 
@@ -120,8 +121,6 @@ class Conv2d(Module):
 
     def _fft_forward(self, x: Any, bn: Any, activation: str | None) -> Any:
         """fft_conv2d works in NCHW; the epilogue (BN as scale/shift, activation) follows in fp32."""
-        from libnn.ops.fft_conv import fft_conv2d
-
         xp = array_module(x)
         nchw = x if self.layout == "NCHW" else xp.ascontiguousarray(x.transpose(0, 3, 1, 2))
         y = fft_conv2d(nchw, self.weight, self.bias, padding=self.padding,
