@@ -194,3 +194,135 @@ def test_libnn_imports_form_no_cycle(which):
                  for a in component for b in sorted(edges.get(a, ())) if b in members]
         described.append("cycle among " + ", ".join(component) + ":\n" + "\n".join(links))
     assert not found, "\n".join(described)
+
+
+# --- private names --------------------------------------------------------------------------------
+# A name starting with `_` is its module's own business: no module reaches into another's, except
+# among an op's own files (ops/attention.py and ops/attention_kernels.py are one op). What a tool needs
+# from an op (its checked problem, its cuDNN graph builder, the graph's tensor uids) is made public,
+# named and documented, instead. Read from libnn/ and benchmarks/ (whose scripts drive libnn as tools do).
+BENCHMARKS = ROOT.parent / "benchmarks"
+
+# to be made public (issue 15 item 3): each entry is "importing module -> module.private name". The list
+# can only shrink: a new use fails test_no_module_uses_another_modules_private_names, and an entry
+# whose use is gone fails test_private_name_allow_list_has_no_stale_entry until it is removed here.
+KNOWN_PRIVATE_USES = {
+    "benchmarks.sanitize_driver -> libnn.ops.attention._check",
+    "benchmarks.sanitize_driver -> libnn.ops.conv2d._check",
+    "benchmarks.sanitize_driver -> libnn.ops.linear._check",
+    "benchmarks.sanitize_driver -> libnn.runtime.kernels._functions",
+    "libnn.bench.attention -> libnn.ops.attention._UID_K",
+    "libnn.bench.attention -> libnn.ops.attention._UID_O",
+    "libnn.bench.attention -> libnn.ops.attention._UID_Q",
+    "libnn.bench.attention -> libnn.ops.attention._UID_V",
+    "libnn.bench.attention -> libnn.ops.attention._check",
+    "libnn.bench.attention -> libnn.ops.attention._graph_builder",
+    "libnn.bench.conv2d -> libnn.ops.conv2d._check",
+    "libnn.bench.overhead -> libnn.backends.cudnn._planned",
+    "libnn.bench.overhead -> libnn.ops.conv2d._check",
+    "libnn.bench.overhead -> libnn.ops.conv2d._graph_builder",
+    "libnn.bench.pool2d -> libnn.ops.pool2d._check",
+    "libnn.inspect -> libnn.ops.attention._UID_K",
+    "libnn.inspect -> libnn.ops.attention._UID_O",
+    "libnn.inspect -> libnn.ops.attention._UID_Q",
+    "libnn.inspect -> libnn.ops.attention._UID_V",
+    "libnn.inspect -> libnn.ops.attention._check",
+    "libnn.inspect -> libnn.ops.attention._graph_builder",
+    "libnn.inspect -> libnn.ops.conv2d._check",
+    "libnn.inspect -> libnn.ops.conv2d._graph_builder",
+    "libnn.ops.pool2d -> libnn.ops.conv2d._pair",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _same_op(a: str, b: str) -> bool:
+    """Two modules of one op: libnn.ops.<op> and libnn.ops.<op>_kernels."""
+    def op(module: str) -> str | None:
+        package, _, leaf = module.rpartition(".")
+        return leaf.removesuffix("_kernels") if package == "libnn.ops" else None
+    return op(a) is not None and op(a) == op(b)
+
+
+def read_private_uses(name: str, source: str, is_package: bool, known: set[str]) -> list[tuple[str, int]]:
+    """("libnn.module._name", line) for each private name of another libnn module that module `name`
+    imports (`from libnn.ops.conv2d import _check`) or reads as an attribute of a libnn module it holds
+    (`cudnn._planned` after `from libnn.backends import cudnn`, or after importlib.import_module)."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
+    modules: dict[str, str] = {}   # local name -> the libnn module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not (module == "libnn" or module.startswith("libnn.")):
+                continue
+            for a in node.names:
+                if f"{module}.{a.name}" in known:
+                    modules[a.asname or a.name] = f"{module}.{a.name}"
+                if _is_private(a.name):
+                    found.append((f"{module}.{a.name}", node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in known:
+                    modules[a.asname] = a.name
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+              and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "import_module"
+              and node.value.args and isinstance(node.value.args[0], ast.Constant)
+              and str(node.value.args[0].value) in known):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    modules[target.id] = node.value.args[0].value
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and _is_private(node.attr)):
+            found.append((f"{modules[node.value.id]}.{node.attr}", node.lineno))
+    return [(target, line) for target, line in found
+            if target.rpartition(".")[0] != name and not _same_op(name, target.rpartition(".")[0])]
+
+
+def all_private_uses() -> dict[str, list[str]]:
+    """"importer -> module._name" -> the lines, over libnn/ and benchmarks/."""
+    paths = sorted(ROOT.rglob("*.py"))
+    known = {module_name(p) for p in paths}
+    sources = [(module_name(p), p) for p in paths]
+    sources += [(module_name(p, BENCHMARKS), p) for p in sorted(BENCHMARKS.glob("*.py"))]
+    uses: dict[str, list[str]] = {}
+    for name, path in sources:
+        for target, line in read_private_uses(name, path.read_text(), path.name == "__init__.py", known):
+            uses.setdefault(f"{name} -> {target}", []).append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return uses
+
+
+def test_private_use_reader_finds_imports_and_module_attributes_but_not_an_ops_own_files():
+    known = {"libnn", "libnn.ops", "libnn.ops.conv2d", "libnn.ops.attention", "libnn.ops.attention_kernels",
+             "libnn.backends", "libnn.backends.cudnn"}
+    source = ("import importlib\n"
+              "from libnn.ops.conv2d import _check, conv2d\n"
+              "from libnn.backends import cudnn\n"
+              "from libnn.ops.attention_kernels import _tile\n"
+              "from libnn.runtime import device as _device\n"
+              "def f():\n"
+              "    m = importlib.import_module('libnn.ops.conv2d')\n"
+              "    return m._graph_builder, cudnn._planned, m.__name__, conv2d._x\n")
+    found = read_private_uses("libnn.ops.attention", source, False, known)
+    assert sorted(found) == [("libnn.backends.cudnn._planned", 8), ("libnn.ops.conv2d._check", 2),
+                             ("libnn.ops.conv2d._graph_builder", 8)]
+
+
+def test_no_module_uses_another_modules_private_names():
+    new = {use: lines for use, lines in all_private_uses().items() if use not in KNOWN_PRIVATE_USES}
+    assert not new, ("private names of another libnn module (make them public in their module instead):\n"
+                     + "\n".join(f"  {use} at {', '.join(lines)}" for use, lines in sorted(new.items())))
+
+
+def test_private_name_allow_list_has_no_stale_entry():
+    stale = sorted(KNOWN_PRIVATE_USES - set(all_private_uses()))
+    assert not stale, ("KNOWN_PRIVATE_USES in tests/test_architecture.py lists uses that are gone; "
+                       "remove them: " + ", ".join(stale))
