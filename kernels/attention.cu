@@ -93,6 +93,8 @@ LAUNCH
 #ifndef ATTN2_WARPS
 #define ATTN2_WARPS 8   // 8 warps x 1 block/SM beat 4 warps x 2 on the H100 (see Versions)
 #endif
+#define ATTN1_THREADS 256   // attn1: one warp per query row, 8 rows per block
+#define ATTN2_BN 64         // attn2: keys per tile
 
 namespace at {
 
@@ -332,7 +334,7 @@ __device__ __forceinline__ void tile_pv(float (&acc)[DB / 8][4], const u32 (&pa)
 
 template <class DT, int DB, int WARPS, bool BIAS>
 __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
-    constexpr int BM = 16 * WARPS, BN = 64, LD = DB + 8, NT = 32 * WARPS, NO = DB / 8;
+    constexpr int BM = 16 * WARPS, BN = ATTN2_BN, LD = DB + 8, NT = 32 * WARPS, NO = DB / 8;
     constexpr bool BF = DT::bf16 != 0;
     static_assert(DB % 16 == 0 && DB <= 128, "head-dim bucket");
     // shared memory: Q [BM][LD], then two stages of K [BN][LD] + V [BN][LD], then (BIAS) two stages of
@@ -484,7 +486,7 @@ __device__ __forceinline__ void softmax_body(float* s, const typename DT::T* bia
      k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh, o_ss, b_sb, b_sh, b_si, b_sj}
 
 #define ATTN1(SUFFIX, DT)                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) attn1_naive_##SUFFIX(ATTN_PARAMS(at::DT::T)) { \
+    extern "C" __global__ void __launch_bounds__(ATTN1_THREADS) attn1_naive_##SUFFIX(ATTN_PARAMS(at::DT::T)) { \
         at::attn1_body<at::DT>(at::Args<at::DT::T> ATTN_ARGS);                                \
     }
 ATTN1(f32, dt_f32)

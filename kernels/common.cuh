@@ -138,20 +138,28 @@ __device__ __forceinline__ void unflatten_pqc(int idx, int P, int Q, int CH, boo
 // ACTS is a bit mask of the codes a kernel compiles (bit i: code i). The epilogue is inlined for every
 // accumulator a thread holds, so a GEMM with 128 accumulators per thread that compiled all five slowed
 // from 353 to 241 TFLOP/s on the H100 (4096^3 bf16): kernels compile only the codes their op offers.
+// The activation codes (libnn/ops/activations.py reads them from here).
+constexpr int ACT_NONE = 0;
+constexpr int ACT_RELU = 1;
+constexpr int ACT_RELU6 = 2;
+constexpr int ACT_GELU = 3;       // the tanh approximation
+constexpr int ACT_SILU = 4;
+constexpr int ACT_GELU_ERF = 5;   // the exact 0.5·v·(1 + erf(v/√2))
+
 enum : unsigned { ACT_ALL = 0x3f, ACT_CONV = 0x1f, ACT_LINEAR = (1u << 0) | (1u << 1) | (1u << 3) };
 
 template <unsigned ACTS = ACT_ALL>
 __device__ __forceinline__ float apply_act(float v, int act) {
     // comparisons written so that NaN falls through unchanged (fmaxf would turn it into 0)
-    if ((ACTS & 2u) && act == 1) return v < 0.f ? 0.f : v;
-    if ((ACTS & 4u) && act == 2) return v < 0.f ? 0.f : (v > 6.f ? 6.f : v);
-    if ((ACTS & 8u) && act == 3) {  // 0.5·v·(1 + tanh(z)) written as v·sigmoid(2z): where tanh(z) ≈ -1,
+    if ((ACTS & 2u) && act == ACT_RELU) return v < 0.f ? 0.f : v;
+    if ((ACTS & 4u) && act == ACT_RELU6) return v < 0.f ? 0.f : (v > 6.f ? 6.f : v);
+    if ((ACTS & 8u) && act == ACT_GELU) {  // 0.5·v·(1 + tanh(z)) written as v·sigmoid(2z): where tanh(z) ≈ -1,
         // 1 + tanhf(z) cancels to a few bits (2e-3 relative error seen at v ≈ -4 in fp32); this does not
         const float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
         return fdiv_full(v, 1.f + expf(-2.f * z));
     }
-    if ((ACTS & 16u) && act == 4) return fdiv_full(v, 1.f + expf(-v));
-    if ((ACTS & 32u) && act == 5) return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    if ((ACTS & 16u) && act == ACT_SILU) return fdiv_full(v, 1.f + expf(-v));
+    if ((ACTS & 32u) && act == ACT_GELU_ERF) return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
     return v;
 }
 

@@ -799,6 +799,9 @@ __device__ __forceinline__ void conv4_body(const float* __restrict__ x, const fl
 
 // ---------------------------------------------------------------------------------------------------
 // exported kernels (extern "C": the launcher looks them up by these names)
+#define CONV1_THREADS 256
+#define CONV2_THREADS 256
+#define C4_THREADS 256
 #define CONV_PARAMS(T)                                                                                      \
     const T* __restrict__ x, const T* __restrict__ w, const float* __restrict__ scale,                      \
     const float* __restrict__ shift, T* __restrict__ y, int N, int H, int W, int C, int K, int R, int S,    \
@@ -810,7 +813,7 @@ __device__ __forceinline__ void conv4_body(const float* __restrict__ x, const fl
                          groups, act, sxn, sxh, sxw, sxc, syn, syh, syw, syk}
 
 #define CONV1(name, DT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256) name(CONV_PARAMS(ck::DT::T)) {                        \
+    extern "C" __global__ void __launch_bounds__(CONV1_THREADS) name(CONV_PARAMS(ck::DT::T)) {                        \
         CONV_SHAPE;                                                                                         \
         ck::conv1_body<ck::DT>(x, w, scale, shift, y, s);                                                   \
     }
@@ -819,7 +822,7 @@ CONV1(conv1_direct_f16, dt_f16)
 CONV1(conv1_direct_bf16, dt_bf16)
 
 #define CONV2(name, DT)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(256, 4) name(CONV_PARAMS(ck::DT::T)) {                     \
+    extern "C" __global__ void __launch_bounds__(CONV2_THREADS, 4) name(CONV_PARAMS(ck::DT::T)) {                     \
         CONV_SHAPE;                                                                                         \
         ck::conv2_entry<ck::DT>(x, w, scale, shift, y, s);                                                  \
     }
@@ -835,7 +838,7 @@ CONV2(conv2_depthwise_bf16, dt_bf16)
 CONV3(conv3_igemm_f16, dt_f16)
 CONV3(conv3_igemm_bf16, dt_bf16)
 
-extern "C" __global__ void __launch_bounds__(256, 2) conv4_igemm_f32(CONV_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(C4_THREADS, 2) conv4_igemm_f32(CONV_PARAMS(float)) {
     __shared__ ck::c4_smem sm;
     CONV_SHAPE;
     if (groups != 1) return;

@@ -154,6 +154,9 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
 
 // ---------------------------------------------------------------------------------------------------
 // 2) tiled SIMT fp32
+#define GEMM1_BX 32   // gemm1's block: any shape works (it reads blockDim); this one is its launch's
+#define GEMM1_BY 8
+#define G2_THREADS 256
 #define G2_BM 128
 #define G2_BN 128
 #ifndef GEMM2_BK
@@ -182,7 +185,7 @@ __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const fl
     const int m0 = blockIdx.y * G2_BM, n0 = blockIdx.x * G2_BN;
 
     // loader: LPR threads share a tile row, each takes 4 consecutive k; NP passes cover the 128 rows
-    constexpr int LPR = G2_BK / 4, RPP = 256 / LPR, NP = 128 / RPP;
+    constexpr int LPR = G2_BK / 4, RPP = G2_THREADS / LPR, NP = 128 / RPP;
     const int lr = tid / LPR, lk = (tid % LPR) * 4;
     bool xok[NP], wok[NP];
     const float* xp[NP];
@@ -503,7 +506,7 @@ GEMM1(gemm1_naive_f32, dt_f32)
 GEMM1(gemm1_naive_f16, dt_f16)
 GEMM1(gemm1_naive_bf16, dt_bf16)
 
-extern "C" __global__ void __launch_bounds__(256, GEMM2_MINB) gemm2_tiled_f32(GEMM_PARAMS(float)) {
+extern "C" __global__ void __launch_bounds__(G2_THREADS, GEMM2_MINB) gemm2_tiled_f32(GEMM_PARAMS(float)) {
     __shared__ gk::g2_smem sm;
     const bool al = (K & 3) == 0 && ((((gk::u64)x) | ((gk::u64)w)) & 15) == 0;
     if (al) gk::gemm2_body<true>(x, w, bias, residual, y, M, N, K, act, sm);
