@@ -11,11 +11,12 @@ import math
 
 import numpy as np
 
+from libnn.runtime import contracts
 from libnn.runtime.arrays import array_module
 
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu", "gelu_erf")
-# The integer each kernel's `act` argument takes (kernels/*.cu share the numbering).
-KERNEL_CODES = {None: 0, "relu": 1, "relu6": 2, "gelu": 3, "silu": 4, "gelu_erf": 5}
+# The integer each kernel's `act` argument takes: kernels/common.cuh's ACT_NONE, ACT_RELU, ...
+KERNEL_CODES = {a: contracts.constant("common.cuh", f"ACT_{(a or 'none').upper()}") for a in ACTIVATIONS}
 
 
 def apply(v, activation: str | None):

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from libnn import dtypes
-from libnn.runtime import kernels
+from libnn.runtime import contracts, kernels
 
 _FILE = "attention.cu"
 _VERSIONS = ("attn1_naive", "attn2_flash")   # 1) baseline, 2) default where it applies
 _CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
 MAX_HEAD_DIM = 256            # attn1: 8 elements per lane
 FLASH_BUCKETS = (32, 64, 96, 128)
-FLASH_WARPS = 8               # kernels/attention.cu's ATTN2_WARPS
-_BN = 64                      # keys per attn2 tile
-_ROWS_PER_ATTN1_BLOCK = 8
-_SOFTMAX_THREADS = 128
-_NULL = np.uint64(0)
+_ATTN = contracts.params(_FILE, "ATTN_PARAMS")  # attn1's and attn2's parameters
+_SOFTMAX = contracts.params(_FILE, "attn_softmax_##SUFFIX")
+_K = contracts.constants(_FILE)
+FLASH_WARPS = _K["ATTN2_WARPS"]
+_BN = _K["ATTN2_BN"]          # keys per attn2 tile
+_ROWS_PER_ATTN1_BLOCK = _K["ATTN1_THREADS"] // 32  # a warp per query row
+_SOFTMAX_THREADS = _K["SOFTMAX_THREADS"]
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -87,14 +87,24 @@ def _bias_for_flash(bias):
 
 
 def _args(q, k, v, o, scale, causal, lens_q, lens_kv, bias) -> tuple:
-    """The parameters attn1 and attn2 share, in kernels/attention.cu's order."""
+    """The parameters attn1 and attn2 share, by the names ATTN_PARAMS gives them."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    strides = [*_kernel_strides(q)[:3], *_kernel_strides(k)[:3], *_kernel_strides(v)[:3],
-               *_kernel_strides(o)[:3], *(_kernel_strides(bias) if bias is not None else (0, 0, 0, 0))]
-    return (q, k, v, o, _NULL if bias is None else bias, _NULL if lens_q is None else lens_q,
-            _NULL if lens_kv is None else lens_kv, *(np.int32(n) for n in (B, Hq, Hkv, Sq, Skv, D, _CAUSAL[causal])),
-            np.float32(scale * math.log2(math.e)), *(np.int64(s) for s in strides))
+    strides = {}
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", o)):
+        strides[f"{name}_sb"], strides[f"{name}_sh"], strides[f"{name}_ss"] = _kernel_strides(a)[:3]
+    (strides["b_sb"], strides["b_sh"], strides["b_si"],
+     strides["b_sj"]) = _kernel_strides(bias) if bias is not None else (0, 0, 0, 0)
+    return _ATTN.pack(q=q, k=k, v=v, o=o, bias=bias, lens_q=lens_q, lens_kv=lens_kv, B=B, Hq=Hq, Hkv=Hkv, Sq=Sq,
+                      Skv=Skv, D=D, causal=_CAUSAL[causal], scale_log2=scale * math.log2(math.e), **strides)
+
+
+def _softmax_args(s, bias, lens_q, lens_kv, B: int, Hq: int, Sq: int, Skv: int, scale: float, causal) -> tuple:
+    """attn_softmax's parameters, by name."""
+    b_sb, b_sh, b_si, b_sj = _kernel_strides(bias) if bias is not None else (0, 0, 0, 0)
+    return _SOFTMAX.pack(s=s, bias=bias, lens_q=lens_q, lens_kv=lens_kv, B=B, Hq=Hq, Sq=Sq, Skv=Skv,
+                         causal=_CAUSAL[causal], scale_log2=scale * math.log2(math.e), b_sb=b_sb, b_sh=b_sh,
+                         b_si=b_si, b_sj=b_sj)
 
 
 def flash_launch(head_dim: int, has_bias: bool, warps: int = FLASH_WARPS) -> tuple[str, int, int, int]:
@@ -153,9 +163,6 @@ def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_
     s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
     kernel = kernels.function(_FILE, f"attn_softmax_{suffix}")
-    bias_strides = _kernel_strides(bias) if bias is not None else (0, 0, 0, 0)
     kernel((B * Hq * Sq,), (_SOFTMAX_THREADS,),
-           (s, _NULL if bias is None else bias, _NULL if seq_lens_q is None else seq_lens_q,
-            _NULL if seq_lens_kv is None else seq_lens_kv, *(np.int32(n) for n in (B, Hq, Sq, Skv, _CAUSAL[causal])),
-            np.float32(scale * math.log2(math.e)), *(np.int64(x) for x in bias_strides)))
+           _softmax_args(s, bias, seq_lens_q, seq_lens_kv, B, Hq, Sq, Skv, scale, causal))
     o[...] = cupy.matmul(s, v32).reshape(B, Hq, Sq, D)

@@ -27,7 +27,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import activations
 from libnn.registry import Op, option_key
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 LAYOUTS = ("NHWC", "NCHW")
@@ -356,14 +356,15 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
     inner = 1 if problem.layout == "NHWC" else problem.P * problem.Q  # elements between channels
     threads = 256
     blocks = min(-(-y.size // threads), 65535 * 8)
-    kernel((blocks,), (threads,), (y, scale if scale is not None else np.uint64(0),
-                                   shift if shift is not None else np.uint64(0), np.int64(y.size),
-                                   np.int32(problem.K), np.int64(inner),
-                                   np.int32(activations.KERNEL_CODES[problem.activation])))
+    kernel((blocks,), (threads,), _CHANNEL_EPILOGUE.pack(y=y, scale=scale, shift=shift, total=y.size, K=problem.K,
+                                                         inner=inner, act=activations.KERNEL_CODES[problem.activation]))
     return y
 
 
 # --- custom path: kernels/conv2d.cu ------------------------------------------------------------------
+_CONV = contracts.params("conv2d.cu", "CONV_PARAMS")  # every conv kernel's parameters
+_CHANNEL_EPILOGUE = contracts.params("epilogue.cu", "channel_epilogue_##SUFFIX")
+_K = contracts.constants("conv2d.cu")
 _MAX_BLOCKS_PER_IMAGE = 65535 * 8  # grid x of the grid-stride kernels (grid y walks the images): this fills the GPU
 
 
@@ -390,18 +391,34 @@ def custom_versions(problem: ConvProblem, aligned: bool = True) -> tuple[str, ..
 
 
 def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, int]:
-    """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table."""
+    """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table, its constants read
+    from the file."""
     images = min(p.N, 65535)  # the grid-stride kernels spread images over a grid dimension
     if version == "conv2_depthwise":
-        vector = 4 if p.dtype == "fp32" else 8
-        groups_per_pixel = -(-min(p.C, 128) // vector)
-        blocks = min(-(-p.P * p.Q // (256 // groups_per_pixel)), _MAX_BLOCKS_PER_IMAGE)
-        return (blocks, -(-p.C // 128), images), 256, (p.R * p.S + 2) * 512
+        vector = 4 if p.dtype == "fp32" else 8  # 16 bytes of the dtype (the kernel's DT::V)
+        chunk, threads = _K["CONV2_CHUNK"], _K["CONV2_THREADS"]
+        groups_per_pixel = -(-min(p.C, chunk) // vector)
+        blocks = min(-(-p.P * p.Q // (threads // groups_per_pixel)), _MAX_BLOCKS_PER_IMAGE)
+        return (blocks, -(-p.C // chunk), images), threads, (p.R * p.S + 2) * chunk * 4
     if version == "conv3_igemm":
-        return (-(-p.N * p.P * p.Q // 128), -(-p.K // 64)), 128, 49152
+        bm, bn, bk = _K["CONV3_BM"], _K["CONV3_BN"], _K["CONV3_BK"]
+        smem = max(_K["CONV3_STAGES"] * (bm + bn) * bk * 2, bm * (bn + 8) * 4)
+        return (-(-p.N * p.P * p.Q // bm), -(-p.K // bn)), 32 * _K["CONV3_WM"] * _K["CONV3_WN"], smem
     if version == "conv4_igemm":
-        return (-(-p.N * p.P * p.Q // 128), -(-p.K // 128)), 256, 0
-    return (min(-(-p.P * p.Q * p.K // 256), _MAX_BLOCKS_PER_IMAGE), images), 256, 0
+        return (-(-p.N * p.P * p.Q // _K["C4_BM"]), -(-p.K // _K["C4_BN"])), _K["C4_THREADS"], 0
+    threads = _K["CONV1_THREADS"]
+    return (min(-(-p.P * p.Q * p.K // threads), _MAX_BLOCKS_PER_IMAGE), images), threads, 0
+
+
+def _conv_args(p: ConvProblem, x, w, scale, shift, y) -> tuple:
+    """The arguments of every kernel of kernels/conv2d.cu, by the names CONV_PARAMS gives them."""
+    (sxn, sxh, sxw, sxc), (syn, syh, syw, syk) = nhwc_strides(p.layout, p.C, p.H, p.W), nhwc_strides(p.layout, p.K,
+                                                                                                       p.P, p.Q)
+    (stride_h, stride_w), (pad_h, pad_w), (dil_h, dil_w) = p.stride, p.padding, p.dilation
+    return _CONV.pack(x=x, w=w, scale=scale, shift=shift, y=y, N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, R=p.R, S=p.S,
+                      P=p.P, Q=p.Q, stride_h=stride_h, stride_w=stride_w, pad_h=pad_h, pad_w=pad_w, dil_h=dil_h,
+                      dil_w=dil_w, groups=p.groups, act=activations.KERNEL_CODES[p.activation],
+                      sxn=sxn, sxh=sxh, sxw=sxw, sxc=sxc, syn=syn, syh=syh, syw=syw, syk=syk)
 
 
 def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None):
@@ -418,12 +435,7 @@ def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None 
     y = cupy.empty(output_shape(p), x.dtype)
     grid, block, smem = _conv_launch(version, p)
     kernel = kernels.function("conv2d.cu", f"{version}_{dtypes.KERNEL_SUFFIX[p.dtype]}", smem)
-    null = np.uint64(0)
-    ints = [p.N, p.H, p.W, p.C, p.K, p.R, p.S, p.P, p.Q, *p.stride, *p.padding, *p.dilation, p.groups,
-            activations.KERNEL_CODES[p.activation]]
-    strides = [*nhwc_strides(p.layout, p.C, p.H, p.W), *nhwc_strides(p.layout, p.K, p.P, p.Q)]
-    kernel(grid, (block,), (x, w, null if scale is None else scale, null if shift is None else shift, y,
-                            *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)), shared_mem=smem)
+    kernel(grid, (block,), _conv_args(p, x, w, scale, shift, y), shared_mem=smem)
     return y
 
 

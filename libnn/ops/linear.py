@@ -39,7 +39,7 @@ from libnn import dtypes
 from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -227,8 +227,8 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
     sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, runtime.getDevice())
     blocks = max(1, min(-(-total // (256 * vector)), 32 * sms))
     return launch.bind("epilogue.cu", f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}", (blocks,), (256,),
-                       (launch.ARRAY, launch.ARRAY, np.int64(total), np.int32(N),
-                        np.int32(activations.KERNEL_CODES[activation])))
+                       _BIAS_ACT_ROWS.pack(y=launch.ARRAY, bias=launch.ARRAY, total=total, N=N,
+                                           act=activations.KERNEL_CODES[activation]))
 
 
 # --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
@@ -353,9 +353,14 @@ def _reference(problem: LinearProblem, x, w, b, r):
 _VERSIONS = {"fp32": ("v1", "v2"), "fp16": ("v1", "v3"), "bf16": ("v1", "v3")}
 
 
+_GEMM = contracts.params("gemm.cu", "GEMM_PARAMS")  # every gemm kernel's parameters
+_BIAS_ACT_ROWS = contracts.params("epilogue.cu", "bias_act_rows_##SUFFIX")
+_G = contracts.constants("gemm.cu")
+
+
 @dataclass(frozen=True)
 class _Launch:
-    """How kernels/gemm.cu's LAUNCH table says to run one version."""
+    """How kernels/gemm.cu's LAUNCH table says to run one version (its constants read from the file)."""
     kernel: str            # name without the dtype suffix
     block: tuple[int, int, int]
     tile_n: int            # output columns per block (grid x)
@@ -364,9 +369,12 @@ class _Launch:
     erf_kernel: str | None = None  # the kernel computing gelu_erf in its epilogue, if any
 
 
-_LAUNCH = {"v1": _Launch("gemm1_naive", (32, 8, 1), 32, 8, erf_kernel="gemm1_naive"),
-           "v2": _Launch("gemm2_tiled", (256, 1, 1), 128, 128),
-           "v3": _Launch("gemm3_mma", (256, 1, 1), 256, 128, dynamic_smem=98304, erf_kernel="gemm3_mma_gelu_erf")}
+_LAUNCH = {"v1": _Launch("gemm1_naive", (_G["GEMM1_BX"], _G["GEMM1_BY"], 1), _G["GEMM1_BX"], _G["GEMM1_BY"],
+                         erf_kernel="gemm1_naive"),
+           "v2": _Launch("gemm2_tiled", (_G["G2_THREADS"], 1, 1), _G["G2_BN"], _G["G2_BM"]),
+           "v3": _Launch("gemm3_mma", (32 * _G["GEMM3_WM"] * _G["GEMM3_WN"], 1, 1), _G["GEMM3_BN"], _G["GEMM3_BM"],
+                         dynamic_smem=_G["GEMM3_STAGES"] * (_G["GEMM3_BM"] + _G["GEMM3_BN"]) * _G["GEMM3_BK"] * 2,
+                         erf_kernel="gemm3_mma_gelu_erf")}
 _MAX_GRID_Y = 65535
 
 
@@ -406,8 +414,9 @@ def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = N
     slices = [(m0, min(rows_per_launch, M - m0)) for m0 in range(0, M, rows_per_launch)]
     launches = [launch.bind("gemm.cu", f"{kernel}_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
                             (-(-N // spec.tile_n), -(-rows // spec.tile_m)), spec.block,
-                            (launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int32(rows),
-                             np.int32(N), np.int32(K), np.int32(activations.KERNEL_CODES[problem.activation])),
+                            _GEMM.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,
+                                       y=launch.ARRAY, M=rows, N=N, K=K,
+                                       act=activations.KERNEL_CODES[problem.activation]),
                             shared_mem=spec.dynamic_smem)
                 for _, rows in slices]
     shape, dtype = (M, N), x.dtype
