@@ -96,7 +96,7 @@ twiddle table best):
     fft_cmul          256                          ceil(N*K*bins/256)      0
     fft_crop_*        256                          ceil(total/256)         0     (total = N*K*OH*OW)
 parameters:
-    fft_radix2_c2c, fft_radix4_c2c: (const cf32* in, cf32* out, int log2n, int batch,
+    fft_radix2_c2c, fft_radix4_c2c: (const cf32* input, cf32* out, int log2n, int batch,
                                      long long elem_stride, long long batch_stride, int inverse)
     fft_twiddle:                    (cf32* data, int log2n1, int log2n2, long long batch_stride, int batch,
                                      int inverse)
@@ -140,7 +140,7 @@ __device__ __forceinline__ cf32 twiddle_at(const cf32* tw, int k, int log2n) {
 
 // ---- 1) radix-2 Cooley-Tukey (DIT, bit-reversed load), one transform per block at a time ------------
 extern "C" __global__ void __launch_bounds__(256)
-fft_radix2_c2c(const cf32* in, cf32* out, int log2n, int batch, i64 elem_stride, i64 batch_stride, int inverse) {
+fft_radix2_c2c(const cf32* input, cf32* out, int log2n, int batch, i64 elem_stride, i64 batch_stride, int inverse) {
     if (log2n < 1 || log2n > 12) return;
     const int n = 1 << log2n, half = n >> 1;
     cf32* a = fft_smem;        // n values
@@ -148,7 +148,7 @@ fft_radix2_c2c(const cf32* in, cf32* out, int log2n, int batch, i64 elem_stride,
     fill_twiddles(tw, log2n, inverse ? 1.f : -1.f);  // the first barrier below publishes the table
 
     for (i64 b = blockIdx.x; b < batch; b += gridDim.x) {
-        const cf32* src = in + (i64)b * batch_stride;
+        const cf32* src = input + (i64)b * batch_stride;
         cf32* dst = out + (i64)b * batch_stride;
         for (int e = threadIdx.x; e < n; e += blockDim.x)
             a[__brev((unsigned)e) >> (32 - log2n)] = src[e * elem_stride];
@@ -186,7 +186,7 @@ __device__ __forceinline__ void dft4(cf32* v, float sgn) {
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-fft_radix4_c2c(const cf32* in, cf32* out, int log2n, int batch, i64 elem_stride, i64 batch_stride, int inverse) {
+fft_radix4_c2c(const cf32* input, cf32* out, int log2n, int batch, i64 elem_stride, i64 batch_stride, int inverse) {
     if (log2n < 1 || log2n > 12) return;
     const int n = 1 << log2n;
     const int log2bd = 31 - __clz((int)blockDim.x);
@@ -212,7 +212,7 @@ fft_radix4_c2c(const cf32* in, cf32* out, int log2n, int batch, i64 elem_stride,
         for (int idx = tid; idx < (P << log2n); idx += blockDim.x) {
             const int pp = columns ? (idx & (P - 1)) : (idx >> log2n);
             const int e = columns ? (idx >> log2P) : (idx & (n - 1));
-            if (b0 + pp < batch) a[pp * sp + e * se] = in[(b0 + pp) * batch_stride + e * elem_stride];
+            if (b0 + pp < batch) a[pp * sp + e * se] = input[(b0 + pp) * batch_stride + e * elem_stride];
         }
         __syncthreads();
 

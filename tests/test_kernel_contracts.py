@@ -18,6 +18,7 @@ import re
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,6 +36,12 @@ linear = importlib.import_module("libnn.ops.linear")
 conv2d = importlib.import_module("libnn.ops.conv2d")
 attention_kernels = importlib.import_module("libnn.ops.attention_kernels")
 activations = importlib.import_module("libnn.ops.activations")
+embedding = importlib.import_module("libnn.ops.embedding")
+layer_norm = importlib.import_module("libnn.ops.layer_norm")
+pool2d = importlib.import_module("libnn.ops.pool2d")
+softmax = importlib.import_module("libnn.ops.softmax")
+fft_conv = importlib.import_module("libnn.ops.fft_conv")
+fft_conv_kernels = importlib.import_module("libnn.ops.fft_conv_kernels")
 
 # PTX parameter types each declared kind may compile to
 PTX_TYPES = {"ptr": {"u64", "s64", "b64"}, "i64": {"u64", "s64", "b64"}, "u64": {"u64", "s64", "b64"},
@@ -100,7 +107,35 @@ def launched() -> list[tuple[str, contracts.Params, str]]:
             name = attention_kernels.flash_launch(d, has_bias)[0]
             rows += [("attention_kernels.flash_attention", attention_kernels._ATTN, f"{name}_{s}")
                      for s in _suffixes(("fp16", "bf16"))]
+    rows += _row_kernels("embedding.launch_custom", embedding, embedding._EMB, "H")
+    rows += _row_kernels("layer_norm.launch_custom", layer_norm, layer_norm._LN, "N")
+    for dtype in pool2d.GPU_DTYPES:
+        for name in ("maxpool_nhwc_vec", "maxpool", "avgpool"):
+            rows.append(("pool2d.bind_pool", pool2d._POOL, f"{name}_{dtypes.KERNEL_SUFFIX[dtype]}"))
+    for dtype in softmax.GPU_DTYPES:
+        names = {softmax.custom_launch(SimpleNamespace(outer=7, n=n, inner=inner))[0]
+                 for n in (1, 3, 33, 100, 1000, 5000, 100000) for inner in (1, 5)}
+        rows += [("softmax.bind_custom", softmax._SM, f"{name}_{softmax.KERNEL_SUFFIX[dtype]}")
+                 for name in sorted(names)]
+    for dtype in dtypes.KERNEL_SUFFIX:
+        suffix = dtypes.KERNEL_SUFFIX[dtype]
+        rows += [("fft_conv", fft_conv._PAD, f"fft_pad_{suffix}"), ("fft_conv", fft_conv._CROP, f"fft_crop_{suffix}")]
+    rows += [("fft_conv", fft_conv._CMUL, "fft_cmul"), ("fft_conv_kernels", fft_conv_kernels._TWIDDLE, "fft_twiddle")]
+    rows += [("fft_conv_kernels", fft_conv_kernels._FFT, version) for version in fft_conv_kernels.VERSIONS]
     return rows
+
+
+def _row_kernels(site: str, module, declared: contracts.Params, width: str) -> list:
+    """The kernels a row-wise op (embedding, layer norm) launches: every version at every row width it
+    takes, 16-byte and scalar."""
+    names = set()
+    for dtype in module.GPU_DTYPES:
+        for size in (1, 7, 64, 100, 768, 1024, 3000, 4096, 8192, 20000):
+            problem = SimpleNamespace(dtype=dtype, M=5, **{width: size})
+            for aligned in (True, False):
+                for version in module.custom_versions(problem, aligned):
+                    names.add(f"{module._launch(version, problem, aligned)[0]}_{dtypes.KERNEL_SUFFIX[dtype]}")
+    return [(site, declared, name) for name in sorted(names)]
 
 
 @pytest.mark.parametrize("site,declared,kernel", launched(), ids=lambda v: v if isinstance(v, str) else "")
@@ -176,7 +211,10 @@ def test_the_launch_sites_pack_by_declared_lists():
     sites = {(m, p.key) for m, _, p, _ in pack_calls()}
     assert {("linear.py", "GEMM_PARAMS"), ("linear.py", "bias_act_rows_##SUFFIX"), ("conv2d.py", "CONV_PARAMS"),
             ("conv2d.py", "channel_epilogue_##SUFFIX"), ("attention_kernels.py", "ATTN_PARAMS"),
-            ("attention_kernels.py", "attn_softmax_##SUFFIX")} <= sites
+            ("attention_kernels.py", "attn_softmax_##SUFFIX"), ("embedding.py", "EMB_PARAMS"),
+            ("layer_norm.py", "LN_PARAMS"), ("pool2d.py", "POOL_PARAMS"), ("softmax.py", "SM_PARAMS"),
+            ("fft_conv.py", "fft_pad_##SUFFIX"), ("fft_conv.py", "fft_crop_##SUFFIX"), ("fft_conv.py", "fft_cmul"),
+            ("fft_conv_kernels.py", "fft_radix2_c2c"), ("fft_conv_kernels.py", "fft_twiddle")} <= sites
 
 
 @pytest.mark.parametrize("module,line,declared,names", pack_calls(), ids=lambda v: v if isinstance(v, str) else "")
@@ -208,6 +246,13 @@ def test_conv2d_packs_what_its_kernels_take(dtype):
             for scale, shift in ((None, None), (object(), object())):
                 args = conv2d._conv_args(p, object(), object(), scale, shift, object())
                 assert_packed(args, conv2d._CONV, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}")
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_pool2d_packs_what_its_kernels_take(layout):
+    p = pool2d.PoolProblem(mode="avg", N=2, H=9, W=7, C=5, P=4, Q=3, kernel=(3, 2), stride=(2, 2), padding=(1, 0),
+                           count_include_pad=True, dtype="fp16", layout=layout, device="gpu")
+    assert_packed(pool2d._pool_args(p, object(), object()), pool2d._POOL, "avgpool_f16")
 
 
 @pytest.mark.parametrize("has_bias", [False, True])

@@ -42,7 +42,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op, option_key
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -234,6 +234,7 @@ def _no_rows(problem: EmbeddingProblem) -> bool:
 # --- custom path: kernels/embedding.cu ---------------------------------------------------------------
 WARP_MAX_H = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
+_EMB = contracts.params("embedding.cu", "EMB_PARAMS")  # every embedding kernel's parameters
 _WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/embedding.cu builds
 _BLOCK_VPTS = (2, 4, 8)
 _MAX_BLOCKS = 65535            # tokens are grid-strided; this many blocks fill any GPU
@@ -339,10 +340,10 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
         (NORMALIZE if problem.normalize else 0)
     A = launch.ARRAY
     kernel = launch.bind("embedding.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         (A, A, A, A, A, A, A, A, np.int64(problem.M), np.int32(problem.S), np.int32(problem.H),
-                          np.int64(problem.rows), np.int64(problem.position_rows or 0),
-                          np.int64(problem.position_offset), np.int64(problem.type_rows or 0), np.int32(flags),
-                          np.float32(problem.eps)))
+                         _EMB.pack(ids=A, type_ids=A, word=A, pos=A, type=A, w=A, b=A, y=A, M=problem.M,
+                                   S=problem.S, H=problem.H, rows=problem.rows, pos_rows=problem.position_rows or 0,
+                                   pos_offset=problem.position_offset, type_rows=problem.type_rows or 0, flags=flags,
+                                   eps=problem.eps))
     shape, dtype = problem.out_shape, weight.dtype
 
     def run(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):

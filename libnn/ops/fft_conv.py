@@ -56,7 +56,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
@@ -232,6 +232,10 @@ def fft_shape(problem: FFTConvProblem, power_of_two: bool) -> tuple[int, ...]:
                  for n in (max(2, p) for p in problem.padded))
 
 
+_PAD = contracts.params("fft_conv.cu", "fft_pad_##SUFFIX")
+_CROP = contracts.params("fft_conv.cu", "fft_crop_##SUFFIX")
+_CMUL = contracts.params("fft_conv.cu", "fft_cmul")
+
 # Up to this many channel pairs the contraction is one pass over the spectra (fft_cmul on the GPU, a
 # broadcast multiply-and-sum on the host); above it, one batched GEMM over frequencies. A GEMM per
 # frequency with C = K = 1 is millions of 1x1 products: on the H100 it made a 2048² single-channel
@@ -357,16 +361,16 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
     ph, pw = (0,) * (2 - len(p.pads)) + tuple(before for before, _ in p.pads)  # a 1-D problem has no rows to pad
     suffix = dtypes.KERNEL_SUFFIX[p.dtype]
     pad = launch.bind("fft_conv.cu", f"fft_pad_{suffix}", (_grid(padded.size),), (256,),
-                      (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(rows_x), np.int64(padded.size),
-                       *(np.int32(v) for v in (H, W, ph, pw, kh, kw, Fh, Fw))))
+                      _PAD.pack(x=launch.ARRAY, w=launch.ARRAY, out=launch.ARRAY, rows_x=rows_x, total=padded.size,
+                                H=H, W=W, ph=ph, pw=pw, kh=kh, kw=kw, Fh=Fh, Fw=Fw))
     out_shape = (p.N, p.K, *p.out)
     crop = launch.bind("fft_conv.cu", f"fft_crop_{suffix}", (_grid(math.prod(out_shape)),), (256,),
-                       (launch.ARRAY, launch.ARRAY, launch.ARRAY, np.int64(math.prod(out_shape)),
-                        *(np.int32(v) for v in (p.K, OH, OW, Fh, Fw)), np.float32(1 / math.prod(shape))))
+                       _CROP.pack(y=launch.ARRAY, bias=launch.ARRAY, out=launch.ARRAY, total=math.prod(out_shape),
+                                  K=p.K, OH=OH, OW=OW, Fh=Fh, Fw=Fw, scale=1 / math.prod(shape)))
     if p.C * p.K <= GEMM_CHANNEL_PAIRS:
         cmul = launch.bind("fft_conv.cu", "fft_cmul", (_grid(product.size),), (256,),
-                           (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in (p.N, p.C, p.K)),
-                            np.int64(math.prod(half))))
+                           _CMUL.pack(spectra=launch.ARRAY, y=launch.ARRAY, N=p.N, C=p.C, K=p.K,
+                                      bins=math.prod(half)))
 
         def multiply(spectra, product):
             cmul(spectra, product)

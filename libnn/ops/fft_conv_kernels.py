@@ -28,10 +28,12 @@ import functools
 
 import numpy as np
 
-from libnn.runtime import kernels
+from libnn.runtime import contracts, kernels
 from libnn.runtime.arrays import describe, is_cupy
 
 _FILE = "fft_conv.cu"
+_FFT = contracts.params(_FILE, "fft_radix2_c2c")  # fft_radix4_c2c takes the same parameters
+_TWIDDLE = contracts.params(_FILE, "fft_twiddle")
 VERSIONS = ("fft_radix2_c2c", "fft_radix4_c2c")  # 1) baseline, 2) default; `fft_c2c(version=...)` takes one
 _DEFAULT_VERSION = "fft_radix4_c2c"
 MAX_BLOCK_LOG2N = 12    # one block transforms up to 4096 points
@@ -82,8 +84,8 @@ def _launch_fft(version: str, src, dst, log2n: int, batch: int, elem_stride: int
     groups, threads, smem = _fft_launch_shape(version, log2n, batch)
     kernel = kernels.function(_FILE, version, smem)
     grid = min(groups, _max_grid(kernel, threads, smem))
-    kernel((grid,), (threads,), (src, dst, np.int32(log2n), np.int32(batch), np.int64(elem_stride),
-                                 np.int64(batch_stride), np.int32(bool(inverse))), shared_mem=smem)
+    kernel((grid,), (threads,), _FFT.pack(input=src, out=dst, log2n=log2n, batch=batch, elem_stride=elem_stride,
+                                          batch_stride=batch_stride, inverse=int(bool(inverse))), shared_mem=smem)
 
 
 def _launch_twiddle(data, log2n1: int, log2n2: int, batch: int, inverse: bool) -> None:
@@ -91,8 +93,8 @@ def _launch_twiddle(data, log2n1: int, log2n2: int, batch: int, inverse: bool) -
     kernel = kernels.function(_FILE, "fft_twiddle")
     n = 1 << (log2n1 + log2n2)
     grid = min(-(-batch * n // 256), 65535 * 8)
-    kernel((grid,), (256,), (data, np.int32(log2n1), np.int32(log2n2), np.int64(n), np.int32(batch),
-                             np.int32(bool(inverse))))
+    kernel((grid,), (256,), _TWIDDLE.pack(data=data, log2n1=log2n1, log2n2=log2n2, batch_stride=n, batch=batch,
+                                          inverse=int(bool(inverse))))
 
 
 def _rows_fft(version: str, src, dst, log2n: int, rows: int, inverse: bool) -> None:

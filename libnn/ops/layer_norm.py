@@ -41,6 +41,7 @@ from libnn.errors import LibraryError
 from libnn.registry import Op
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
                                   stream_key)
+from libnn.runtime import contracts
 from libnn.runtime.cache import PlanCache
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -262,6 +263,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
 # --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
 WARP_MAX_N = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
+_LN = contracts.params("layer_norm.cu", "LN_PARAMS")  # every layer norm kernel's parameters
 _WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/layer_norm.cu builds
 _BLOCK_VPTS = (2, 4, 8)
 _MAX_BLOCKS = 65535            # rows are grid-strided; this many blocks fill any GPU
@@ -331,9 +333,10 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
                          f"{custom_versions(problem, aligned)}")
     name, grid, block = _launch(version, problem, aligned)
-    # (x, residual, weight, bias, y, sum, M, N, eps); a null residual or sum: plain layer norm, no sum
+    # a null residual or sum: plain layer norm, no sum
+    A = launch.ARRAY
     kernel = launch.bind("layer_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         (*(launch.ARRAY,) * 6, np.int64(problem.M), np.int32(problem.N), np.float32(problem.eps)))
+                         _LN.pack(x=A, res=A, w=A, b=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
     shape, dtype = (problem.M, problem.N), x.dtype
 
     def run(x, weight, bias, residual):

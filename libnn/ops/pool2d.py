@@ -17,7 +17,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops.conv2d import LAYOUTS, _pair
 from libnn.registry import Op, option_key
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -125,12 +125,26 @@ def _custom(problem: PoolProblem, x):
     return bind_pool(problem, x)
 
 
+_POOL = contracts.params("pool2d.cu", "POOL_PARAMS")  # every pooling kernel's parameters
+
+
+def _pool_args(p: PoolProblem, x, y) -> tuple:
+    """The arguments of every kernel of kernels/pool2d.cu, by the names POOL_PARAMS gives them."""
+    from libnn.ops.conv2d import nhwc_strides
+
+    (sxn, sxh, sxw, sxc), (syn, syh, syw, syc) = nhwc_strides(p.layout, p.C, p.H, p.W), nhwc_strides(p.layout, p.C,
+                                                                                                       p.P, p.Q)
+    (kh, kw), (stride_h, stride_w), (pad_h, pad_w) = p.kernel, p.stride, p.padding
+    return _POOL.pack(x=x, y=y, N=p.N, H=p.H, W=p.W, C=p.C, P=p.P, Q=p.Q, kh=kh, kw=kw, stride_h=stride_h,
+                      stride_w=stride_w, pad_h=pad_h, pad_w=pad_w, count_include_pad=int(p.count_include_pad),
+                      sxn=sxn, sxh=sxh, sxw=sxw, sxc=sxc, syn=syn, syh=syh, syw=syw, syc=syc)
+
+
 def bind_pool(problem: PoolProblem, x):
     """The runner of kernels/pool2d.cu for x of this signature: the 16-byte NHWC kernel for max pooling,
     the general one otherwise; a strided x is made contiguous first."""
     import cupy
 
-    from libnn.ops.conv2d import nhwc_strides
     from libnn.runtime import launch
 
     p = problem
@@ -138,11 +152,9 @@ def bind_pool(problem: PoolProblem, x):
     name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
     lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
     threads_per_image = p.P * p.Q * -(-p.C // lanes)
-    ints = [p.N, p.H, p.W, p.C, p.P, p.Q, *p.kernel, *p.stride, *p.padding, int(p.count_include_pad)]
-    strides = [*nhwc_strides(p.layout, p.C, p.H, p.W), *nhwc_strides(p.layout, p.C, p.P, p.Q)]
     kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
                          (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
-                         (launch.ARRAY, launch.ARRAY, *(np.int32(v) for v in ints), *(np.int64(v) for v in strides)))
+                         _pool_args(p, launch.ARRAY, launch.ARRAY))
     shape, dtype, contiguous_input = p.output_shape(), x.dtype, x.flags.c_contiguous
 
     def run(x):

@@ -30,7 +30,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op
-from libnn.runtime import memory
+from libnn.runtime import contracts, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -114,6 +114,7 @@ def _gpu_support(problem: SoftmaxProblem) -> str | None:
 # --- custom path: kernels/softmax.cu -----------------------------------------------------------------
 KERNEL_SUFFIX = {**dtypes.KERNEL_SUFFIX, "fp64": "f64"}  # softmax.cu also builds fp64 kernels
 WARP_MAX_N = 1024              # softmax_warp* up to here (32 lanes x its largest VPT), softmax_block_* beyond
+_SM = contracts.params("softmax.cu", "SM_PARAMS")  # every softmax kernel's parameters
 _WARP_VPTS = (1, 2, 4, 8, 16, 32)  # what kernels/softmax.cu builds
 _WARP_BLOCK = 128
 COLS_MAX_Y = 16                # kernels/softmax.cu's COLS_MAX_Y: threads per slice in softmax_cols_*
@@ -158,8 +159,8 @@ def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None)
         return lambda x: cupy.empty(shape, dtype)
     name, table_grid, block = custom_launch(problem)
     kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid or table_grid, block,
-                         (launch.ARRAY, launch.ARRAY, np.int64(problem.outer), np.int64(problem.n),
-                          np.int64(problem.inner), np.int32(problem.log)))
+                         _SM.pack(x=launch.ARRAY, y=launch.ARRAY, outer=problem.outer, n=problem.n,
+                                  inner=problem.inner, log=problem.log))
     contiguous_input = x.flags.c_contiguous
 
     def run(x):
