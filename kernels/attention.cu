@@ -67,7 +67,8 @@ Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
    row: an online (m, l) pass over the allowed keys, a block reduction of (m, l), then a pass that
    writes the row.
 
-LAUNCH
+LAUNCH (libnn/ops/attention_kernels.py packs the parameters by the names of ATTN_PARAMS and attn_softmax's
+list, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN and SOFTMAX_THREADS from this file)
     attn1, attn2 take the same parameters, in this order:
     (const T* q, const T* k, const T* v, T* o, const T* bias_or_null, const int* lens_q_or_null,
      const int* lens_kv_or_null, int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal,

@@ -83,7 +83,9 @@ Versions:
    strides). groups must be 1 (returns without writing otherwise); grouped fp32 convs go to conv1 (or
    conv2 when depthwise).
 
-LAUNCH (all kernels take the same parameters, in this order, no extra ones):
+LAUNCH (all kernels take the same parameters, in this order, no extra ones). libnn/ops/conv2d.py packs them by
+the names of CONV_PARAMS below and computes this table from CONV1/CONV2/C4_THREADS, CONV2_CHUNK, CONV3_*
+and C4_BM/BN (libnn/runtime/contracts.py reads them; tests/test_kernel_contracts.py checks them):
     (const T* x, const T* w, const float* scale, const float* shift, T* y,
      int N, int H, int W, int C, int K, int R, int S, int P, int Q,
      int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, int groups, int act,

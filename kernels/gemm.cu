@@ -66,7 +66,9 @@ all five of common.cuh's activations slowed from 353 to 241 TFLOP/s, see ACT_LIN
     gemm2_tiled_f32, gemm3_mma_*  none, relu, gelu
     gemm3_mma_gelu_erf_*          none, gelu_erf   (the same kernel as gemm3_mma_*, erf in its epilogue)
 
-LAUNCH (all kernels take the same parameters, no extra ones):
+LAUNCH (all kernels take the same parameters, no extra ones). libnn/ops/linear.py packs them by the names of
+GEMM_PARAMS below and computes this table from the constants GEMM1_BX/BY, G2_THREADS/BM/BN and GEMM3_*
+(libnn/runtime/contracts.py reads them; tests/test_kernel_contracts.py checks both against the PTX):
     (const T* x, const T* w, const T* bias_or_null, const T* residual_or_null, T* y, int M, int N, int K,
      int act)
     T = float (f32) or unsigned short (f16/bf16 bits)

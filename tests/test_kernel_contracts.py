@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import math
 import os
 import re
 from dataclasses import replace
@@ -46,15 +47,30 @@ fft_conv_kernels = importlib.import_module("libnn.ops.fft_conv_kernels")
 # PTX parameter types each declared kind may compile to
 PTX_TYPES = {"ptr": {"u64", "s64", "b64"}, "i64": {"u64", "s64", "b64"}, "u64": {"u64", "s64", "b64"},
              "i32": {"u32", "s32", "b32"}, "u32": {"u32", "s32", "b32"}, "f32": {"f32"}}
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)([^{]*)\{", re.S)
 _PARAM = re.compile(r"\.param\s+\.(\w+)")
+_MAXNTID = re.compile(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)")
 
 
 @cache
 def ptx_entries(file: str) -> dict[str, tuple[str, ...]]:
     """Each kernel of kernels/<file> and its parameters' PTX types, in order."""
+    return {name: params for name, (params, _) in _ptx(file).items()}
+
+
+@cache
+def _ptx(file: str) -> dict[str, tuple[tuple[str, ...], int | None]]:
+    """Each kernel of kernels/<file>: its parameters' PTX types and its __launch_bounds__ threads (None: none)."""
     ptx = kernels.compile_file(file, "compute_90").cubin.decode()
-    return {name: tuple(_PARAM.findall(params)) for name, params in _ENTRY.findall(ptx)}
+    found = {}
+    for name, params, directives in _ENTRY.findall(ptx):
+        m = _MAXNTID.search(directives)
+        found[name] = tuple(_PARAM.findall(params)), (int(m[1]) * int(m[2]) * int(m[3]) if m else None)
+    return found
+
+
+def max_threads(file: str, kernel: str) -> int | None:
+    return _ptx(file)[kernel][1]
 
 
 def mismatches(declared: contracts.Params, kernel: str) -> list[str]:
@@ -279,6 +295,31 @@ def test_activation_codes_are_common_cuh_s_and_every_kernel_compares_by_name():
         assert not re.search(r"\bact\s*==\s*\d", path.read_text()), f"{path.name} compares act to a literal code"
 
 
+def activation_masks() -> dict[str, int]:
+    """The `enum : unsigned { NAME = mask, ... }` activation masks of common.cuh and gemm.cu, evaluated."""
+    masks: dict[str, int] = {}
+    for file in ("common.cuh", "gemm.cu"):
+        for body in re.findall(r"enum\s*:\s*unsigned\s*\{(.*?)\}", (kernels.kernel_dir() / file).read_text(), re.S):
+            for name, expr in re.findall(r"(\w+)\s*=\s*([^,]+)", body):
+                expr = re.sub(r"\b(0x[0-9a-f]+|\d+)u\b", r"\1", expr)
+                masks[name] = eval(expr, {}, dict(masks))  # noqa: S307  (integers, <<, |, names above)
+    return masks
+
+
+def test_the_ops_activations_are_those_their_kernels_compile():
+    """An activation a kernel does not compile is silently the identity: each activation linear fuses into
+    a gemm kernel, and each conv2d takes, has its code in the mask that kernel is compiled with."""
+    masks, codes = activation_masks(), activations.KERNEL_CODES
+    for act in conv2d.ACTIVATIONS:
+        assert masks["ACT_CONV"] >> codes[act] & 1, act
+    kernel_masks = {"gemm1_naive": "ACTS_NAIVE", "gemm2_tiled": "ACTS_FUSED", "gemm3_mma": "ACTS_FUSED",
+                    "gemm3_mma_gelu_erf": "ACTS_ERF"}  # gemm.cu: gemm1_body, gemm2's epilogue, GEMM3(...)
+    for version in linear._LAUNCH:
+        for act in linear.ACTIVATIONS:
+            if (kernel := linear._kernel(version, act)) is not None:
+                assert masks[kernel_masks[kernel]] >> codes[act] & 1, (version, kernel, act)
+
+
 def test_launch_geometry_is_the_kernel_files_and_its_launch_tables():
     """Threads and dynamic shared memory Python launches with follow from the .cu's constants, and are
     the figures its LAUNCH comment gives (a changed tile that the comment does not follow fails)."""
@@ -296,6 +337,57 @@ def test_launch_geometry_is_the_kernel_files_and_its_launch_tables():
     name, threads, rows, smem = attention_kernels.flash_launch(128, False)
     bm = 16 * c["ATTN2_WARPS"]
     assert (threads, rows, smem) == (32 * c["ATTN2_WARPS"], bm, (bm + 4 * 64) * (128 + 8) * 2)
+
+
+def launch_blocks() -> list[tuple[str, str, int, bool]]:
+    """(file, kernel, threads per block Python launches it with, whether the kernel needs exactly that many:
+    its tiles assume the block, where a grid-strided kernel takes any block up to its bounds)."""
+    rows = []
+    for version, spec in linear._LAUNCH.items():
+        for dtype in [d for d, vs in linear._VERSIONS.items() if version in vs]:
+            for kernel in {linear._kernel(version, a) for a in linear.ACTIVATIONS} - {None}:
+                rows.append(("gemm.cu", f"{kernel}_{dtypes.KERNEL_SUFFIX[dtype]}", math.prod(spec.block),
+                             version != "v1"))
+    for dtype in dtypes.KERNEL_SUFFIX:
+        suffix = dtypes.KERNEL_SUFFIX[dtype]
+        for p in (_conv_problem(dtype, 8, 8, 8), _conv_problem(dtype, 8, 16, 1), _conv_problem(dtype, 8, 16, 2)):
+            for version in conv2d.custom_versions(p):
+                rows.append(("conv2d.cu", f"{version}_{suffix}", conv2d._conv_launch(version, p)[1],
+                             version in ("conv3_igemm", "conv4_igemm")))
+        rows.append(("attention.cu", f"attn1_naive_{suffix}", 32 * attention_kernels._ROWS_PER_ATTN1_BLOCK, False))
+        rows.append(("attention.cu", f"attn_softmax_{suffix}", attention_kernels._SOFTMAX_THREADS, True))
+        for d in attention_kernels.FLASH_BUCKETS:
+            for has_bias in (False, True):
+                name, threads, _, _ = attention_kernels.flash_launch(d, has_bias)
+                if dtype != "fp32":
+                    rows.append(("attention.cu", f"{name}_{suffix}", threads, True))
+    for module, file, width in ((embedding, "embedding.cu", "H"), (layer_norm, "layer_norm.cu", "N")):
+        for dtype in module.GPU_DTYPES:
+            for size in (1, 7, 64, 100, 768, 1024, 3000, 4096, 8192, 20000):
+                problem = SimpleNamespace(dtype=dtype, M=5, **{width: size})
+                for aligned in (True, False):
+                    for version in module.custom_versions(problem, aligned):
+                        name, _, threads = module._launch(version, problem, aligned)
+                        rows.append((file, f"{name}_{dtypes.KERNEL_SUFFIX[dtype]}", threads, False))
+    for dtype in softmax.GPU_DTYPES:
+        for n in (1, 3, 33, 100, 1000, 5000, 100000):
+            for inner in (1, 5):
+                name, _, block = softmax.custom_launch(SimpleNamespace(outer=7, n=n, inner=inner))
+                rows.append(("softmax.cu", f"{name}_{softmax.KERNEL_SUFFIX[dtype]}", math.prod(block), False))
+    for version in fft_conv_kernels.VERSIONS:
+        for log2n in range(1, fft_conv_kernels.MAX_BLOCK_LOG2N + 1):
+            rows.append(("fft_conv.cu", version, fft_conv_kernels._fft_launch_shape(version, log2n, 64)[1], False))
+    return sorted(set(rows))
+
+
+@pytest.mark.parametrize("file,kernel,threads,exact", launch_blocks())
+def test_each_launch_block_fits_the_kernels_launch_bounds(file, kernel, threads, exact):
+    """A block larger than the kernel's __launch_bounds__ fails at launch; a tile kernel launched with
+    other than its own block computes garbage. PTX's .maxntid is the bound the kernel was compiled for."""
+    bound = max_threads(file, kernel)
+    assert bound is not None or not exact, f"{kernel} declares no __launch_bounds__ for the block it needs"
+    bound = 1024 if bound is None else bound  # no bounds: any block the GPU takes
+    assert (threads == bound) if exact else (threads <= bound), (kernel, threads, bound)
 
 
 def test_constants_are_read_once_per_name():

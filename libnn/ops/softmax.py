@@ -117,7 +117,7 @@ WARP_MAX_N = 1024              # softmax_warp* up to here (32 lanes x its larges
 _SM = contracts.params("softmax.cu", "SM_PARAMS")  # every softmax kernel's parameters
 _WARP_VPTS = (1, 2, 4, 8, 16, 32)  # what kernels/softmax.cu builds
 _WARP_BLOCK = 128
-COLS_MAX_Y = 16                # kernels/softmax.cu's COLS_MAX_Y: threads per slice in softmax_cols_*
+COLS_MAX_Y = contracts.constant("softmax.cu", "COLS_MAX_Y")  # threads per slice in softmax_cols_*
 _MAX_BLOCKS = 65535            # rows and tiles are grid-strided; this many blocks fill any GPU
 
 
