@@ -126,3 +126,16 @@ def test_the_per_thread_default_stream_keys_bound_calls_by_thread(monkeypatch):
     assert keys[0] != keys[1] and {k[0] for k in keys} == {arrays.PER_THREAD_STREAM}
     handle["ptr"] = 0x7F00
     assert arrays.stream_key() == 0x7F00
+
+
+def test_softmax_options_are_checked_whatever_call_came_first(rng):
+    """log and dim are keyed with their types: log=1 or dim=True never find the bound call of True or 1
+    and skip the checks; log must be a bool ("no" read as true)."""
+    x = random_normal(rng, (3, 5), "fp64")
+    softmax(x, 1, log=True)
+    for kwargs, message in (({"log": "no"}, "log must be a bool, got str 'no'"),
+                            ({"log": 1}, "log must be a bool, got int 1")):
+        with pytest.raises(TypeError, match=message):
+            softmax(x, 1, **kwargs)
+    with pytest.raises(TypeError, match="dim must be an int, got bool True"):
+        softmax(x, True)

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.registry import Op
-from libnn.runtime import contracts, memory
+from libnn.registry import Op, option_key
+from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -73,6 +73,8 @@ class SoftmaxProblem:
 
 def _check(x, dim, log: bool) -> SoftmaxProblem:
     name = "log_softmax" if log else "softmax"
+    if not isinstance(log, (bool, np.bool_)):  # log="no" would otherwise read as true
+        raise TypeError(f"softmax: log must be a bool, got {type(log).__name__} {log!r}")
     if x.ndim < 1:
         raise ValueError(f"{name}: x must have at least 1 dimension, got a scalar (shape ())")
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
@@ -90,7 +92,7 @@ def softmax(x: Any, dim: int = -1, *, log: bool = False, path: str = "auto") -> 
     """softmax (or, with log=True, log-softmax) of x along `dim`; returns an array of x's shape,
     dtype and device. `path` is "auto" or one of `libnn.paths("softmax")`."""
     x = as_array(x, "log_softmax" if log else "softmax", "x")
-    key = (signature(x), dim, log, path, stream_key())
+    key = (signature(x), option_key(dim), option_key(log), path, stream_key())
     return op.call(key, lambda: _check(x, dim, log), path, x)
 
 
@@ -151,8 +153,6 @@ def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None)
     launch; a strided x is made contiguous first. `grid` replaces the LAUNCH table's grid (tests:
     every kernel strides over its rows or slices, so any grid >= 1 is correct)."""
     import cupy
-
-    from libnn.runtime import launch
 
     shape, dtype = problem.shape, x.dtype
     if 0 in shape:  # no slice to normalise, nothing to launch
