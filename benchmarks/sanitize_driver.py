@@ -79,12 +79,12 @@ DTYPES = ("fp16", "bf16", "fp32")
 # --- linear -------------------------------------------------------------------------------------------
 @item("linear: every gemm.cu version, odd M, N, K")
 def _linear_versions():
-    from libnn.ops.linear import _check, custom_versions, launch_custom_version
+    from libnn.ops.linear import custom_versions, launch_custom_version, linear_problem
 
     for dtype in DTYPES:
         for M, N, K in ((1, 1, 1), (1, 7, 13), (13, 17, 29), (129, 131, 67)):
             x, w, b = normal((M, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype)
-            for version in custom_versions(_check(x, w, b, "gelu", False)):
+            for version in custom_versions(linear_problem(x, w, b, "gelu", False)):
                 launch_custom_version(version, x, w, b, "gelu")
 
 
@@ -134,19 +134,15 @@ def _conv2d():
 
 @item("conv2d: the epilogue kernel (kernels/epilogue.cu) on odd sizes")
 def _conv_epilogue():
-    import importlib
-
-    from libnn.ops.conv2d import apply_epilogue_kernel
-
-    conv_module = importlib.import_module("libnn.ops.conv2d")  # libnn.ops.conv2d itself is the function
+    from libnn.ops.conv2d import apply_epilogue_kernel, conv2d_problem, output_shape
 
     for dtype in DTYPES:
         for layout in ("NHWC", "NCHW"):
             x = normal((1, 3, 5, 7) if layout == "NHWC" else (1, 7, 3, 5), dtype)
             w = normal((11, 1, 1, 7) if layout == "NHWC" else (11, 7, 1, 1), dtype)
-            problem = conv_module._check(x, w, normal((11,), dtype), (normal((11,), "fp32"), normal((11,), "fp32")),
-                                         1, 0, 1, 1, "gelu", layout, False)
-            y = normal(conv_module.output_shape(problem), dtype)
+            problem = conv2d_problem(x, w, normal((11,), dtype), (normal((11,), "fp32"), normal((11,), "fp32")),
+                                     1, 0, 1, 1, "gelu", layout, False)
+            y = normal(output_shape(problem), dtype)
             apply_epilogue_kernel(problem, y, normal((11,), "fp32"), normal((11,), "fp32"))
 
 
@@ -178,13 +174,13 @@ def _attention():
 
 @item("attention: both fused kernel versions where they apply")
 def _attention_versions():
-    from libnn.ops.attention import _check, custom_versions
+    from libnn.ops.attention import attention_problem, custom_versions
     from libnn.ops.attention_kernels import flash_attention
 
     for dtype, D in (("fp16", 64), ("bf16", 32), ("fp16", 24), ("fp32", 72)):
         q, k, v = normal((1, 2, 19, D), dtype), normal((1, 2, 71, D), dtype), normal((1, 2, 71, D), dtype)
         o = normal((1, 2, 19, D), dtype)
-        problem = _check(q, k, v, None, 0.3, "top_left", "BHSD", False, False)
+        problem = attention_problem(q, k, v, None, 0.3, "top_left", "BHSD", False, False)
         for version in custom_versions(problem):  # o, fresh from the pool, has aligned rows
             flash_attention(q, k, v, o, scale=0.3, causal="top_left", version=version)
 
@@ -304,9 +300,8 @@ def loaded_kernels() -> dict[str, list[str]]:
     from libnn.runtime import kernels
 
     found: dict[str, set[str]] = {}
-    items = getattr(kernels._functions, "_items", {})
-    for key in list(items):
-        found.setdefault(key[0], set()).add(key[1])
+    for file, kernel in kernels.loaded_functions():
+        found.setdefault(file, set()).add(kernel)
     return {f: sorted(names) for f, names in sorted(found.items())}
 
 

@@ -13,9 +13,9 @@ from libnn.backends import cublaslt, cudnn
 from libnn.bench.harness import format_table
 from libnn.config import config
 from libnn.ops import activations
-from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, attention
-from libnn.ops.attention import _check as _attention_check, _graph_builder as _attention_graph_builder
-from libnn.ops.conv2d import _check as _conv2d_check, _graph_builder as _conv2d_graph_builder, conv2d, output_shape
+from libnn.ops.attention import UID_K, UID_O, UID_Q, UID_V, attention, attention_graph_builder, attention_problem
+from libnn.ops.conv2d import (UID_SCALE, UID_SHIFT, UID_W, UID_X, UID_Y, conv2d, conv2d_graph_builder, conv2d_problem,
+                              output_shape)
 from libnn.ops.linear import ACTIVATIONS, LinearProblem
 
 
@@ -92,17 +92,17 @@ def conv_plans(n: int, c: int, h: int, w: int, k: int, r: int, s: int, stride: i
     x = rng.standard_normal(x_shape, dtype=cupy.float32).astype(dt)
     wt = (rng.standard_normal(w_shape, dtype=cupy.float32) / math.sqrt(c // groups * r * s)).astype(dt)
     vectors = [rng.standard_normal(k, dtype=cupy.float32) for _ in range(2)] if bn else None
-    problem = _conv2d_check(x, wt, None, vectors, stride, padding, dilation, groups, activation, layout, False)
+    problem = conv2d_problem(x, wt, None, vectors, stride, padding, dilation, groups, activation, layout, False)
     y = cupy.empty(output_shape(problem), dt)
-    buffers = {1: x, 2: wt, 5: y}
+    buffers = {UID_X: x, UID_W: wt, UID_Y: y}
     if bn:
-        buffers.update({3: vectors[0], 4: vectors[1]})
+        buffers.update({UID_SCALE: vectors[0], UID_SHIFT: vectors[1]})
 
     def run_libnn():  # what libnn runs, from its own cache
         conv2d(x, wt, bn=vectors, stride=stride, padding=padding, dilation=dilation, groups=groups,
                activation=activation, layout=layout, path="cudnn")
 
-    return _cudnn_report(problem, _conv2d_graph_builder(problem), buffers, run_libnn, modes, time, progress)
+    return _cudnn_report(problem, conv2d_graph_builder(problem), buffers, run_libnn, modes, time, progress)
 
 
 def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_kv: int | None = None,
@@ -120,13 +120,13 @@ def attention_plans(b: int, h: int, s: int, d: int, s_kv: int | None = None, h_k
         return rng.standard_normal(shape, dtype=cupy.float32).astype(dt)
 
     q, k, v = tensor(h, s), tensor(h_kv, s_kv), tensor(h_kv, s_kv)
-    problem = _attention_check(q, k, v, None, None, causal, layout, False, False)
-    buffers = {_UID_Q: q, _UID_K: k, _UID_V: v, _UID_O: cupy.empty_like(q)}
+    problem = attention_problem(q, k, v, None, None, causal, layout, False, False)
+    buffers = {UID_Q: q, UID_K: k, UID_V: v, UID_O: cupy.empty_like(q)}
 
     def run_libnn():
         attention(q, k, v, causal=causal, layout=layout, path="cudnn")
 
-    return _cudnn_report(problem, _attention_graph_builder(problem), buffers, run_libnn, modes, time, progress)
+    return _cudnn_report(problem, attention_graph_builder(problem), buffers, run_libnn, modes, time, progress)
 
 
 def _cudnn_report(problem: Any, builder: Any, buffers: dict[int, Any], run_libnn: Any, modes: tuple[str, ...],

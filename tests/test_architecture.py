@@ -199,39 +199,10 @@ def test_libnn_imports_form_no_cycle(which):
 # --- private names --------------------------------------------------------------------------------
 # A name starting with `_` is its module's own business: no module reaches into another's, except
 # among an op's own files (ops/attention.py and ops/attention_kernels.py are one op). What a tool needs
-# from an op (its checked problem, its cuDNN graph builder, the graph's tensor uids) is made public,
-# named and documented, instead. Read from libnn/ and benchmarks/ (whose scripts drive libnn as tools do).
+# from an op is made public, named and documented, instead: its checked problem (`<op>_problem`), its
+# cuDNN graph builder (`<op>_graph_builder`) and the graph's tensor uids (`UID_*`). Read from libnn/
+# and benchmarks/ (whose scripts drive libnn as tools do).
 BENCHMARKS = ROOT.parent / "benchmarks"
-
-# to be made public (issue 15 item 3): each entry is "importing module -> module.private name". The list
-# can only shrink: a new use fails test_no_module_uses_another_modules_private_names, and an entry
-# whose use is gone fails test_private_name_allow_list_has_no_stale_entry until it is removed here.
-KNOWN_PRIVATE_USES = {
-    "benchmarks.sanitize_driver -> libnn.ops.attention._check",
-    "benchmarks.sanitize_driver -> libnn.ops.conv2d._check",
-    "benchmarks.sanitize_driver -> libnn.ops.linear._check",
-    "benchmarks.sanitize_driver -> libnn.runtime.kernels._functions",
-    "libnn.bench.attention -> libnn.ops.attention._UID_K",
-    "libnn.bench.attention -> libnn.ops.attention._UID_O",
-    "libnn.bench.attention -> libnn.ops.attention._UID_Q",
-    "libnn.bench.attention -> libnn.ops.attention._UID_V",
-    "libnn.bench.attention -> libnn.ops.attention._check",
-    "libnn.bench.attention -> libnn.ops.attention._graph_builder",
-    "libnn.bench.conv2d -> libnn.ops.conv2d._check",
-    "libnn.bench.overhead -> libnn.backends.cudnn._planned",
-    "libnn.bench.overhead -> libnn.ops.conv2d._check",
-    "libnn.bench.overhead -> libnn.ops.conv2d._graph_builder",
-    "libnn.bench.pool2d -> libnn.ops.pool2d._check",
-    "libnn.inspect -> libnn.ops.attention._UID_K",
-    "libnn.inspect -> libnn.ops.attention._UID_O",
-    "libnn.inspect -> libnn.ops.attention._UID_Q",
-    "libnn.inspect -> libnn.ops.attention._UID_V",
-    "libnn.inspect -> libnn.ops.attention._check",
-    "libnn.inspect -> libnn.ops.attention._graph_builder",
-    "libnn.inspect -> libnn.ops.conv2d._check",
-    "libnn.inspect -> libnn.ops.conv2d._graph_builder",
-    "libnn.ops.pool2d -> libnn.ops.conv2d._pair",
-}
 
 
 def _is_private(name: str) -> bool:
@@ -317,12 +288,6 @@ def test_private_use_reader_finds_imports_and_module_attributes_but_not_an_ops_o
 
 
 def test_no_module_uses_another_modules_private_names():
-    new = {use: lines for use, lines in all_private_uses().items() if use not in KNOWN_PRIVATE_USES}
-    assert not new, ("private names of another libnn module (make them public in their module instead):\n"
-                     + "\n".join(f"  {use} at {', '.join(lines)}" for use, lines in sorted(new.items())))
-
-
-def test_private_name_allow_list_has_no_stale_entry():
-    stale = sorted(KNOWN_PRIVATE_USES - set(all_private_uses()))
-    assert not stale, ("KNOWN_PRIVATE_USES in tests/test_architecture.py lists uses that are gone; "
-                       "remove them: " + ", ".join(stale))
+    uses = all_private_uses()
+    assert not uses, ("private names of another libnn module (make them public in their module instead):\n"
+                      + "\n".join(f"  {use} at {', '.join(lines)}" for use, lines in sorted(uses.items())))

@@ -75,10 +75,10 @@ def test_attention_path_matches_reference(rng, path, dtype, mask, shape):
 
 
 def _problem(q, k, v, kwargs):
-    from libnn.ops.attention import _check
+    from libnn.ops.attention import attention_problem
 
-    return _check(q, k, v, kwargs.get("attn_bias"), None, kwargs.get("causal", False), "BHSD",
-                  "seq_lens_q" in kwargs, "seq_lens_kv" in kwargs)
+    return attention_problem(q, k, v, kwargs.get("attn_bias"), None, kwargs.get("causal", False), "BHSD",
+                             "seq_lens_q" in kwargs, "seq_lens_kv" in kwargs)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -126,7 +126,7 @@ def counting(name, real):
         calls[name] += 1
         return real(*args, **kwargs)
     return wrapped
-cudnn._planned = counting("graph builds", cudnn._planned)  # every cuDNN graph libnn builds goes through it
+cudnn.planned_graph = counting("graph builds", cudnn.planned_graph)  # every cuDNN graph libnn builds goes through it
 kernels._compile_uncached = counting("nvrtc compiles", kernels._compile_uncached)
 x = cupy.asarray(np.random.default_rng(0).standard_normal((32, 56, 56, 64)).astype(np.float16))
 w = cupy.asarray((np.random.default_rng(1).standard_normal((64, 3, 3, 64)) / 24).astype(np.float16))

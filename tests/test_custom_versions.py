@@ -26,7 +26,7 @@ def test_custom_versions_has_one_signature_across_ops(name):
 def test_linear_versions_follow_the_dtype(dtype, expected):
     linear = _op_module("linear")
     x, w, b = np.zeros((3, 5), dtype), np.zeros((4, 5), dtype), np.zeros(4, dtype)
-    assert linear.custom_versions(linear._check(x, w, b, "gelu", False)) == expected
+    assert linear.custom_versions(linear.linear_problem(x, w, b, "gelu", False)) == expected
 
 
 @pytest.mark.parametrize("dtype, D, expected", [
@@ -39,7 +39,7 @@ def test_linear_versions_follow_the_dtype(dtype, expected):
 def test_attention_versions_name_flash_only_where_it_fits(dtype, D, expected):
     attention = _op_module("attention")
     q, kv = np.zeros((1, 2, 19, D), dtype), np.zeros((1, 2, 71, D), dtype)
-    problem = attention._check(q, kv, kv, None, 0.3, "top_left", "BHSD", False, False)
+    problem = attention.attention_problem(q, kv, kv, None, 0.3, "top_left", "BHSD", False, False)
     assert attention.custom_versions(problem) == expected
     assert attention.custom_versions(problem, aligned=False) == expected[:1]
 
@@ -50,5 +50,5 @@ def test_attention_versions_name_flash_only_where_it_fits(dtype, D, expected):
 def test_conv2d_versions_are_the_baseline_and_the_pick(groups, w_shape, expected):
     conv2d = _op_module("conv2d")
     x, w = np.zeros((2, 8, 8, 6), np.float16), np.zeros(w_shape, np.float16)
-    problem = conv2d._check(x, w, None, None, 1, 1, 1, groups, "relu", "NHWC", False)
+    problem = conv2d.conv2d_problem(x, w, None, None, 1, 1, 1, groups, "relu", "NHWC", False)
     assert conv2d.custom_versions(problem) == expected

@@ -11,7 +11,7 @@ import libnn
 from libnn import dtypes
 from libnn.errors import PathUnavailableError
 from libnn.ops import activations
-from libnn.ops.linear import _check, bind_epilogue_pass, custom_versions, launch_custom_version, linear
+from libnn.ops.linear import bind_epilogue_pass, custom_versions, launch_custom_version, linear, linear_problem
 from conftest import random_normal, rel_error
 
 pytestmark = pytest.mark.gpu
@@ -104,7 +104,7 @@ def test_cublaslt_tf32_is_within_tf32_tolerance(rng, shape):
 def test_every_custom_kernel_version_matches_reference(rng, dtype, shape):
     x, w, b = draw(rng, *shape, dtype)
     expected = linear(x, w, b, "gelu", path="reference")
-    for version in custom_versions(_check(x, w, b, "gelu", False)):
+    for version in custom_versions(linear_problem(x, w, b, "gelu", False)):
         y = launch_custom_version(version, *to_gpu(x, w, b), "gelu")
         assert rel_error(y, expected) <= tolerance(dtype), version
 
@@ -302,7 +302,7 @@ def test_every_custom_kernel_version_with_residual_matches_reference(rng, dtype,
     x, w, b = draw(rng, *shape, dtype)
     r = random_normal(rng, shape[:2], dtype)
     expected = linear(x, w, b, activation, residual=r, path="reference")
-    for version in custom_versions(_check(x, w, b, activation, False, r)):
+    for version in custom_versions(linear_problem(x, w, b, activation, False, r)):
         args = (*to_gpu(x, w, b), activation, to_gpu(r)[0])
         if (dtype, version, activation) == ("fp32", "v2", "gelu_erf"):
             with pytest.raises(ValueError, match="version v2 has no gelu_erf epilogue"):

@@ -136,7 +136,7 @@ def _heur_modes(names: tuple[str, ...]):
     return [getattr(cudnn.heur_mode, n) for n in names]
 
 
-def _planned(builder: Callable[[Any], Any], handle: Any, modes: tuple[str, ...]) -> Any:
+def planned_graph(builder: Callable[[Any], Any], handle: Any, modes: tuple[str, ...]) -> Any:
     """The graph `builder` makes, validated and lowered, with the execution plans of the heuristics
     `modes` (not built yet)."""
     graph = builder(handle)
@@ -161,7 +161,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
         except _library_errors():
             stored.unlink(missing_ok=True)  # a stale or foreign plan: rebuild below
     try:
-        graph = _planned(builder, handle, ("A", "FALLBACK"))
+        graph = planned_graph(builder, handle, ("A", "FALLBACK"))
         graph.check_support()
         index = _build_first_plan(graph)
     except _library_errors() as exc:
@@ -242,7 +242,7 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
     found = []
     for mode in modes:
         try:
-            graph = _planned(builder, handle, (mode,))
+            graph = planned_graph(builder, handle, (mode,))
         except _library_errors() as exc:
             found.append(PlanInfo(mode, -1, "-", None, {}, [], None, False, _first_line(exc)))
             continue

@@ -20,7 +20,7 @@ from libnn import dtypes
 from libnn.backends.cudnn import graph_for
 from libnn.bench import harness
 from libnn.errors import LibnnError
-from libnn.ops.attention import _UID_K, _UID_O, _UID_Q, _UID_V, _check, _graph_builder, attention
+from libnn.ops.attention import UID_K, UID_O, UID_Q, UID_V, attention, attention_graph_builder, attention_problem
 from libnn.runtime.handles import cudnn_handle, workspace
 
 
@@ -97,10 +97,10 @@ def _raw_cudnn(case: Case, q, k, v) -> Callable[[Any], Any]:
     """The cuDNN graph libnn cached for this problem, executed directly with a prepared variant pack."""
     import cupy
 
-    problem = _check(q, k, v, None, None, case.causal, "BHSD", False, False)
-    graph = graph_for(problem, _graph_builder(problem), problem.describe())
+    problem = attention_problem(q, k, v, None, None, case.causal, "BHSD", False, False)
+    graph = graph_for(problem, attention_graph_builder(problem), problem.describe())
     o = cupy.empty_like(q)
-    pack = {_UID_Q: q.data.ptr, _UID_K: k.data.ptr, _UID_V: v.data.ptr, _UID_O: o.data.ptr}
+    pack = {UID_Q: q.data.ptr, UID_K: k.data.ptr, UID_V: v.data.ptr, UID_O: o.data.ptr}
     space, handle = workspace(graph.workspace_bytes).data.ptr, cudnn_handle()
     return lambda _: graph.graph.execute(pack, space, handle=handle)
 

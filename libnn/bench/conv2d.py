@@ -20,7 +20,7 @@ from typing import Any, Callable
 from libnn import dtypes
 from libnn.bench import harness
 from libnn.errors import LibnnError
-from libnn.ops.conv2d import _check, apply_epilogue_kernel, conv2d, fold_batchnorm
+from libnn.ops.conv2d import apply_epilogue_kernel, conv2d, conv2d_problem, fold_batchnorm
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _inputs(case: Case):
 def _paths(case: Case, x, w, bn) -> dict[str, Callable[[Any], Any]]:
     common = dict(stride=case.stride, padding=case.padding, groups=case.groups, layout=case.layout)
     scale, shift = fold_batchnorm(*bn)
-    problem = _check(x, w, None, bn, case.stride, case.padding, 1, case.groups, "relu", case.layout, False)
+    problem = conv2d_problem(x, w, None, bn, case.stride, case.padding, 1, case.groups, "relu", case.layout, False)
     bn_only = replace(problem, activation=None)
     relu_only = replace(problem, has_scale=False, has_shift=False)
     w_folded = (w * scale.reshape((-1, 1, 1, 1))).astype(w.dtype)

@@ -35,7 +35,7 @@ from libnn.models.seed_cnn import SeedCNN
 from libnn.models.train_seed_cnn import torch_model
 from libnn.nn import BatchNorm2d, Conv2d, Embedding, Linear, ReLU, Sequential, SiLU
 from libnn.ops import attention, conv2d, fft_conv2d, layer_norm, linear, max_pool2d, softmax
-from libnn.ops.conv2d import _check as _conv2d_check, _graph_builder as _conv2d_graph_builder
+from libnn.ops.conv2d import UID_SCALE, UID_SHIFT, UID_W, UID_X, UID_Y, conv2d_graph_builder, conv2d_problem
 from libnn.ops.linear import LinearProblem
 from libnn.runtime import kernels
 from libnn.runtime.handles import cudnn_handle, workspace
@@ -361,10 +361,10 @@ def _cudnn_conv_graph():
 
     x, w = _normal((1, 8, 8, 16)), _normal((16, 3, 3, 16))
     scale, shift = _normal((16,), "fp32"), _normal((16,), "fp32")
-    problem = _conv2d_check(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
-    graph = cudnn.graph_for(problem, _conv2d_graph_builder(problem), problem.describe)
+    problem = conv2d_problem(x, w, None, (scale, shift), 1, 1, 1, 1, "relu", "NHWC", False)
+    graph = cudnn.graph_for(problem, conv2d_graph_builder(problem), problem.describe)
     y = cupy.empty((1, 8, 8, 16), cupy.float16)
-    buffers = {1: x, 2: w, 3: scale, 4: shift, 5: y}
+    buffers = {UID_X: x, UID_W: w, UID_SCALE: scale, UID_SHIFT: shift, UID_Y: y}
     return graph, buffers
 
 
@@ -382,10 +382,10 @@ def _floor_cudnn_execute_at_index():
     import cupy
 
     _, buffers = _cudnn_conv_graph()
-    problem = _conv2d_check(buffers[1], buffers[2], None, (buffers[3], buffers[4]), 1, 1, 1, 1, "relu", "NHWC",
-                            False)
+    problem = conv2d_problem(buffers[UID_X], buffers[UID_W], None, (buffers[UID_SCALE], buffers[UID_SHIFT]), 1, 1, 1,
+                             1, "relu", "NHWC", False)
     handle = cudnn_handle()
-    graph = cudnn._planned(_conv2d_graph_builder(problem), handle, ("A",))
+    graph = cudnn.planned_graph(conv2d_graph_builder(problem), handle, ("A",))
     graph.build_plan_at_index(0)
     pack = {uid: a.data.ptr for uid, a in buffers.items()}
     space = workspace(graph.get_workspace_size_plan_at_index(0)).data.ptr

@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.backends import cudnn as cudnn_backend
+from libnn.ops.attention_kernels import flash_attention, flash_fits, flash_supports, unfused_attention
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
@@ -151,7 +153,10 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
     return lens.astype(np.int32, copy=False)
 
 
-def _check(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> AttentionProblem:
+def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> AttentionProblem:
+    """The AttentionProblem attention(q, k, v, attn_bias=bias, scale, causal, layout) solves, with or
+    without each sequence-length array, after checking every argument as attention does (arrays
+    already); for tools that build a path's plan themselves."""
     if layout not in LAYOUTS:
         raise ValueError(f"attention: layout must be one of {LAYOUTS}, got {layout!r}")
     dims = "(B, H, S, D)" if layout == "BHSD" else "(B, S, H, D)"
@@ -238,7 +243,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
             if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
                 raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
                                  f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
-        return _check(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
+        return attention_problem(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
@@ -276,31 +281,32 @@ def _cudnn_support(problem: AttentionProblem) -> str | None:
     return None
 
 
-_UID_Q, _UID_K, _UID_V, _UID_BIAS, _UID_LENS_Q, _UID_LENS_KV, _UID_O = range(1, 8)
+# The uids of the tensors in attention_graph_builder's graph, for a variant pack (bias and the sequence
+# lengths only when the problem has them).
+UID_Q, UID_K, UID_V, UID_BIAS, UID_LENS_Q, UID_LENS_KV, UID_O = range(1, 8)
 
 
-def _graph_builder(problem: AttentionProblem):
-    """q, k, v [, bias, sequence lengths] → sdpa → o, one node per line."""
+def attention_graph_builder(problem: AttentionProblem):
+    """The builder (handle -> cuDNN graph, not yet validated) of q, k, v [, bias, sequence lengths] →
+    sdpa → o, one node per line; its tensors carry the uids UID_Q ... UID_O."""
     def build(handle):
         import cudnn
 
-        from libnn.backends.cudnn import data_type
-
-        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        p, io, f32 = problem, cudnn_backend.data_type(problem.dtype), cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        q = g.tensor(dim=[p.B, p.Hq, p.Sq, p.D], stride=list(p.q_strides), data_type=io, uid=_UID_Q)
-        k = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.k_strides), data_type=io, uid=_UID_K)
-        v = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.v_strides), data_type=io, uid=_UID_V)
+        q = g.tensor(dim=[p.B, p.Hq, p.Sq, p.D], stride=list(p.q_strides), data_type=io, uid=UID_Q)
+        k = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.k_strides), data_type=io, uid=UID_K)
+        v = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.v_strides), data_type=io, uid=UID_V)
         bias = lens_q = lens_kv = None
         if p.bias_shape:
             bias = g.tensor(dim=list(p.bias_shape), stride=_contiguous_strides(p.bias_shape), data_type=io,
-                            uid=_UID_BIAS)
+                            uid=UID_BIAS)
         padded = p.has_seq_lens_q or p.has_seq_lens_kv
         if padded:  # cuDNN's padding mask takes both lengths; a missing one is passed as full
             lens_q = g.tensor(dim=[p.B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
-                              uid=_UID_LENS_Q)
+                              uid=UID_LENS_Q)
             lens_kv = g.tensor(dim=[p.B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
-                               uid=_UID_LENS_KV)
+                               uid=UID_LENS_KV)
         masks = {}
         if p.causal:
             masks = {"diagonal_band_right_bound": 0,
@@ -308,7 +314,7 @@ def _graph_builder(problem: AttentionProblem):
                                              else cudnn.diagonal_alignment.BOTTOM_RIGHT)}
         o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
                       seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks)
-        o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(_UID_O)
+        o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(UID_O)
         return g
     return build
 
@@ -357,13 +363,11 @@ def _can_empty_rows(problem: AttentionProblem) -> bool:
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
 def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    from libnn.backends import cudnn as cudnn_backend
-
     p = problem
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
-    uids = [_UID_Q, _UID_K, _UID_V, _UID_O] + ([_UID_BIAS] if p.bias_shape else []) \
-        + ([_UID_LENS_Q, _UID_LENS_KV] if padded else [])
-    execute = cudnn_backend.graph_for(p, _graph_builder(p), p.describe).executor(uids)
+    uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
+        + ([UID_LENS_Q, UID_LENS_KV] if padded else [])
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
@@ -386,8 +390,6 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
 
 # --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
 def _custom_support(problem: AttentionProblem) -> str | None:
-    from libnn.ops.attention_kernels import flash_supports
-
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
 
 
@@ -396,8 +398,6 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
     the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, and
     attn2_flash where it fits. `aligned`: whether o's rows start on 16 bytes too (q's, k's and v's are
     the problem's; a misaligned bias counts against attn2 here, though flash_attention would copy it)."""
-    from libnn.ops.attention_kernels import flash_fits, flash_supports
-
     if flash_supports(problem.dtype, problem.D):
         return ()
     fits = aligned and problem.aligned and flash_fits(problem.dtype, problem.D, problem.bias_shape is not None,
@@ -424,15 +424,11 @@ def _broadcast_bias(bias, problem: AttentionProblem):
 
 @op.path("custom", kind="custom", device="gpu", supports=_custom_support)
 def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    from libnn.ops.attention_kernels import flash_attention
-
     return _run_kernels(flash_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
 @op.path("unfused", kind="custom", device="gpu", supports=_custom_support)
 def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    from libnn.ops.attention_kernels import unfused_attention
-
     p = problem
     # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product
     temporaries = 4 * (p.B * p.Hq * p.Sq * (p.Skv + 2 * p.D) + 2 * p.B * p.Hkv * p.Skv * p.D)

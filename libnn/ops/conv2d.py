@@ -25,12 +25,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
+from libnn.backends import cudnn as cudnn_backend
 from libnn.ops import activations
+from libnn.ops.spatial import LAYOUTS, is_int, nhwc_strides, pair
 from libnn.registry import Op, option_key
-from libnn.runtime import contracts, memory
+from libnn.runtime import contracts, kernels, memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
-LAYOUTS = ("NHWC", "NCHW")
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -96,24 +97,8 @@ def _strides(layout: str, C: int, H: int, W: int) -> list[int]:
     return [H * W * C, 1, W * C, C] if layout == "NHWC" else [C * H * W, H * W, W, 1]
 
 
-def _is_int(value: Any) -> bool:
-    """An int or a NumPy integer; not a bool (stride=True is a slip, not 1), a float or an array."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _pair(op_name: str, name: str, value: int | Sequence[int], minimum: int) -> tuple[int, int]:
-    """An int or a pair (tuple or list) of ints, each >= minimum, as a pair: a TypeError for a float,
-    None, a string or an array, a ValueError for a value below the minimum."""
-    pair = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(pair) != 2 or not all(_is_int(v) for v in pair):
-        raise TypeError(f"{op_name}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
-    if min(pair) < minimum:
-        raise ValueError(f"{op_name}: {name} must be an int or a pair of ints >= {minimum}, got {value!r}")
-    return int(pair[0]), int(pair[1])
-
-
 def _groups(groups: Any) -> int:
-    if not _is_int(groups):
+    if not is_int(groups):
         raise TypeError(f"conv2d: groups must be an int, got {type(groups).__name__} {groups!r}")
     if groups < 1:
         raise ValueError(f"conv2d: groups must be a positive int, got {groups!r}")
@@ -158,7 +143,10 @@ def _epilogue_vectors(bn, b, K: int, device_array):
     return scale, shift
 
 
-def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32) -> ConvProblem:
+def conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32) -> ConvProblem:
+    """The ConvProblem conv2d(x, w, b, stride, padding, dilation, groups, bn, activation, layout,
+    allow_tf32) solves, after checking every argument as conv2d does (x and w already arrays); for
+    tools that build a path's plan themselves."""
     if layout not in LAYOUTS:
         raise ValueError(f"conv2d: layout must be one of {LAYOUTS}, got {layout!r}")
     if x.ndim != 4:
@@ -176,8 +164,8 @@ def _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, a
     if not isinstance(allow_tf32, (bool, np.bool_)):  # "no" would mean yes
         raise TypeError(f"conv2d: allow_tf32 must be True or False, got {type(allow_tf32).__name__} {allow_tf32!r}")
     groups = _groups(groups)
-    stride, padding = _pair("conv2d", "stride", stride, 1), _pair("conv2d", "padding", padding, 0)
-    dilation = _pair("conv2d", "dilation", dilation, 1)
+    stride, padding = pair("conv2d", "stride", stride, 1), pair("conv2d", "padding", padding, 0)
+    dilation = pair("conv2d", "dilation", dilation, 1)
     if layout == "NHWC":
         (N, H, W, C), (K, R, S, Cg) = x.shape, w.shape
     else:
@@ -233,7 +221,7 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
            option_key(dilation), option_key(groups), activation, layout, allow_tf32, path, stream_key())
 
     def prepare():
-        problem = _check(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
+        problem = conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
         _epilogue_vectors(bn, b, problem.K, x)  # validates bn
         return problem
     return op.call(key, prepare, path, x, w, b, bn)
@@ -273,23 +261,27 @@ def _cudnn_support(problem: ConvProblem) -> str | None:
     return None
 
 
-def _graph_builder(problem: ConvProblem):
-    """conv_fprop → mul(scale) → add(shift) → activation, one node per line."""
+# The uids of the tensors in conv2d_graph_builder's graph, for a variant pack (scale and shift only
+# when the problem has them).
+UID_X, UID_W, UID_SCALE, UID_SHIFT, UID_Y = range(1, 6)
+
+
+def conv2d_graph_builder(problem: ConvProblem):
+    """The builder (handle -> cuDNN graph, not yet validated) of conv_fprop → mul(scale) → add(shift) →
+    activation, one node per line; its tensors carry the uids UID_X ... UID_Y."""
     def build(handle):
         import cudnn
 
-        from libnn.backends.cudnn import data_type
-
-        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        p, io, f32 = problem, cudnn_backend.data_type(problem.dtype), cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        x = g.tensor(dim=[p.N, p.C, p.H, p.W], stride=p.x_strides(), data_type=io, uid=1)
-        w = g.tensor(dim=[p.K, p.C // p.groups, p.R, p.S], stride=p.w_strides(), data_type=io, uid=2)
+        x = g.tensor(dim=[p.N, p.C, p.H, p.W], stride=p.x_strides(), data_type=io, uid=UID_X)
+        w = g.tensor(dim=[p.K, p.C // p.groups, p.R, p.S], stride=p.w_strides(), data_type=io, uid=UID_W)
         y = g.conv_fprop(x, w, padding=list(p.padding), stride=list(p.stride), dilation=list(p.dilation),
                          compute_data_type=f32)
         if p.has_scale:
-            y = g.mul(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=3))
+            y = g.mul(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SCALE))
         if p.has_shift:
-            y = g.add(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=4))
+            y = g.add(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SHIFT))
         if p.activation == "relu":
             y = g.relu(y)
         elif p.activation == "relu6":
@@ -298,24 +290,20 @@ def _graph_builder(problem: ConvProblem):
             y = g.gelu_approx_tanh(y)
         elif p.activation == "silu":
             y = g.swish(y)
-        y.set_output(True).set_data_type(io).set_stride(p.y_strides()).set_uid(5)
+        y.set_output(True).set_data_type(io).set_stride(p.y_strides()).set_uid(UID_Y)
         if p.dtype == "fp32" and not p.allow_tf32:  # exact fp32: no TF32 tensor-core engines
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
         return g
     return build
 
 
-_UIDS = (1, 2, 3, 4, 5)  # x, w, scale, shift, y in the graph _graph_builder makes
-
-
 def bind_cudnn_graph(problem: ConvProblem):
     """run(x, w, scale, shift) -> y through the cuDNN graph of `problem` (LibraryError if cuDNN declines it)."""
     import cupy
 
-    from libnn.backends import cudnn as cudnn_backend
-
-    uids = [1, 2] + ([3] if problem.has_scale else []) + ([4] if problem.has_shift else []) + [5]
-    execute = cudnn_backend.graph_for(problem, _graph_builder(problem), problem.describe).executor(uids)
+    uids = [UID_X, UID_W] + ([UID_SCALE] if problem.has_scale else []) + ([UID_SHIFT] if problem.has_shift else []) \
+        + [UID_Y]
+    execute = cudnn_backend.graph_for(problem, conv2d_graph_builder(problem), problem.describe).executor(uids)
     shape, dtype = output_shape(problem), dtypes.parse(problem.dtype)
 
     def run(x, w, scale, shift):
@@ -348,8 +336,6 @@ def _cudnn_then_epilogue(problem: ConvProblem, x, w, b, bn):
 
 def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
     """y = act(y * scale[k] + shift[k]) in place with kernels/epilogue.cu; returns y."""
-    from libnn.runtime import kernels
-
     if not (problem.has_scale or problem.has_shift or problem.activation):
         return y
     kernel = kernels.function("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
@@ -366,11 +352,6 @@ _CONV = contracts.params("conv2d.cu", "CONV_PARAMS")  # every conv kernel's para
 _CHANNEL_EPILOGUE = contracts.params("epilogue.cu", "channel_epilogue_##SUFFIX")
 _K = contracts.constants("conv2d.cu")
 _MAX_BLOCKS_PER_IMAGE = 65535 * 8  # grid x of the grid-stride kernels (grid y walks the images): this fills the GPU
-
-
-def nhwc_strides(layout: str, C: int, H: int, W: int) -> tuple[int, int, int, int]:
-    """Element strides of a contiguous tensor in (n, h, w, c) order, whichever its layout."""
-    return (H * W * C, W * C, C, 1) if layout == "NHWC" else (C * H * W, W, 1, H * W)
 
 
 def custom_version(problem: ConvProblem) -> str:
@@ -425,8 +406,6 @@ def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None 
     """y = act(scale * conv(x, w) + shift) with one kernel of kernels/conv2d.cu (the default: the
     fastest that supports the problem)."""
     import cupy
-
-    from libnn.runtime import kernels
 
     p = problem
     version = version or custom_version(p)

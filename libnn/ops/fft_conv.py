@@ -55,8 +55,9 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.ops.fft_conv_kernels import MAX_LOG2N, fft_c2c
 from libnn.registry import Op
-from libnn.runtime import contracts, memory
+from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 MODES = ("valid", "same", "full")
@@ -158,7 +159,9 @@ def _pads(mode: str, pad: tuple[int, ...], kernel: tuple[int, ...]) -> tuple[tup
     return tuple((p, p) for p in pad)
 
 
-def _check(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
+def fft_conv_problem(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
+    """The FFTConvProblem op `name` (fft_conv1d or fft_conv2d) solves, after checking every argument as
+    the op does (arrays already); `pads_for(kernel)` gives the (before, after) padding per spatial dim."""
     dims = w.ndim - 2
     if stride != 1:
         raise ValueError(f"{name}: stride must be 1 (got {stride}); FFT convolution computes every output "
@@ -220,7 +223,7 @@ def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
     def prepare():
         if w.ndim != dims + 2:
             raise ValueError(f"{name}: w must be {dims + 2}-D, got shape {tuple(w.shape)}")
-        return _check(name, x, w, b, pads_for, stride)
+        return fft_conv_problem(name, x, w, b, pads_for, stride)
     return op.call(key, prepare, path, x, w, b)
 
 
@@ -330,8 +333,6 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
     import cupy
     from cupy.cuda import cufft
 
-    from libnn.runtime import launch
-
     p = problem
     shape = fft_shape(p, power_of_two=False)
     _require(p, shape, transform_bytes(p, shape, 4, broadcast=False), "gpu")
@@ -404,8 +405,6 @@ def _grid(total: int) -> int:
 
 
 def _custom_support(problem: FFTConvProblem) -> str | None:
-    from libnn.ops.fft_conv_kernels import MAX_LOG2N
-
     if reason := _gpu_support(problem):
         return reason
     if max(fft_shape(problem, power_of_two=True)) > 2**MAX_LOG2N:
@@ -424,8 +423,6 @@ def _custom(problem, x, w, b):
 
 def _run_custom(problem, shape, x, w, b):
     import cupy
-
-    from libnn.ops.fft_conv_kernels import fft_c2c
 
     def fftn(a, inverse=False):  # complex-to-complex along each spatial axis, last axis first
         for axis in range(a.ndim - 1, 1, -1):

@@ -30,6 +30,7 @@ import numpy as np
 
 from libnn.runtime import contracts, kernels
 from libnn.runtime.arrays import describe, is_cupy
+from libnn.runtime.device import current_device_id
 
 _FILE = "fft_conv.cu"
 _FFT = contracts.params(_FILE, "fft_radix2_c2c")  # fft_radix4_c2c takes the same parameters
@@ -57,8 +58,6 @@ def _sm_limits(device_id: int) -> tuple[int, int, int, int]:
 def _max_grid(kernel, threads: int, smem: int) -> int:
     """About one resident wave of blocks: the kernels grid-stride over the batch, and each block builds
     its twiddle table once, so more blocks than fit at once only rebuild tables."""
-    from libnn.runtime.device import current_device_id
-
     sms, smem_sm, threads_sm, regs_sm = _sm_limits(current_device_id())
     per_sm = min(32, threads_sm // threads, smem_sm // (smem + 1024))  # 1 KB reserved per block (sm_80+)
     regs = getattr(kernel, "num_regs", 0) or 0

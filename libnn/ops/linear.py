@@ -36,10 +36,12 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.backends import cublaslt
+from libnn.backends import cudnn as cudnn_backend
 from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime import contracts, memory
+from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -76,7 +78,9 @@ class LinearProblem:
         return memory.array_bytes((self.M, self.N), dtypes.parse(self.dtype))
 
 
-def _check(x, w, b, activation, allow_tf32: bool, residual=None) -> LinearProblem:
+def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None) -> LinearProblem:
+    """The LinearProblem linear(x, w, b, activation=, allow_tf32=, residual=) solves, after checking every
+    argument as linear does (arrays already); for tools that run one kernel version themselves."""
     if w.ndim != 2:
         raise ValueError(f"linear: w must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
     if x.ndim < 1:
@@ -113,7 +117,7 @@ def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, resi
     b = None if b is None else as_array(b, "linear", "b")
     r = None if residual is None else as_array(residual, "linear", "residual")
     key = (signature(x), signature(w), signature(b), signature(r), activation, allow_tf32, path, stream_key())
-    return op.call(key, lambda: _check(x, w, b, activation, allow_tf32, r), path, x, w, b, r)
+    return op.call(key, lambda: linear_problem(x, w, b, activation, allow_tf32, r), path, x, w, b, r)
 
 
 def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
@@ -184,8 +188,6 @@ def _custom_slower(problem: LinearProblem) -> str | None:
 @op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support,
          slower=_cublaslt_slower, binds=True)
 def _cublaslt(problem: LinearProblem, x, w, b, r):
-    from libnn.backends import cublaslt
-
     return _bind_gpu(cublaslt.bind_linear, problem.activation in FUSED_ACTIVATIONS, problem, x, w, b, r)
 
 
@@ -219,8 +221,6 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
     of kernels/epilogue.cu's bias_act_rows (16-byte accesses where N and the pointers allow)."""
     import cupy
 
-    from libnn.runtime import launch
-
     total = rows * N
     vector = 16 // dtypes.parse(dtype).itemsize
     runtime = cupy.cuda.runtime
@@ -233,11 +233,12 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
 
 # --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
 CUDNN_DTYPES = ("fp16", "bf16")
-# The activations _cudnn_graph_builder maps to a pointwise node (conv2d's builder shows the next ones:
+# The activations linear_graph_builder maps to a pointwise node (conv2d's builder shows the next ones:
 # silu as swish, relu6 as relu with upper_clip=6).
 CUDNN_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
-# UIDs of the graph's tensors in the variant pack
-X, W, BIAS, RESIDUAL, Y = 1, 2, 3, 4, 5
+# The uids of the tensors in linear_graph_builder's graph, for a variant pack (bias and residual only
+# when the problem has them).
+UID_X, UID_W, UID_BIAS, UID_RESIDUAL, UID_Y = range(1, 6)
 
 
 def _cudnn_support(problem: LinearProblem) -> str | None:
@@ -263,31 +264,30 @@ def cudnn_graph_key(problem: LinearProblem) -> tuple:
 
 def _cudnn_uids(problem: LinearProblem) -> list[int]:
     """The variant pack in the order the runner passes its arrays: x, w, [bias], [residual], y."""
-    return [X, W] + [BIAS] * problem.has_bias + [RESIDUAL] * problem.has_residual + [Y]
+    return [UID_X, UID_W] + [UID_BIAS] * problem.has_bias + [UID_RESIDUAL] * problem.has_residual + [UID_Y]
 
 
-def _cudnn_graph_builder(problem: LinearProblem):
-    """x @ w.T → + bias → + residual → activation → y, one node per line, as a batch of one: x is
-    [1, M, K] row-major; w, stored (N, K) row-major, is the matmul's B = w.T, [1, K, N] with strides
-    [N·K, 1, K] (a column-major B, read in place, as cudnn-frontend's test_matmul_fuzzer lays out
-    COL_MAJOR_PACKED operands); the bias is [1, 1, N], broadcast over the rows; the residual and y
-    are [1, M, N] row-major. Everything between the matmul and y is virtual fp32: one kernel writes y."""
+def linear_graph_builder(problem: LinearProblem):
+    """The builder (handle -> cuDNN graph, not yet validated) of x @ w.T → + bias → + residual →
+    activation → y, one node per line, as a batch of one: x is [1, M, K] row-major; w, stored (N, K)
+    row-major, is the matmul's B = w.T, [1, K, N] with strides [N·K, 1, K] (a column-major B, read in
+    place, as cudnn-frontend's test_matmul_fuzzer lays out COL_MAJOR_PACKED operands); the bias is
+    [1, 1, N], broadcast over the rows; the residual and y are [1, M, N] row-major. Everything between
+    the matmul and y is virtual fp32: one kernel writes y."""
     def build(handle):
         import cudnn
 
-        from libnn.backends.cudnn import data_type
-
-        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        p, io, f32 = problem, cudnn_backend.data_type(problem.dtype), cudnn.data_type.FLOAT
         rows = [p.M * p.N, p.N, 1]
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
-        x = g.tensor(dim=[1, p.M, p.K], stride=[p.M * p.K, p.K, 1], data_type=io, uid=X)
-        w_t = g.tensor(dim=[1, p.K, p.N], stride=[p.N * p.K, 1, p.K], data_type=io, uid=W)
+        x = g.tensor(dim=[1, p.M, p.K], stride=[p.M * p.K, p.K, 1], data_type=io, uid=UID_X)
+        w_t = g.tensor(dim=[1, p.K, p.N], stride=[p.N * p.K, 1, p.K], data_type=io, uid=UID_W)
         y = g.matmul(A=x, B=w_t, compute_data_type=f32)
         if p.has_bias:
-            y = g.add(a=y, b=g.tensor(dim=[1, 1, p.N], stride=[p.N, p.N, 1], data_type=io, uid=BIAS),
+            y = g.add(a=y, b=g.tensor(dim=[1, 1, p.N], stride=[p.N, p.N, 1], data_type=io, uid=UID_BIAS),
                       compute_data_type=f32)
         if p.has_residual:
-            y = g.add(a=y, b=g.tensor(dim=[1, p.M, p.N], stride=rows, data_type=io, uid=RESIDUAL),
+            y = g.add(a=y, b=g.tensor(dim=[1, p.M, p.N], stride=rows, data_type=io, uid=UID_RESIDUAL),
                       compute_data_type=f32)
         # cuDNN's names are not libnn's: its gelu (GELU_FWD) is the exact 0.5·v·(1 + erf(v/√2)), libnn's
         # "gelu_erf"; its gelu_approx_tanh (GELU_APPROX_TANH_FWD) is libnn's "gelu"
@@ -297,7 +297,7 @@ def _cudnn_graph_builder(problem: LinearProblem):
             y = g.gelu_approx_tanh(input=y, compute_data_type=f32)
         elif p.activation == "gelu_erf":
             y = g.gelu(input=y, compute_data_type=f32)
-        y.set_output(True).set_data_type(io).set_stride(rows).set_uid(Y)
+        y.set_output(True).set_data_type(io).set_stride(rows).set_uid(UID_Y)
         return g
     return build
 
@@ -309,14 +309,12 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
     or an array is not 16-byte aligned (the frontend declares every tensor so)."""
     import cupy
 
-    from libnn.backends import cudnn as cudnn_backend
-
     misaligned = [name for name, a in (("x", x), ("w", w), ("b", b), ("residual", r))
                   if a is not None and a.data.ptr % 16]
     if misaligned:
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
-    execute = cudnn_backend.graph_for(cudnn_graph_key(problem), _cudnn_graph_builder(problem),
+    execute = cudnn_backend.graph_for(cudnn_graph_key(problem), linear_graph_builder(problem),
                                       problem.describe).executor(_cudnn_uids(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
 
@@ -401,8 +399,6 @@ def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = N
     (M, K), (N, K), (N,) and (M, N) CuPy arrays; a null bias or residual pointer means none."""
     import cupy
 
-    from libnn.runtime import launch
-
     version = version or _VERSIONS[problem.dtype][-1]
     if version not in _VERSIONS[problem.dtype]:
         raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {problem.dtype}; "
@@ -440,4 +436,4 @@ def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = N
 def launch_custom_version(version: str, x, w, b, activation: str | None, residual=None):
     """y = act(x @ w.T + b + residual) with one numbered version of kernels/gemm.cu (C-contiguous 2-D
     CuPy arrays), for benchmarks and tests."""
-    return bind_custom(_check(x, w, b, activation, False, residual), x, w, b, residual, version)(x, w, b, residual)
+    return bind_custom(linear_problem(x, w, b, activation, False, residual), x, w, b, residual, version)(x, w, b, residual)

@@ -15,9 +15,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.conv2d import LAYOUTS, _pair
+from libnn.ops.spatial import LAYOUTS, nhwc_strides, pair
 from libnn.registry import Op, option_key
-from libnn.runtime import contracts, memory
+from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -54,7 +54,9 @@ class PoolProblem:
         return (self.N, self.P, self.Q, self.C) if self.layout == "NHWC" else (self.N, self.C, self.P, self.Q)
 
 
-def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> PoolProblem:
+def pool2d_problem(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> PoolProblem:
+    """The PoolProblem `mode`_pool2d ("max" or "avg") solves for x (already an array), after checking
+    every argument as the op does; for tools that need its sizes (bytes_moved) without running it."""
     name = f"{mode}_pool2d"
     if layout not in LAYOUTS:
         raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -65,9 +67,9 @@ def _check(mode, x, kernel_size, stride, padding, count_include_pad, layout) -> 
     if not isinstance(count_include_pad, (bool, np.bool_)):  # "no" would mean yes
         raise TypeError(f"{name}: count_include_pad must be True or False, got {type(count_include_pad).__name__} "
                         f"{count_include_pad!r}")
-    kernel = _pair(name, "kernel_size", kernel_size, 1)
-    stride = kernel if stride is None else _pair(name, "stride", stride, 1)
-    padding = _pair(name, "padding", padding, 0)
+    kernel = pair(name, "kernel_size", kernel_size, 1)
+    stride = kernel if stride is None else pair(name, "stride", stride, 1)
+    padding = pair(name, "padding", padding, 0)
     if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
         raise ValueError(f"{name}: padding {padding} must be at most half the kernel size {kernel}")
     N, H, W, C = x.shape if layout == "NHWC" else (x.shape[0], x.shape[2], x.shape[3], x.shape[1])
@@ -98,7 +100,7 @@ def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bo
     x = as_array(x, f"{mode}_pool2d", "x")
     key = (mode, signature(x), option_key(kernel_size), option_key(stride), option_key(padding), count_include_pad,
            layout, path, stream_key())
-    return op.call(key, lambda: _check(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
+    return op.call(key, lambda: pool2d_problem(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
 
 
 def max_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
@@ -130,8 +132,6 @@ _POOL = contracts.params("pool2d.cu", "POOL_PARAMS")  # every pooling kernel's p
 
 def _pool_args(p: PoolProblem, x, y) -> tuple:
     """The arguments of every kernel of kernels/pool2d.cu, by the names POOL_PARAMS gives them."""
-    from libnn.ops.conv2d import nhwc_strides
-
     (sxn, sxh, sxw, sxc), (syn, syh, syw, syc) = nhwc_strides(p.layout, p.C, p.H, p.W), nhwc_strides(p.layout, p.C,
                                                                                                        p.P, p.Q)
     (kh, kw), (stride_h, stride_w), (pad_h, pad_w) = p.kernel, p.stride, p.padding
@@ -144,8 +144,6 @@ def bind_pool(problem: PoolProblem, x):
     """The runner of kernels/pool2d.cu for x of this signature: the 16-byte NHWC kernel for max pooling,
     the general one otherwise; a strided x is made contiguous first."""
     import cupy
-
-    from libnn.runtime import launch
 
     p = problem
     vectorized = p.mode == "max" and p.layout == "NHWC"

@@ -57,6 +57,11 @@ class PlanCache(Generic[T]):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items
 
+    def keys(self) -> list[Hashable]:
+        """The keys held now, least recently used first (a copy: safe while other threads build)."""
+        with self._lock:
+            return list(self._items)
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

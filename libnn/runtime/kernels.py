@@ -239,6 +239,12 @@ def function(file: str, kernel: str, dynamic_smem: int = 0):
     return _functions.get((file, kernel, dynamic_smem, current_device_id()), build)
 
 
+def loaded_functions() -> list[tuple[str, str]]:
+    """(file of kernels/, kernel name) of every kernel `function` has loaded in this process and still
+    holds, on any device, once each: what the sanitize driver reports it has covered."""
+    return list(dict.fromkeys((file, kernel) for file, kernel, *_ in _functions.keys()))
+
+
 def compile_report(archs: list[str], progress: Callable[[str], None] | None = None) -> list[dict]:
     """Compile every kernel file for each arch (no GPU needed) and list each kernel's resources.
     `progress` is told each file before it compiles: a cold compile of them all takes a minute or more."""
