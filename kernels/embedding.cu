@@ -11,7 +11,8 @@ token's position in its sequence. pos, type, type_ids, w and b may each be null:
 type term, every token of type 0 (Hugging Face's default), and w, b = 1, 0. The tables are (rows, H)
 row-major and contiguous, w and b (H,), y (M, H). I/O in fp32, fp16 or bf16 (raw 16-bit words,
 converted with PTX), all arithmetic in fp32, y rounded once. ids and type_ids are int32 or int64 (the
-`flags` say which). No CUDA toolkit header (only kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
+`flags` say which). No CUDA toolkit header (only kernels/common.cuh, and kernels/row_norm.cuh, the
+row sum and normalization it shares with kernels/layer_norm.cu); sm_80 or newer (cvt.rn.bf16.f32).
 
 One pass: the rows are gathered, summed and normalized in registers and y is written once, where
 take + add + add + layer_norm read and wrote the (M, H) activations four times more.
@@ -67,19 +68,13 @@ LAUNCH (every kernel takes the same parameters)
     rows, pos_rows, type_rows >= 0 (a table of 0 rows gives NaN rows), eps > 0, y overlaps no input.
 */
 
-#include "common.cuh"
+#include "row_norm.cuh"
 
 namespace embk {
 
 using namespace libnn;
 
 enum : int { IDS_I64 = 1, TYPES_I64 = 2, NORMALIZE = 4 };
-
-// the 16 bytes of T that a vectorised access moves
-template <class DT>
-struct alignas(16) Pack {
-    typename DT::T e[DT::V];
-};
 
 __device__ __forceinline__ i64 load_index(const void* a, i64 i, bool wide) {
     return wide ? static_cast<const i64*>(a)[i] : (i64) static_cast<const int*>(a)[i];
@@ -117,24 +112,6 @@ __device__ __forceinline__ float e_at(const typename DT::T* wr, const typename D
 template <class DT>
 __device__ __forceinline__ typename DT::T nan_value() {
     return DT::st(u32_as_f32(0x7fc00000u));
-}
-
-// Sum of `s` over the threads of one token: the warp (ROW_IS_BLOCK false) or the whole block. `red`
-// holds blockDim.x / 32 floats; the first barrier keeps a call from overwriting partial sums the
-// previous call's threads are still reading.
-template <bool ROW_IS_BLOCK>
-__device__ __forceinline__ float row_sum(float s, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if constexpr (ROW_IS_BLOCK) {
-        __syncthreads();
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-        __syncthreads();
-        s = 0.f;
-        const int warps = (int)(blockDim.x >> 5);
-        for (int i = 0; i < warps; i++) s += red[i];
-    }
-    return s;
 }
 
 #define EMB_PARAMS(T)                                                                                  \
@@ -208,53 +185,11 @@ __device__ __forceinline__ void emb_registers(EMB_PARAMS(typename DT::T)) {
         float mean = 0.f, rstd = 1.f;
         if (normalize) {  // uniform: flags are the launch's
             mean = row_sum<ROW_IS_BLOCK>(s, red) * inv_h;  // the mean of e - pivot
-            float q = 0.f;
-#pragma unroll
-            for (int j = 0; j < VPT; j++) {
-                const int c = (j * threads + t) * V;
-#pragma unroll
-                for (int e = 0; e < V; e++) {
-                    const float d = v[j][e] - mean;
-                    if (c + e < H) q += d * d;
-                }
-            }
-            rstd = rsqrtf(row_sum<ROW_IS_BLOCK>(q, red) * inv_h + eps);
+            rstd = row_rstd<VPT, V, ROW_IS_BLOCK>(v, mean, threads, t, H, inv_h, eps, red);
         }
 #pragma unroll
-        for (int j = 0; j < VPT; j++) {
-            const int c = (j * threads + t) * V;
-            if constexpr (VEC) {
-                if (c < H) {
-                    Pack<DT> out;
-                    if (normalize) {
-                        Pack<DT> pw, pb;
-                        if (w) pw = *reinterpret_cast<const Pack<DT>*>(w + c);
-                        if (b) pb = *reinterpret_cast<const Pack<DT>*>(b + c);
-#pragma unroll
-                        for (int e = 0; e < V; e++) {
-                            const float wv = w ? DT::ld(pw.e[e]) : 1.f, bv = b ? DT::ld(pb.e[e]) : 0.f;
-                            out.e[e] = DT::st(fmaf((v[j][e] - mean) * rstd, wv, bv));
-                        }
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < V; e++) out.e[e] = DT::st(v[j][e]);
-                    }
-                    *reinterpret_cast<Pack<DT>*>(yr + c) = out;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < V; e++) {
-                    if (c + e < H) {
-                        if (normalize) {
-                            const float wv = w ? DT::ld(w[c + e]) : 1.f, bv = b ? DT::ld(b[c + e]) : 0.f;
-                            yr[c + e] = DT::st(fmaf((v[j][e] - mean) * rstd, wv, bv));
-                        } else {
-                            yr[c + e] = DT::st(v[j][e]);
-                        }
-                    }
-                }
-            }
-        }
+        for (int j = 0; j < VPT; j++)
+            store_group<DT, VEC>(v[j], normalize, mean, rstd, w, b, yr, (j * threads + t) * V, H);
     }
 }
 
@@ -283,17 +218,8 @@ __device__ __forceinline__ void emb_loop(EMB_PARAMS(typename DT::T)) {
         const float pivot = e_at<DT>(wr, pr, tr, 0);
         float s = 0.f;
         for (i64 c = threadIdx.x; c < H; c += blockDim.x) s += e_at<DT>(wr, pr, tr, c) - pivot;
-        const float mean = row_sum<true>(s, red) * inv_h;
-        float q = 0.f;
-        for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-            const float d = (e_at<DT>(wr, pr, tr, c) - pivot) - mean;
-            q += d * d;
-        }
-        const float rstd = rsqrtf(row_sum<true>(q, red) * inv_h + eps);
-        for (i64 c = threadIdx.x; c < H; c += blockDim.x) {
-            const float wv = w ? DT::ld(w[c]) : 1.f, bv = b ? DT::ld(b[c]) : 0.f;
-            yr[c] = DT::st(fmaf(((e_at<DT>(wr, pr, tr, c) - pivot) - mean) * rstd, wv, bv));
-        }
+        normalize_row_loop<DT>([&](i64 c) { return e_at<DT>(wr, pr, tr, c); }, s, pivot, w, b, yr, H, inv_h, eps,
+                               red);
     }
 }
 

@@ -10,7 +10,8 @@ the residual add of a post-LN transformer block fused in front of it:
 x, res, y and s are (M, N) row-major and contiguous; w and b are (N,); res, w, b and s may each be
 null (res: plain layer norm; w, b: 1 and 0; s: the sum is not written). I/O in fp32, fp16 or bf16
 (raw 16-bit words, converted with PTX), all arithmetic in fp32. It includes no CUDA toolkit header
-(only libnn's kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
+(only libnn's kernels/common.cuh, and kernels/row_norm.cuh, the row sum and normalization it shares
+with kernels/embedding.cu); sm_80 or newer (cvt.rn.bf16.f32).
 
 The residual is read in the same pass as x, so versions 1 and 2 move 3 (4 with s) row-sized arrays
 where an add kernel then a layer norm moved 5 (x, res, the sum written and read again, y). The row
@@ -74,35 +75,11 @@ LAUNCH (every kernel takes the same parameters)
     residual a few registers (ln2_block_vec4_f32 40 -> 64, ln2_block_vec8_f32 74 -> 114 on sm_80).
 */
 
-#include "common.cuh"
+#include "row_norm.cuh"
 
 namespace lnk {
 
 using namespace libnn;
-
-// the 16 bytes of T that a vectorised access moves
-template <class DT>
-struct alignas(16) Pack {
-    typename DT::T e[DT::V];
-};
-
-// Sum of `s` over the threads of one row: the warp (ROW_IS_BLOCK false) or the whole block. `red` holds
-// blockDim.x / 32 floats of shared memory and is reused by every call; the first barrier keeps a call
-// from overwriting partial sums the previous call's threads are still reading.
-template <bool ROW_IS_BLOCK>
-__device__ __forceinline__ float row_sum(float s, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if constexpr (ROW_IS_BLOCK) {
-        __syncthreads();
-        if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-        __syncthreads();
-        s = 0.f;
-        const int warps = (int)(blockDim.x >> 5);
-        for (int i = 0; i < warps; i++) s += red[i];
-    }
-    return s;
-}
 
 // h = x + res at column c of a row (x alone where the row's res is null), in fp32
 template <class DT>
@@ -169,42 +146,10 @@ __device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ 
             for (int e = 0; e < V; e++) s += v[j][e];
         }
         const float mean = row_sum<ROW_IS_BLOCK>(s, red) * inv_n;  // the mean of h - pivot
-        float q = 0.f;
+        const float rstd = row_rstd<VPT, V, ROW_IS_BLOCK>(v, mean, threads, t, N, inv_n, eps, red);
 #pragma unroll
-        for (int j = 0; j < VPT; j++) {
-            const int c = (j * threads + t) * V;
-#pragma unroll
-            for (int e = 0; e < V; e++) {
-                const float d = v[j][e] - mean;
-                if (c + e < N) q += d * d;
-            }
-        }
-        const float rstd = rsqrtf(row_sum<ROW_IS_BLOCK>(q, red) * inv_n + eps);
-#pragma unroll
-        for (int j = 0; j < VPT; j++) {
-            const int c = (j * threads + t) * V;
-            if constexpr (VEC) {
-                if (c < N) {
-                    Pack<DT> pw, pb, out;
-                    if (w) pw = *reinterpret_cast<const Pack<DT>*>(w + c);
-                    if (b) pb = *reinterpret_cast<const Pack<DT>*>(b + c);
-#pragma unroll
-                    for (int e = 0; e < V; e++) {
-                        const float wv = w ? DT::ld(pw.e[e]) : 1.f, bv = b ? DT::ld(pb.e[e]) : 0.f;
-                        out.e[e] = DT::st(fmaf((v[j][e] - mean) * rstd, wv, bv));
-                    }
-                    *reinterpret_cast<Pack<DT>*>(yr + c) = out;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < V; e++) {
-                    if (c + e < N) {
-                        const float wv = w ? DT::ld(w[c + e]) : 1.f, bv = b ? DT::ld(b[c + e]) : 0.f;
-                        yr[c + e] = DT::st(fmaf((v[j][e] - mean) * rstd, wv, bv));
-                    }
-                }
-            }
-        }
+        for (int j = 0; j < VPT; j++)
+            store_group<DT, VEC>(v[j], true, mean, rstd, w, b, yr, (j * threads + t) * V, N);
     }
 }
 
@@ -230,17 +175,7 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
             if (sr) sr[c] = DT::st(h);
             s += h - pivot;
         }
-        const float mean = row_sum<true>(s, red) * inv_n;
-        float q = 0.f;
-        for (i64 c = threadIdx.x; c < N; c += blockDim.x) {
-            const float d = (ld_h<DT>(xr, rr, c) - pivot) - mean;
-            q += d * d;
-        }
-        const float rstd = rsqrtf(row_sum<true>(q, red) * inv_n + eps);
-        for (i64 c = threadIdx.x; c < N; c += blockDim.x) {
-            const float wv = w ? DT::ld(w[c]) : 1.f, bv = b ? DT::ld(b[c]) : 0.f;
-            yr[c] = DT::st(fmaf(((ld_h<DT>(xr, rr, c) - pivot) - mean) * rstd, wv, bv));
-        }
+        normalize_row_loop<DT>([&](i64 c) { return ld_h<DT>(xr, rr, c); }, s, pivot, w, b, yr, N, inv_n, eps, red);
     }
 }
 
