@@ -112,7 +112,7 @@ def _split(log2n: int) -> tuple[int, int]:
 
 
 # --- the op --------------------------------------------------------------------------------------
-def _check(x, inverse, version) -> tuple[int, str]:
+def _log2n_and_version(x, inverse, version) -> tuple[int, str]:
     """(log2 n, kernel version) after validating the arguments; ValueError/TypeError say what is wrong."""
     if not is_cupy(x):
         raise TypeError(f"fft_c2c: x must be a cupy.ndarray on the GPU, got {describe(x) if hasattr(x, 'dtype') else type(x).__name__}")
@@ -141,7 +141,7 @@ def fft_c2c(x, inverse: bool = False, version: str | None = None):
     dimension is a power of two (any length up to 2**24); returns a new array."""
     import cupy
 
-    log2n, version = _check(x, inverse, version)
+    log2n, version = _log2n_and_version(x, inverse, version)
     n = 1 << log2n
     if x.size == 0 or n == 1:
         return x.copy()
