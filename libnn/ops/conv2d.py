@@ -19,7 +19,7 @@ Paths, in `auto` order:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -89,7 +89,6 @@ class ConvProblem:
 
     def epilogue_only(self) -> "ConvProblem":
         """The same convolution with no epilogue (what the unfused paths ask cuDNN for)."""
-        from dataclasses import replace
         return replace(self, has_scale=False, has_shift=False, activation=None)
 
 
