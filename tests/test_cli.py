@@ -62,3 +62,28 @@ def test_plans_attention_names_the_missing_arguments():
     result = subprocess.run([sys.executable, "-m", "libnn", "plans", "attention", "--b", "1"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "missing --h --s --d" in result.stderr
+
+
+def test_every_bench_module_resolves_its_module_level_names():
+    """A bench runs only on a GPU, so a name its module lost (bench models' cold-start script was
+    deleted once) would show only there: pyflakes-style, every global a bench function reads exists."""
+    import ast
+    import builtins
+    import importlib
+    import pkgutil
+
+    import libnn.bench
+
+    for info in pkgutil.iter_modules(libnn.bench.__path__):
+        module = importlib.import_module(f"libnn.bench.{info.name}")
+        tree = ast.parse(open(module.__file__).read())
+        local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        local |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
+                  for a in n.args + n.kwonlyargs + n.posonlyargs + [x for x in (n.vararg, n.kwarg) if x]}
+        local |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        local |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                  for a in n.names}
+        local |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and n.name}
+        read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        missing = sorted(name for name in read - local if not hasattr(builtins, name) and not hasattr(module, name))
+        assert not missing, f"libnn/bench/{info.name}.py reads names it never defines: {missing}"

@@ -317,6 +317,17 @@ def _checkpoints(directory: str, cases: list[Case]) -> dict[str, str]:
     return found
 
 
+COLD_START = """
+import time, cupy
+start = time.perf_counter()
+from libnn.models import SeedCNN
+model = SeedCNN.pretrained(dtype="fp16", device="gpu").graphed()
+x = cupy.ones((256, 1, 28, 28), cupy.float16)
+y = model(x).get()
+print(f"{time.perf_counter() - start:.3f}")
+"""
+
+
 def _cold_start() -> dict[str, dict[str, float]]:
     """Seconds from a new process's start to the first result of the graphed seed CNN (bs256 fp16), with
     an empty kernel and plan cache (first run) and with the cache the first run left (what a deployed
