@@ -176,7 +176,7 @@ def test_kernels_stride_over_rows_and_slices_on_a_small_grid(rng, dtype, case, g
     x = random_normal(rng, shape, dtype, scale=3)
     xg = cupy.asarray(x)
     for log in (False, True):
-        problem = softmax_module._check(xg, dim, log)
+        problem = softmax_module.softmax_problem(xg, dim, log)
         y = softmax_module.bind_custom(problem, xg, grid)(xg)
         assert rel_error(y, reference(x, dim, log)) <= dtypes.TOLERANCE[dtype]
 

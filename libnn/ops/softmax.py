@@ -71,7 +71,7 @@ class SoftmaxProblem:
         return int(np.prod(self.shape[self.dim + 1:], dtype=object))
 
 
-def _check(x, dim, log: bool) -> SoftmaxProblem:
+def softmax_problem(x, dim, log: bool) -> SoftmaxProblem:
     name = "log_softmax" if log else "softmax"
     if not isinstance(log, (bool, np.bool_)):  # log="no" would otherwise read as true
         raise TypeError(f"softmax: log must be a bool, got {type(log).__name__} {log!r}")
@@ -93,7 +93,7 @@ def softmax(x: Any, dim: int = -1, *, log: bool = False, path: str = "auto") -> 
     dtype and device. `path` is "auto" or one of `libnn.paths("softmax")`."""
     x = as_array(x, "log_softmax" if log else "softmax", "x")
     key = (signature(x), option_key(dim), option_key(log), path, stream_key())
-    return op.call(key, lambda: _check(x, dim, log), path, x)
+    return op.call(key, lambda: softmax_problem(x, dim, log), path, x)
 
 
 def _formula(xp, x, dim: int, log: bool):
