@@ -327,8 +327,8 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides
 
 
-def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
-    """Zero the rows of o (B, H, Sq, D) that attend to no key: rows past the query length, rows of a
+def _zero_rows_without_keys(o, o_bhsd, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
+    """Zero the rows of o (its (B, H, Sq, D) view o_bhsd) that attend to no key: rows past the query length, rows of a
     batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
     the masks allow. cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn
     promises zeros. All on the device (no synchronisation), and only for the masks that can empty a
@@ -352,7 +352,10 @@ def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias)
     else:  # a -inf bias can mask exactly the keys the masks allow: look at every (row, key) pair
         allowed = allowed_keys(p.Sq, p.Skv, p.causal, lens_q, lens_kv, p.B, cupy)
         has_key = cupy.any(allowed & (bias > -cupy.inf), axis=-1, keepdims=True)
-    cupy.copyto(o, 0, where=~has_key)
+    if has_key.shape[1:] == (1, 1, 1):  # one flag per batch entry (key padding): o as (B, rest), contiguous,
+        cupy.copyto(o.reshape(o.shape[0], -1), 0, where=~has_key.reshape(-1, 1))  # not a strided 4-D walk
+    else:
+        cupy.copyto(o_bhsd, 0, where=~has_key)
 
 
 def _can_empty_rows(problem: AttentionProblem) -> bool:
@@ -383,7 +386,7 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
             extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
         execute(q, k, v, o, *extra)
         if empties_rows:
-            _zero_rows_without_keys(o_bhsd, p, lens_q, lens_kv, bias)
+            _zero_rows_without_keys(o, o_bhsd, p, lens_q, lens_kv, bias)
         return o
     return run
 
