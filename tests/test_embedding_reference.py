@@ -12,6 +12,7 @@ import pytest
 
 import libnn
 from libnn import dtypes
+from libnn.ops import row_kernels
 from libnn.ops.embedding import embedding
 from libnn.runtime import kernels
 from conftest import random_normal, rel_error
@@ -333,7 +334,7 @@ def test_every_launch_the_custom_path_can_ask_for_names_a_kernel_of_the_file(dty
         p = problem(H, dtype)
         for aligned in (True, False):
             for version in emb.custom_versions(p, aligned):
-                name, grid, block = emb._launch(version, p, aligned and H % emb._group(dtype) == 0)
+                name, grid, block = emb._launch(version, p, aligned and H % row_kernels.group(dtype) == 0)
                 assert f"{name}_{dtypes.KERNEL_SUFFIX[dtype]}" in names, (H, version, aligned)
                 assert 1 <= grid <= 65535 and block % 32 == 0 and block <= 512
 

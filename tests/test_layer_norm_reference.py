@@ -1,8 +1,11 @@
 """layer_norm on the CPU: the reference against a row-by-row oracle, its numerics under a large mean
 offset, the N = 1 and empty cases, the fused residual (x + residual normalized, the sum returned), the
-errors bad input gets, bound calls keyed by the residual and return_sum, and the LayerNorm layer."""
+errors bad input gets, bound calls keyed by the residual and return_sum, the custom path's choice of
+kernel version and launch, and the LayerNorm layer."""
 
+import importlib
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,6 +15,9 @@ from libnn import dtypes
 from libnn.nn.norm import LayerNorm
 from libnn.ops.layer_norm import layer_norm
 from conftest import random_normal, rel_error
+
+ln = importlib.import_module("libnn.ops.layer_norm")  # the module: libnn.ops.layer_norm is the function
+emb = importlib.import_module("libnn.ops.embedding")
 
 
 def row_oracle(x, weight, bias, eps):
@@ -249,3 +255,34 @@ def test_layer_rejects_eps_not_above_zero():
 def test_layer_repr_names_its_configuration():
     assert repr(LayerNorm(768, eps=1e-12, bias=False, path="custom")) == (
         "LayerNorm((768,), eps=1e-12, elementwise_affine=True, bias=False, path='custom')")
+
+
+@pytest.mark.parametrize("dtype, N, aligned, version, launch", [
+    ("fp16", 768, True, "ln1_warp", ("ln1_warp_vec4", 250, 128)),       # 96 groups of 8: 4 a lane
+    ("fp32", 1000, False, "ln1_warp", ("ln1_warp_sca8", 250, 128)),      # fp32 builds VPT 8 to reach 1024
+    ("bf16", 4096, True, "ln2_block", ("ln2_block_vec2", 1000, 256)),    # 512 groups: 256 threads of 2
+    ("fp16", 20000, True, "ln2_block", ("ln2_block_vec8", 1000, 320)),
+    ("fp16", 4100, False, "ln3_loop", ("ln3_loop", 1000, 512)),          # past 1024 and not 16-byte groups
+    ("fp32", 20000, True, "ln3_loop", ("ln3_loop", 1000, 512)),          # longer than a block holds
+])
+def test_the_custom_path_picks_the_version_and_launch_of_the_kernel_files_launch_table(dtype, N, aligned, version,
+                                                                                        launch):
+    p = SimpleNamespace(dtype=dtype, N=N, M=1000)
+    assert ln.custom_version(p, aligned) == version
+    assert ln._launch(version, p, aligned) == launch
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_layer_norm_and_embedding_run_a_row_width_with_the_same_version_and_launch(dtype):
+    """Both kernel files build the same versions (kernels/row_norm.cuh); libnn/ops/row_kernels.py picks
+    for both, so a row of width N runs as ln<k>_... and as emb<k>_... alike."""
+    for width in [1, 7, 64, 100, 768, 1024, 1025, 3000, 4096, 8192, 16384, 20000, 32768, 40000]:
+        for aligned in (True, False):
+            p_ln, p_emb = SimpleNamespace(dtype=dtype, N=width, M=77), SimpleNamespace(dtype=dtype, H=width, M=77)
+            versions = ln.custom_versions(p_ln, aligned)
+            assert [v.replace("ln", "emb", 1) for v in versions] == list(emb.custom_versions(p_emb, aligned))
+            assert ln.custom_version(p_ln, aligned).replace("ln", "emb", 1) == emb.custom_version(p_emb, aligned)
+            for v in versions:
+                name, grid, block = ln._launch(v, p_ln, aligned)
+                assert (name.replace("ln", "emb", 1), grid, block) == \
+                    emb._launch(v.replace("ln", "emb", 1), p_emb, aligned)

@@ -41,8 +41,10 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.ops import row_kernels
+from libnn.ops.layer_norm import layer_norm
 from libnn.registry import Op, option_key
-from libnn.runtime import contracts, memory
+from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -232,56 +234,15 @@ def _no_rows(problem: EmbeddingProblem) -> bool:
 
 
 # --- custom path: kernels/embedding.cu ---------------------------------------------------------------
-WARP_MAX_H = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
-BLOCK_MAX_THREADS = 512
+# emb1_warp, emb2_block, emb3_loop: libnn/ops/row_kernels.py's scheme over tokens' rows of H
+_VERSIONS = row_kernels.RowKernels("emb", width="H")
 _EMB = contracts.params("embedding.cu", "EMB_PARAMS")  # every embedding kernel's parameters
-_WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/embedding.cu builds
-_BLOCK_VPTS = (2, 4, 8)
-_MAX_BLOCKS = 65535            # tokens are grid-strided; this many blocks fill any GPU
 IDS_I64, TYPES_I64, NORMALIZE = 1, 2, 4  # kernels/embedding.cu's flags
 
 
-def _group(dtype: str) -> int:
-    """V: the elements of one 16-byte group (4 fp32, 8 fp16/bf16)."""
-    return 4 if dtype == "fp32" else 8
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def custom_versions(problem: EmbeddingProblem, aligned: bool = True) -> tuple[str, ...]:
-    """The numbered versions of kernels/embedding.cu that can run `problem`, baseline first (for tests
-    and benchmarks; `launch_custom` takes one). `aligned`: whether the arrays allow the 16-byte kernels
-    (`kernel_is_aligned` says)."""
-    V, H = _group(problem.dtype), problem.H
-    found = []
-    if H <= 32 * _WARP_VPTS[problem.dtype][-1] * V:
-        found.append("emb1_warp")
-    if aligned and H <= BLOCK_MAX_THREADS * _BLOCK_VPTS[-1] * V:
-        found.append("emb2_block")
-    return (*found, "emb3_loop")
-
-
-def custom_version(problem: EmbeddingProblem, aligned: bool) -> str:
-    """The version the custom path runs: a warp per token up to hidden 1024, then a block per token in
-    registers when the rows can be moved 16 bytes at a time, else the loop."""
-    if problem.H <= WARP_MAX_H:
-        return "emb1_warp"
-    return "emb2_block" if "emb2_block" in custom_versions(problem, aligned) else "emb3_loop"
-
-
-def _launch(version: str, problem: EmbeddingProblem, vec: bool) -> tuple[str, int, int]:
-    """(kernel name without the dtype suffix, grid, block) from kernels/embedding.cu's LAUNCH table."""
-    groups = _ceil_div(problem.H, _group(problem.dtype))  # V-element groups in a row
-    if version == "emb1_warp":
-        vpt = next(v for v in _WARP_VPTS[problem.dtype] if 32 * v >= groups)
-        return f"emb1_warp_{'vec' if vec else 'sca'}{vpt}", min(_ceil_div(problem.M, 4), _MAX_BLOCKS), 128
-    if version == "emb2_block":
-        vpt = next(v for v in _BLOCK_VPTS if BLOCK_MAX_THREADS * v >= groups)
-        threads = 32 * _ceil_div(_ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
-        return f"emb2_block_vec{vpt}", min(problem.M, _MAX_BLOCKS), threads
-    return "emb3_loop", min(problem.M, _MAX_BLOCKS), 512
+# The versions that can run a problem (baseline first; `aligned`: `kernel_is_aligned` says), the one the custom
+# path runs, and a version's (kernel name without the dtype suffix, grid, block): the row-kernel scheme's
+custom_versions, custom_version, _launch = _VERSIONS.versions, _VERSIONS.version, _VERSIONS.launch
 
 
 def _custom_support(problem: EmbeddingProblem) -> str | None:
@@ -317,8 +278,6 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
     """The runner of one version of kernels/embedding.cu (the default: the one the custom path picks)
     for arrays of this signature (their alignment and contiguity included)."""
     import cupy
-
-    from libnn.runtime import launch
 
     arrays = (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
     if problem.M == 0 or problem.H == 0:
@@ -370,9 +329,7 @@ def _aligned(problem: EmbeddingProblem, kernel_inputs: tuple) -> bool:
     """Whether the vec kernels may run: whole 16-byte groups per row and every table and vector pointer
     16-byte aligned (y comes from CuPy's pool, 256-byte aligned, and so does any copy made per call)."""
     _, weight, position_weight, _, type_weight, norm_weight, norm_bias = kernel_inputs
-    return problem.H % _group(problem.dtype) == 0 and \
-        all(a.data.ptr % 16 == 0 for a in (weight, position_weight, type_weight, norm_weight, norm_bias)
-            if a is not None)
+    return row_kernels.aligned(problem.dtype, problem.H, (weight, position_weight, type_weight, norm_weight, norm_bias))
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)
@@ -384,8 +341,6 @@ def _custom(problem: EmbeddingProblem, *arrays):
 @op.path("cupy", kind="library", device="gpu", supports=_gpu_support, binds=True)
 def _cupy(problem: EmbeddingProblem, *arrays):
     import cupy
-
-    from libnn.ops.layer_norm import layer_norm
 
     weight_dtype = dtypes.parse(problem.dtype)
     # y is checked by the registry; e and cupy.where's copy of it, in fp32, come on top

@@ -37,11 +37,13 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.backends import cudnn as cudnn_backend
 from libnn.errors import LibraryError
+from libnn.ops import row_kernels
 from libnn.registry import Op
+from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
                                   stream_key)
-from libnn.runtime import contracts
 from libnn.runtime.cache import PlanCache
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -179,9 +181,7 @@ def _graph_builder(problem: LayerNormProblem):
     def build(handle):
         import cudnn
 
-        from libnn.backends.cudnn import data_type
-
-        p, io, f32 = problem, data_type(problem.dtype), cudnn.data_type.FLOAT
+        p, io, f32 = problem, cudnn_backend.data_type(problem.dtype), cudnn.data_type.FLOAT
         row_stride = [p.N, 1, p.N, p.N]
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
         x = g.tensor(dim=[p.M, p.N, 1, 1], stride=row_stride, data_type=io, uid=X)
@@ -224,8 +224,6 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
     import cupy
 
-    from libnn.backends import cudnn as cudnn_backend
-
     if problem.M == 0 or problem.N == 0:
         return functools.partial(_empty_result, problem)
     rows = contiguous(x).reshape(problem.M, problem.N)
@@ -261,60 +259,19 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
 
 
 # --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
-WARP_MAX_N = 1024              # version 1 up to here (its largest VPT reaches it), version 2 beyond
-BLOCK_MAX_THREADS = 512
+# ln1_warp, ln2_block, ln3_loop: libnn/ops/row_kernels.py's scheme over rows of N
+_VERSIONS = row_kernels.RowKernels("ln", width="N")
 _LN = contracts.params("layer_norm.cu", "LN_PARAMS")  # every layer norm kernel's parameters
-_WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what kernels/layer_norm.cu builds
-_BLOCK_VPTS = (2, 4, 8)
-_MAX_BLOCKS = 65535            # rows are grid-strided; this many blocks fill any GPU
-
-
-def _group(dtype: str) -> int:
-    """V: the elements of one 16-byte group (4 fp32, 8 fp16/bf16)."""
-    return 4 if dtype == "fp32" else 8
 
 
 def _aligned(problem: LayerNormProblem, *arrays) -> bool:
     """Whether the 16-byte (vec) kernels may run: whole groups per row and every pointer aligned."""
-    return problem.N % _group(problem.dtype) == 0 and all(a.data.ptr % 16 == 0 for a in arrays if a is not None)
+    return row_kernels.aligned(problem.dtype, problem.N, arrays)
 
 
-def custom_versions(problem: LayerNormProblem, aligned: bool = True) -> tuple[str, ...]:
-    """The numbered versions of kernels/layer_norm.cu that can run `problem`, baseline first (for tests
-    and benchmarks; `launch_custom` takes one). `aligned`: whether the arrays allow the 16-byte kernels
-    (`_aligned` says)."""
-    V, N = _group(problem.dtype), problem.N
-    found = []
-    if N <= 32 * _WARP_VPTS[problem.dtype][-1] * V:
-        found.append("ln1_warp")
-    if aligned and N <= BLOCK_MAX_THREADS * _BLOCK_VPTS[-1] * V:
-        found.append("ln2_block")
-    return (*found, "ln3_loop")
-
-
-def custom_version(problem: LayerNormProblem, aligned: bool) -> str:
-    """The version the custom path runs: a warp per row up to N = 1024, then a block per row in
-    registers when the row can be moved 16 bytes at a time, else the loop."""
-    if problem.N <= WARP_MAX_N:
-        return "ln1_warp"
-    return "ln2_block" if "ln2_block" in custom_versions(problem, aligned) else "ln3_loop"
-
-
-def _launch(version: str, problem: LayerNormProblem, vec: bool) -> tuple[str, int, int]:
-    """(kernel name without the dtype suffix, grid, block) from kernels/layer_norm.cu's LAUNCH table."""
-    groups = _ceil_div(problem.N, _group(problem.dtype))  # V-element groups in a row
-    if version == "ln1_warp":
-        vpt = next(v for v in _WARP_VPTS[problem.dtype] if 32 * v >= groups)
-        return f"ln1_warp_{'vec' if vec else 'sca'}{vpt}", min(_ceil_div(problem.M, 4), _MAX_BLOCKS), 128
-    if version == "ln2_block":
-        vpt = next(v for v in _BLOCK_VPTS if BLOCK_MAX_THREADS * v >= groups)
-        threads = 32 * _ceil_div(_ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
-        return f"ln2_block_vec{vpt}", min(problem.M, _MAX_BLOCKS), threads
-    return "ln3_loop", min(problem.M, _MAX_BLOCKS), 512
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+# The versions that can run a problem (baseline first; `aligned`: `_aligned` says), the one the custom
+# path runs, and a version's (kernel name without the dtype suffix, grid, block): the row-kernel scheme's
+custom_versions, custom_version, _launch = _VERSIONS.versions, _VERSIONS.version, _VERSIONS.launch
 
 
 def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
@@ -323,8 +280,6 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
     included). The runner takes (x, weight, bias, residual) and returns y, or (y, sum) with
     `problem.return_sum`."""
     import cupy
-
-    from libnn.runtime import launch
 
     aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
@@ -360,8 +315,8 @@ def launch_custom(problem: LayerNormProblem, x, weight, bias, residual=None, ver
 def _custom_slower(problem: LayerNormProblem) -> str | None:
     """Rows that only the looping kernel takes (longer than a block holds, or an odd N past 1024)
     ran faster on cuDNN on the H100: 1024x65536 fp16 at 2.49 vs 0.71 TB/s, 8192x12289 at 1.69 vs 1.19."""
-    aligned = problem.N % _group(problem.dtype) == 0
-    if custom_version(problem, aligned) == "ln3_loop":
+    aligned = problem.N % row_kernels.group(problem.dtype) == 0
+    if custom_version(problem, aligned) == _VERSIONS.loop:
         return (f"rows of {problem.N} take kernels/layer_norm.cu's looping kernel, which cuDNN outran on "
                 "the H100 (1024x65536 fp16: 2.49 vs 0.71 TB/s)")
     return None

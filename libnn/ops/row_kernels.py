@@ -1,0 +1,90 @@
+"""The version scheme of libnn's row kernels, written once: kernels/layer_norm.cu (prefix "ln") and
+kernels/embedding.cu ("emb") build the same three numbered versions over a row of width n, and the
+same LAUNCH table; each op names its file's prefix and asks here which versions can run a row, which
+one its custom path runs, and with what grid and block.
+
+1) <prefix>1_warp_{vec,sca}{VPT}: a row per warp, 4 rows per 128-thread block, up to n = 1024.
+2) <prefix>2_block_vec{VPT}: a row per block of up to 512 threads, in registers; 16-byte accesses only.
+3) <prefix>3_loop: a row per 512-thread block, any n and alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
+BLOCK_MAX_THREADS = 512
+WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what both kernel files build
+BLOCK_VPTS = (2, 4, 8)
+MAX_BLOCKS = 65535             # rows are grid-strided; this many blocks fill any GPU
+WARP_BLOCK_THREADS = 128       # version 1: 4 rows (warps) per block
+
+
+def group(dtype: str) -> int:
+    """V: the elements of one 16-byte group (4 fp32, 8 fp16/bf16)."""
+    return 4 if dtype == "fp32" else 8
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def aligned(dtype: str, n: int, arrays) -> bool:
+    """Whether the 16-byte (vec) kernels may run: whole groups per row and every array's pointer 16-byte
+    aligned (None: an absent array)."""
+    return n % group(dtype) == 0 and all(a.data.ptr % 16 == 0 for a in arrays if a is not None)
+
+
+@dataclass(frozen=True)
+class RowKernels:
+    """The versions of one kernel file, by its kernel names' prefix ("ln", "emb"), for problems whose row
+    width is the attribute `width` ("N", "H") and whose rows are `problem.M`; `problem.dtype` is the
+    short dtype name. An op's custom_versions, custom_version and launch geometry are this object's
+    methods."""
+    prefix: str
+    width: str
+
+    @property
+    def warp(self) -> str:
+        return f"{self.prefix}1_warp"
+
+    @property
+    def block(self) -> str:
+        return f"{self.prefix}2_block"
+
+    @property
+    def loop(self) -> str:
+        return f"{self.prefix}3_loop"
+
+    def versions(self, problem, aligned: bool = True) -> tuple[str, ...]:
+        """The numbered versions of the kernel file that can run `problem`, baseline first (for tests and
+        benchmarks; the op's launch_custom takes one). `aligned`: whether the arrays allow the 16-byte
+        kernels (`aligned()` says)."""
+        V, n = group(problem.dtype), getattr(problem, self.width)
+        found = []
+        if n <= 32 * WARP_VPTS[problem.dtype][-1] * V:
+            found.append(self.warp)
+        if aligned and n <= BLOCK_MAX_THREADS * BLOCK_VPTS[-1] * V:
+            found.append(self.block)
+        return (*found, self.loop)
+
+    def version(self, problem, aligned: bool) -> str:
+        """The version the custom path runs: a warp per row up to width 1024, then a block per row in
+        registers when the row can be moved 16 bytes at a time, else the loop."""
+        if getattr(problem, self.width) <= WARP_MAX:
+            return self.warp
+        return self.block if self.block in self.versions(problem, aligned) else self.loop
+
+    def launch(self, version: str, problem, vec: bool) -> tuple[str, int, int]:
+        """(kernel name without the dtype suffix, grid, block) from the kernel file's LAUNCH table; `vec`:
+        the 16-byte variant of version 1."""
+        groups = ceil_div(getattr(problem, self.width), group(problem.dtype))  # V-element groups in a row
+        if version == self.warp:
+            vpt = next(v for v in WARP_VPTS[problem.dtype] if 32 * v >= groups)
+            return (f"{self.warp}_{'vec' if vec else 'sca'}{vpt}",
+                    min(ceil_div(problem.M, WARP_BLOCK_THREADS // 32), MAX_BLOCKS), WARP_BLOCK_THREADS)
+        if version == self.block:
+            vpt = next(v for v in BLOCK_VPTS if BLOCK_MAX_THREADS * v >= groups)
+            threads = 32 * ceil_div(ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
+            return f"{self.block}_vec{vpt}", min(problem.M, MAX_BLOCKS), threads
+        return self.loop, min(problem.M, MAX_BLOCKS), BLOCK_MAX_THREADS
