@@ -128,10 +128,9 @@ __device__ __forceinline__ void emb_registers(EMB_PARAMS(typename DT::T)) {
     typedef typename DT::T T;
     constexpr int V = DT::V;
     __shared__ float red[16];
-    const int threads = ROW_IS_BLOCK ? (int)blockDim.x : 32;
-    const int t = ROW_IS_BLOCK ? (int)threadIdx.x : (int)(threadIdx.x & 31);
-    const int rows_per_block = ROW_IS_BLOCK ? 1 : (int)(blockDim.x >> 5);
-    const i64 first = (i64)blockIdx.x * rows_per_block + (ROW_IS_BLOCK ? 0 : (int)(threadIdx.x >> 5));
+    const RowThread<ROW_IS_BLOCK> me;
+    const int threads = me.threads, t = me.t, rows_per_block = me.rows_per_block;
+    const i64 first = me.first;
     const int stride = (int)gridDim.x * rows_per_block;
     const bool normalize = flags & NORMALIZE;
     const float inv_h = fdiv_full(1.f, (float)H);
@@ -242,11 +241,4 @@ __device__ __forceinline__ void emb_loop(EMB_PARAMS(typename DT::T)) {
     extern "C" __global__ void __launch_bounds__(512) emb3_loop_##SUFFIX(EMB_PARAMS(embk::DT::T)) {    \
         embk::emb_loop<embk::DT>(EMB_ARGS);                                                            \
     }
-#define EMB_DTYPE(SUFFIX, DT)                                                                          \
-    EMB1(SUFFIX, DT, 1) EMB1(SUFFIX, DT, 2) EMB1(SUFFIX, DT, 4)                                        \
-    EMB2(SUFFIX, DT, 2) EMB2(SUFFIX, DT, 4) EMB2(SUFFIX, DT, 8)                                        \
-    EMB3(SUFFIX, DT)
-EMB_DTYPE(f32, dt_f32)
-EMB1(f32, dt_f32, 8)  // fp32 holds 4 elements a group: 8 groups a lane reach H = 1024
-EMB_DTYPE(f16, dt_f16)
-EMB_DTYPE(bf16, dt_bf16)
+ROW_KERNELS(EMB1, EMB2, EMB3)

@@ -97,10 +97,9 @@ __device__ __forceinline__ void ln_registers(const typename DT::T* __restrict__ 
     typedef typename DT::T T;
     constexpr int V = DT::V;
     __shared__ float red[16];
-    const int threads = ROW_IS_BLOCK ? (int)blockDim.x : 32;
-    const int t = ROW_IS_BLOCK ? (int)threadIdx.x : (int)(threadIdx.x & 31);
-    const int rows_per_block = ROW_IS_BLOCK ? 1 : (int)(blockDim.x >> 5);
-    const i64 first = (i64)blockIdx.x * rows_per_block + (ROW_IS_BLOCK ? 0 : (int)(threadIdx.x >> 5));
+    const RowThread<ROW_IS_BLOCK> me;
+    const int threads = me.threads, t = me.t, rows_per_block = me.rows_per_block;
+    const i64 first = me.first;
     const float inv_n = fdiv_full(1.f, (float)N);
     for (i64 r = first; r < M; r += (i64)gridDim.x * rows_per_block) {
         const T* xr = x + r * N;
@@ -199,11 +198,4 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
     extern "C" __global__ void __launch_bounds__(512) ln3_loop_##SUFFIX(LN_PARAMS(lnk::DT::T)) {       \
         lnk::ln_loop<lnk::DT>(x, res, w, b, y, s, M, N, eps);                                                  \
     }
-#define LN_DTYPE(SUFFIX, DT)                                                                           \
-    LN1(SUFFIX, DT, 1) LN1(SUFFIX, DT, 2) LN1(SUFFIX, DT, 4)                                           \
-    LN2(SUFFIX, DT, 2) LN2(SUFFIX, DT, 4) LN2(SUFFIX, DT, 8)                                           \
-    LN3(SUFFIX, DT)
-LN_DTYPE(f32, dt_f32)
-LN1(f32, dt_f32, 8)  // fp32 holds 4 elements a group: 8 groups a lane reach N = 1024
-LN_DTYPE(f16, dt_f16)
-LN_DTYPE(bf16, dt_bf16)
+ROW_KERNELS(LN1, LN2, LN3)

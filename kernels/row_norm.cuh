@@ -44,6 +44,19 @@ __device__ __forceinline__ float row_sum(float s, float* red) {
     return s;
 }
 
+// This thread's place in a register version: `threads` threads hold each row (a warp, or the block),
+// this is thread t of them, and its first row; the rows a block takes at a time: rows_per_block.
+template <bool ROW_IS_BLOCK>
+struct RowThread {
+    int threads, t, rows_per_block;
+    i64 first;
+    __device__ __forceinline__ RowThread()
+        : threads(ROW_IS_BLOCK ? (int)blockDim.x : 32),
+          t(ROW_IS_BLOCK ? (int)threadIdx.x : (int)(threadIdx.x & 31)),
+          rows_per_block(ROW_IS_BLOCK ? 1 : (int)(blockDim.x >> 5)),
+          first((i64)blockIdx.x * rows_per_block + (ROW_IS_BLOCK ? 0 : (int)(threadIdx.x >> 5))) {}
+};
+
 // rstd of a row of n elements held in registers as above, given its mean (of v = h - pivot). Every
 // thread of the row calls it (row_sum's barriers).
 template <int VPT, int V, bool ROW_IS_BLOCK>
@@ -125,3 +138,17 @@ __device__ __forceinline__ void normalize_row_loop(const HAt& h_at, float s, flo
 }
 
 }  // namespace libnn
+
+// The kernels each file exports, one table for both (libnn/ops/row_kernels.py's WARP_VPTS and BLOCK_VPTS
+// launch them): ROW_KERNELS(K1, K2, K3) expands the file's K1(SUFFIX, DT, VPT) (version 1 at each VPT),
+// K2(SUFFIX, DT, VPT) (version 2) and K3(SUFFIX, DT) (version 3) for fp32, fp16 and bf16.
+#define ROW_KERNELS_OF(K1, K2, K3, SUFFIX, DT)                                                           \
+    K1(SUFFIX, DT, 1) K1(SUFFIX, DT, 2) K1(SUFFIX, DT, 4)                                                \
+    K2(SUFFIX, DT, 2) K2(SUFFIX, DT, 4) K2(SUFFIX, DT, 8)                                                \
+    K3(SUFFIX, DT)
+// fp32 holds 4 elements a group: version 1 also at VPT 8 reaches a row of 1024, as for fp16 and bf16
+#define ROW_KERNELS(K1, K2, K3)                                                                          \
+    ROW_KERNELS_OF(K1, K2, K3, f32, dt_f32)                                                              \
+    K1(f32, dt_f32, 8)                                                                                   \
+    ROW_KERNELS_OF(K1, K2, K3, f16, dt_f16)                                                              \
+    ROW_KERNELS_OF(K1, K2, K3, bf16, dt_bf16)
