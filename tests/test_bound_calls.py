@@ -58,6 +58,9 @@ def test_layer_norm_eps_and_shape_are_keyed(rng):
     assert y1.shape == x.shape
     with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         layer_norm(x, eps=-1.0)
+    for eps in ("1e-5", None, True, np.ones(1)):  # types: keyed with their type, never a bound call's eps
+        with pytest.raises(TypeError, match="layer_norm: eps must be a finite number > 0, got"):
+            layer_norm(x, eps=eps)
 
 
 def test_conv2d_options_are_keyed_and_checked(rng):

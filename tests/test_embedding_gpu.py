@@ -125,7 +125,7 @@ def _arrays(ids, weight, kwargs, normalize=True):
 
 def _problem(args, kwargs, normalize=True):
     ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias = args
-    return emb._check(ids, weight, position_weight, kwargs.get("position_offset", 0), type_ids, type_weight,
+    return emb.embedding_problem(ids, weight, position_weight, kwargs.get("position_offset", 0), type_ids, type_weight,
                       norm_weight, norm_bias, kwargs.get("eps", 1e-5), normalize)
 
 

@@ -233,7 +233,7 @@ def bad_call(rng, **changes):
     (dict(eps=0.0), ValueError, "embedding: eps must be a finite number > 0, got 0.0"),
     (dict(eps=-1e-5), ValueError, "embedding: eps must be a finite number > 0"),
     (dict(eps=float("nan")), ValueError, "embedding: eps must be a finite number > 0, got nan"),
-    (dict(eps="1e-5"), ValueError, "embedding: eps must be a finite number > 0, got '1e-5'"),
+    (dict(eps="1e-5"), TypeError, "embedding: eps must be a finite number > 0, got str '1e-5'"),
     (dict(position_offset=16), ValueError,
      "embedding: positions 16..20 (position_offset 16 + the 5 positions of ids' last axis) must be rows of "
      "position_weight, which has 20 (position_offset must be in [0, 15])"),

@@ -90,7 +90,7 @@ def test_large_mean_offset_does_not_cancel(rng, path, dtype, shape):
 def test_every_kernel_version_matches_reference(rng, dtype, shape):
     x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
     xg, wg, bg = gpu(x).reshape(-1, shape[-1]), gpu(weight), gpu(bias)
-    problem = layer_norm_op._check(xg, wg, bg, None, 1e-5, False)
+    problem = layer_norm_op.layer_norm_problem(xg, wg, bg, None, 1e-5, False)
     expected = reference(x, weight, bias).reshape(-1, shape[-1])
     for version in layer_norm_op.custom_versions(problem, layer_norm_op._aligned(problem, xg, wg, bg)):
         y = layer_norm_op.launch_custom(problem, xg, wg, bg, version=version)
@@ -111,7 +111,7 @@ def test_misaligned_rows_take_the_element_wise_kernels(rng, dtype, shape):
     xg = storage[1:].reshape(shape)
     assert xg.flags.c_contiguous and xg.data.ptr % 16 != 0
     expected = reference(x, weight, bias)
-    problem = layer_norm_op._check(xg, gpu(weight), gpu(bias), None, 1e-5, False)
+    problem = layer_norm_op.layer_norm_problem(xg, gpu(weight), gpu(bias), None, 1e-5, False)
     assert "ln2_block" not in layer_norm_op.custom_versions(problem, aligned=False)
     assert layer_norm_op.custom_version(problem, aligned=False) == ("ln1_warp" if shape[-1] <= 1024 else "ln3_loop")
     assert rel_error(layer_norm(xg, gpu(weight), gpu(bias), path="custom"), expected) <= tolerance(dtype)
@@ -269,14 +269,14 @@ def test_every_kernel_version_adds_the_residual(rng, dtype, shape):
     x, weight, bias = make(rng, shape, dtype, offset=float(rng.uniform(-50, 50)))
     r = make_residual(rng, shape, dtype)
     xg, wg, bg, rg = gpu(x), gpu(weight), gpu(bias), gpu(r)
-    problem = layer_norm_op._check(xg, wg, bg, rg, 1e-5, True)
+    problem = layer_norm_op.layer_norm_problem(xg, wg, bg, rg, 1e-5, True)
     expected = reference(x, weight, bias, residual=r)
     for version in layer_norm_op.custom_versions(problem, layer_norm_op._aligned(problem, xg, wg, bg, rg)):
         y, h = layer_norm_op.launch_custom(problem, xg, wg, bg, rg, version=version)
         assert rel_error(y, expected) <= tolerance(dtype), version
         np.testing.assert_array_equal(h.get(), exact_sum(x, r), err_msg=version)
         y_only = layer_norm_op.bind_custom(
-            layer_norm_op._check(xg, wg, bg, rg, 1e-5, False), xg, wg, bg, rg, version)(xg, wg, bg, rg)
+            layer_norm_op.layer_norm_problem(xg, wg, bg, rg, 1e-5, False), xg, wg, bg, rg, version)(xg, wg, bg, rg)
         np.testing.assert_array_equal(y_only.get(), y.get(), err_msg=version)
 
 
@@ -293,7 +293,7 @@ def test_a_misaligned_residual_takes_the_element_wise_kernels(rng, dtype, shape)
     storage[1:] = gpu(r).ravel()
     rg = storage[1:].reshape(shape)
     assert rg.flags.c_contiguous and rg.data.ptr % 16 != 0
-    problem = layer_norm_op._check(gpu(x), gpu(weight), gpu(bias), rg, 1e-5, True)
+    problem = layer_norm_op.layer_norm_problem(gpu(x), gpu(weight), gpu(bias), rg, 1e-5, True)
     assert not layer_norm_op._aligned(problem, gpu(x), gpu(weight), gpu(bias), rg)
     y, h = layer_norm(gpu(x), gpu(weight), gpu(bias), residual=rg, return_sum=True, path="custom")
     assert rel_error(y, reference(x, weight, bias, residual=r)) <= tolerance(dtype)

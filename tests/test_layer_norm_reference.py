@@ -185,7 +185,7 @@ def test_bad_residual_gets_a_clear_error(kwargs, error, message):
     (dict(eps=0.0), ValueError, r"eps must be a finite number > 0, got 0.0"),
     (dict(eps=-1e-5), ValueError, r"eps must be a finite number > 0, got -1e-05"),
     (dict(eps=float("nan")), ValueError, r"eps must be a finite number > 0, got nan"),
-    (dict(eps="1e-5"), ValueError, r"eps must be a finite number > 0, got '1e-5'"),
+    (dict(eps="1e-5"), TypeError, r"eps must be a finite number > 0, got str '1e-5'"),
     (dict(x=np.float64(3.0)), ValueError, r"x must have at least 1 dimension \(\.\.\., N\), got a 0-d array"),
     (dict(x=np.ones((3, 8), np.int32)), TypeError, r"x must be a floating-point array .* got int32"),
     (dict(x=[[1.0, 2.0]]), TypeError, r"x must be an array"),

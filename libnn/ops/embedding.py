@@ -107,7 +107,7 @@ def _is_float(dtype) -> bool:
     return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
 
 
-def _check(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight, norm_bias, eps,
+def embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight, norm_bias, eps,
            normalize) -> EmbeddingProblem:
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
@@ -167,8 +167,9 @@ def _check(ids, weight, position_weight, position_offset, type_ids, type_weight,
         if vector.dtype != weight.dtype:
             raise TypeError(f"embedding: {name} has dtype {dtypes.short_name(vector.dtype)} but weight has "
                             f"{dtype}; cast them to one dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps > 0 \
-            or not math.isfinite(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"embedding: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
+    if not eps > 0 or not math.isfinite(eps):
         raise ValueError(f"embedding: eps must be a finite number > 0, got {eps!r}")
     device = device_of({"ids": ids, "weight": weight, "position_weight": position_weight, "type_ids": type_ids,
                         "type_weight": type_weight, "norm_weight": norm_weight, "norm_bias": norm_bias},
@@ -200,7 +201,7 @@ def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_of
     key = (signature(ids), signature(weight), signature(position_weight), option_key(position_offset),
            signature(type_ids), signature(type_weight), signature(norm_weight), signature(norm_bias),
            option_key(eps), option_key(normalize), path, stream_key())
-    return op.call(key, lambda: _check(ids, weight, position_weight, position_offset, type_ids, type_weight,
+    return op.call(key, lambda: embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight,
                                        norm_weight, norm_bias, eps, normalize),
                    path, ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
 

@@ -40,7 +40,7 @@ from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
 from libnn.errors import LibraryError
 from libnn.ops import row_kernels
-from libnn.registry import Op
+from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
                                   stream_key)
@@ -78,7 +78,7 @@ class LayerNormProblem:
         return arrays * self.M * self.N * dtypes.parse(self.dtype).itemsize
 
 
-def _check(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
+def layer_norm_problem(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
     if x.ndim < 1:
         raise ValueError("layer_norm: x must have at least 1 dimension (..., N), got a 0-d array")
     if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
@@ -93,8 +93,9 @@ def _check(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
         if a.dtype != x.dtype:
             raise TypeError(f"layer_norm: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)) or not eps > 0 \
-            or not math.isfinite(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"layer_norm: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
+    if not eps > 0 or not math.isfinite(eps):
         raise ValueError(f"layer_norm: eps must be a finite number > 0, got {eps!r}")
     if residual is not None:
         if tuple(residual.shape) != tuple(x.shape):
@@ -125,9 +126,9 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, residual: Any = 
     weight = None if weight is None else as_array(weight, "layer_norm", "weight")
     bias = None if bias is None else as_array(bias, "layer_norm", "bias")
     residual = None if residual is None else as_array(residual, "layer_norm", "residual")
-    key = (signature(x), signature(weight), signature(bias), signature(residual), eps, return_sum, path,
+    key = (signature(x), signature(weight), signature(bias), signature(residual), option_key(eps), option_key(return_sum), path,
            stream_key())
-    return op.call(key, lambda: _check(x, weight, bias, residual, eps, return_sum), path, x, weight, bias, residual)
+    return op.call(key, lambda: layer_norm_problem(x, weight, bias, residual, eps, return_sum), path, x, weight, bias, residual)
 
 
 def _as_rows(run, problem: LayerNormProblem, x, weight, bias, residual):
