@@ -139,6 +139,9 @@ class Op:
         """The paths to try for `problem`, in order, and why each other path was passed over. A
         forced path comes alone, or raises if it cannot run here."""
         where = problem.device.split(":")[0]
+        if not isinstance(path, str):  # a list would fail as an unhashable key with no libnn message
+            raise TypeError(f"{self.name}: path must be a string, 'auto' or one of {list(self.paths)}; got "
+                            f"{type(path).__name__} {path!r}")
         if path != "auto":
             return (self._forced(problem, path, where),), {}
         candidates, deferred, passed_over = [], [], {}

@@ -162,3 +162,10 @@ def test_running_out_of_memory_inside_a_path_names_the_op_and_keeps_libnn_s_own_
     raised["error"] = MemoryError("toy: x needs 2 GiB, more than the 1 GiB of host RAM available")
     with pytest.raises(MemoryError, match=r"^toy: x needs 2 GiB"):
         op.call(("sig",), lambda: Problem("fp16"), "auto", 1)
+
+
+@pytest.mark.parametrize("path", [["auto"], None, 3, ("custom",)])
+def test_a_path_that_is_not_a_string_names_the_op_and_the_paths(path):
+    """A list used to fail deep in the bound-call cache as 'unhashable type: list'."""
+    with pytest.raises(TypeError, match=r"^toy-op: path must be a string, 'auto' or one of \['fast', 'slow', 'gpu-only'\]; got"):
+        make_op().call(("sig", 1), lambda: Problem("fp16"), path, 1)
