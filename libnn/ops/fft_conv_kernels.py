@@ -16,7 +16,6 @@ the caller scales):
   Step 1 runs the kernel on the columns in place of a transpose (elem_stride = n2, batch_stride = 1)
   when there are few rows (one launch per row, the kernel's batch has one stride); with more rows it
   transposes each matrix, runs row FFTs and transposes back, three launches whatever the row count.
-  `_four_step_reference` mirrors these steps with NumPy and `_self_check` compares it to numpy.fft.
 
 Error: relative rms error ~ eps * log2(n) for fp32 (eps = 6e-8), twiddles from sincospif on exact
 arguments (see kernels/fft_conv.cu).
@@ -170,53 +169,3 @@ def fft_c2c(x, inverse: bool = False, version: str | None = None):
     # 4. X[k2*n1 + k1] = Z[k1, k2]
     return cupy.ascontiguousarray(y.transpose(0, 2, 1)).reshape(x.shape)
 
-
-# --- CPU mirror of the four-step decomposition ---------------------------------------------------
-def _twiddle_factors(log2n1: int, log2n2: int, inverse: bool) -> np.ndarray:
-    """W_n^(i*j) as fft_twiddle computes it: phase reduced exactly in integers, then sin/cos of pi*2k/n."""
-    n = 1 << (log2n1 + log2n2)
-    i = np.arange(1 << log2n1, dtype=np.int64)[:, None]
-    j = np.arange(1 << log2n2, dtype=np.int64)[None, :]
-    k = (i * j) & (n - 1)
-    k = np.where(k > n // 2, k - n, k)
-    arg = np.pi * (2.0 * k / n)
-    return (np.cos(arg) + (1j if inverse else -1j) * np.sin(arg)).astype(np.complex64)
-
-
-def _four_step_reference(x: np.ndarray, inverse: bool = False) -> np.ndarray:
-    """The steps fft_c2c takes for 4096 < n <= 2**24, with numpy.fft standing in for the kernels
-    (x: C-contiguous NumPy complex array, last dimension a power of two; computed in complex128)."""
-    n = x.shape[-1]
-    log2n1, log2n2 = _split(n.bit_length() - 1)
-    n1, n2 = 1 << log2n1, 1 << log2n2
-    rows = x.size // n
-    fft = (lambda a, axis: np.fft.ifft(a, axis=axis) * a.shape[axis]) if inverse else \
-          (lambda a, axis: np.fft.fft(a, axis=axis))
-    xm = np.asarray(x, np.complex128).reshape(rows, n1, n2)
-    if rows <= _STRIDED_ROWS:
-        y = fft(xm, 1)                                                   # columns: stride n2
-    else:
-        t = np.ascontiguousarray(xm.transpose(0, 2, 1))
-        t = fft(t, 2)                                                    # rows of the transpose
-        y = np.ascontiguousarray(t.transpose(0, 2, 1))
-    y = y * _twiddle_factors(log2n1, log2n2, inverse).astype(np.complex128)
-    y = fft(y, 2)
-    return np.ascontiguousarray(y.transpose(0, 2, 1)).reshape(x.shape)
-
-
-def _self_check(log2ns=(13, 16), seed: int = 0) -> float:
-    """Largest relative error of _four_step_reference against numpy.fft (both directions, a few row
-    counts covering both step-1 routes); raises AssertionError above 1e-6 (the twiddles are rounded
-    to complex64 like the kernel's)."""
-    rng = np.random.default_rng(seed)
-    worst = 0.0
-    for log2n in log2ns:
-        for rows in (1, 3, _STRIDED_ROWS + 1):
-            x = rng.standard_normal((rows, 1 << log2n)) + 1j * rng.standard_normal((rows, 1 << log2n))
-            for inverse in (False, True):
-                want = np.fft.ifft(x) * x.shape[-1] if inverse else np.fft.fft(x)
-                got = _four_step_reference(x, inverse)
-                err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                assert err < 1e-6, f"four-step mirror: n=2**{log2n} rows={rows} inverse={inverse}: rel err {err:.2e}"
-                worst = max(worst, err)
-    return worst
