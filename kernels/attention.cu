@@ -19,10 +19,10 @@ exponential is one exp2f. Everything accumulates in fp32; o is rounded to the io
 are raw 16-bit storage (unsigned short). Needs sm_80 or newer (cp.async, ldmatrix, bf16 mma);
 compiled by libnn with -Xptxas=-v -I kernels/ -arch=sm_XX, no CUDA toolkit header.
 
-Versions (H100 SXM, B=4, H=16, D=128 bf16, CUDA-event medians; FLOP = 4*B*H*Sq*Skv*D, halved under
-causal; torch's scaled_dot_product_attention, which ran cuDNN there, in brackets):
+Versions (their rates on the H100, and those of the variants tried on the way: benchmarks/RESULTS.md,
+attention):
 
-1) attn1_naive_{f32,f16,bf16}                                      ~2.6 TFLOP/s at S = 1024
+1) attn1_naive_{f32,f16,bf16}
    One warp per query row, fp32 throughout: lane l holds q and the output accumulator at d = l + 32*t
    (t < 8, so D <= 256), and the warp walks the row's allowed keys one at a time: a warp-reduced dot
    product, then the online softmax update (running max m and sum l; the accumulator is rescaled by
@@ -31,9 +31,6 @@ causal; torch's scaled_dot_product_attention, which ran cuDNN there, in brackets
    rows (one shuffle reduction per key).
 
 2) attn2_flash_d{32,64,96,128}_{f16,bf16}, attn2_flash_bias_d{32,64,96,128}_{f16,bf16}
-   S = 4096: 278 TFLOP/s non-causal [654, so 42%], 252 causal [553, 46%]; with a (1, H, S, S) bias 220;
-   D = 64: 218. Measured on the way: FA2's single K/V buffers with two barriers per tile 228 / 208,
-   and 250 / 225 once Q's fragments stayed in registers; 4 warps per block (2 blocks per SM) 262 / 243.
    FlashAttention-2 (Dao, 2023) with mma.sync.m16n8k16 (fp32 accumulate). A block takes BM = 16*WARPS
    query rows of one (b, h) (each warp 16 rows) and loops over the keys in tiles of BN = 64: S = Q K^T
    for its 16 x 64 tile in registers, the online softmax on the accumulator fragments (row max and sum
@@ -61,7 +58,7 @@ causal; torch's scaled_dot_product_attention, which ran cuDNN there, in brackets
 
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
 
-   attn_softmax_{f32,f16,bf16}  (suffix: the bias dtype)         whole path: 33 TFLOP/s at S = 4096
+   attn_softmax_{f32,f16,bf16}  (suffix: the bias dtype)
    In place on the fp32 scores s (B, Hq, Sq, Skv) contiguous, s = q.k^T unscaled: s := p, the masked
    softmax of scale*s + bias, exact zeros at masked keys and in empty rows. One block of 128 threads per
    row: an online (m, l) pass over the allowed keys, a block reduction of (m, l), then a pass that
@@ -92,7 +89,7 @@ list, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN and SOFTMAX_THREADS from th
 #include "common.cuh"
 
 #ifndef ATTN2_WARPS
-#define ATTN2_WARPS 8   // 8 warps x 1 block/SM beat 4 warps x 2 on the H100 (see Versions)
+#define ATTN2_WARPS 8   // 8 warps x 1 block/SM beat 4 warps x 2 on the H100 (benchmarks/RESULTS.md)
 #endif
 #define ATTN1_THREADS 256   // attn1: one warp per query row, 8 rows per block
 #define ATTN2_BN 64         // attn2: keys per tile
@@ -241,7 +238,7 @@ __device__ __forceinline__ void stage_bias(u32 dst, const u16* src, i64 b_si, in
 // s = Q K^T for the warp's 16 rows and the 64 keys of the tile; with BIAS the accumulators start at
 // bias / scale instead of 0, so that the softmax's s * scale*log2(e) is the biased logit and the bias
 // costs no pass (nor registers) of its own; a -inf bias stays -inf. qf: Q's A fragments (kept in
-// registers: reloading them per tile cost 10% at DB = 128, 8 warps); k_addr: this lane's ldmatrix row address
+// registers: reloading them per tile was measured slower); k_addr: this lane's ldmatrix row address
 // (see attn2_body); sb: the staged bias at this lane's (row g, key 2t).
 template <class DT, int DB, int BN, bool BIAS>
 __device__ __forceinline__ void tile_scores(float (&s)[8][4], const u32 (&qf)[DB / 16][4], u32 k_addr, const u16* sb,

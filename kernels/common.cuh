@@ -136,8 +136,8 @@ __device__ __forceinline__ void unflatten_pqc(int idx, int P, int Q, int CH, boo
 }
 
 // ACTS is a bit mask of the codes a kernel compiles (bit i: code i). The epilogue is inlined for every
-// accumulator a thread holds, so a GEMM with 128 accumulators per thread that compiled all five slowed
-// from 353 to 241 TFLOP/s on the H100 (4096^3 bf16): kernels compile only the codes their op offers.
+// accumulator a thread holds, so a GEMM with 128 accumulators per thread that compiled all five ran
+// markedly slower (benchmarks/RESULTS.md, linear): kernels compile only the codes their op offers.
 // The activation codes (libnn/ops/activations.py reads them from here).
 constexpr int ACT_NONE = 0;
 constexpr int ACT_RELU = 1;

@@ -17,8 +17,8 @@ and one write of y; the per-channel vectors stay in L1/L2.
    moves 16 bytes per load and store and keeps its column in a register, advanced by the grid stride
    mod N (no division in the loop); else a scalar grid-stride loop with a division per element. The
    kernel picks the path itself. Linear used to run channel_epilogue here: one 2-byte element per
-   thread and step and a 64-bit division for its channel ran the BERT FFN's GELU at about a quarter of
-   copy bandwidth on the H100.
+   thread and step and a 64-bit division for its channel ran the BERT FFN's GELU far below copy
+   bandwidth on the H100 (benchmarks/RESULTS.md, linear).
 
    LAUNCH: block 256, grid min(ceil(total / (256 * 16 / sizeof(T))), 32 * SMs) (grid-stride: enough
    blocks to fill every SM whatever the registers allow), any rows and N; parameters

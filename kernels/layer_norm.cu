@@ -45,18 +45,17 @@ res and writes s with the accesses it makes of x and y, so a residual changes no
    over the row in global memory (sum, squared deviations, output), each reading x and res again
    (h is recomputed in fp32, not read back from s, so that every version normalizes the same h).
    The fallback beyond version 2's register capacity, and for rows longer than 1024 that version 2
-   cannot take 16 bytes at a time (N % V != 0 or a misaligned pointer). It reaches 0.7-1.7 TB/s on
-   the H100 (1024 x 65536 fp16: 0.7, 8192 x 12289 fp32: 1.7) where cuDNN reaches 1.7-2.7; versions 1
-   and 2 reach 2.6-2.95 on large problems, as fast as cuDNN or a few per cent faster (measured
-   without a residual). Keeping the row in shared memory for passes 2 and 3 was tried and measured
-   slower (1024 x 65536 fp16: 760 us against 376: one 512-thread block per SM).
+   cannot take 16 bytes at a time (N % V != 0 or a misaligned pointer). On the H100 it is slower
+   than cuDNN on those rows, while versions 1 and 2 match or beat cuDNN on large problems (figures:
+   benchmarks/RESULTS.md, layer_norm). Keeping the row in shared memory for passes 2 and 3 was tried
+   and measured slower: it leaves room for one 512-thread block per SM.
 
 vec: 16-byte loads and stores of x, res, w, b, y and s; the launcher picks it only when N % V == 0
 and every pointer is 16-byte aligned. sca: the same groups read and written one element at a time
 with a bounds check each (any N, any alignment). Only version 1 is built both ways: each variant is
-fully unrolled code, and NVRTC's time grows with it (every VPT of versions 1 and 2 both ways took
-20 s per architecture to compile, this set 8 s), while long rows of odd length are rare enough for
-version 3.
+fully unrolled code, and NVRTC's time grows with it (building every VPT of versions 1 and 2 both
+ways more than doubled the compile time per architecture), while long rows of odd length are rare
+enough for version 3.
 
 LAUNCH (every kernel takes the same parameters)
     (const T* x, const T* res, const T* w, const T* b, T* y, T* s, long long M, int N, float eps)

@@ -2,7 +2,7 @@
 
 # Each command imports the module that does its work (bench.*, inspect, demo, models.run_cnn,
 # runtime.kernels) when it runs, not here: `libnn --help` and `libnn info` would otherwise load them
-# all, about 30 ms more on a start-up of about 130 ms (python -X importtime -m libnn --help). What
+# all, a sizeable part of the start-up (python -X importtime -m libnn --help; benchmarks/RESULTS.md). What
 # every command shares is imported below; it costs nothing, since `import libnn` has loaded it already.
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Rows per case: libnn graph (one CUDA graph per input shape, replayed; the first 
 warm-up and capture beside it), libnn eager (op by op from Python), for the seed CNN libnn forced to
 its custom path, and the peers in the same run: PyTorch eager (Hugging Face transformers for the
 encoders), the same captured in a `torch.cuda.graph` (static inputs, replayed), and `torch.compile`
-of it (on the cases the targets name: a compile takes 20-75 s). "ms" is GPU time (queue pre-filled);
+of it (on the cases the targets name: a compile takes tens of seconds). "ms" is GPU time (queue pre-filled);
 "per-call ms" is back-to-back calls with nothing queued before, what a user's loop sees.
 
 Targets: seed CNN bs1 graph ≤ 0.040 ms and faster than torch's graph; conv→BN→ReLU graph faster than

@@ -23,10 +23,10 @@ parameter is changed for it, so a PyTorch state_dict loads 1:1 and state_dict() 
 - Flatten(layout="NHWC") alone would transpose the (N, 7, 7, 64) activation to (C, H, W) order;
   followed by a Linear, Sequential fuses the two (FlattenLinear): the activation is flattened as it
   lies and fc1 multiplies it by a copy of its weight whose columns are permuted once to (H, W, C).
-  Without the transpose the model takes 100 µs instead of 114 (fp16, batch 360, H100).
+  Without the transpose the model runs faster.
 `layout="NCHW"` builds the same model computing in NCHW throughout (the tests check both agree). On
-the H100, fp16 at batch 360: 100 µs NHWC, 223 µs NCHW (cuDNN has no fused engine for NCHW fp16 and
-falls back); in fp32 NCHW is a little faster (263 µs against 286), but fp16 is the dtype to run.
+the H100 in fp16, NCHW is much slower than NHWC (cuDNN has no fused engine for NCHW fp16 and falls
+back); in fp32 NCHW is a little faster, but fp16 is the dtype to run (benchmarks/RESULTS.md, models).
 """
 
 from __future__ import annotations

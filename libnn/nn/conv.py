@@ -26,7 +26,8 @@ from libnn.runtime.arrays import array_module, as_array, is_cupy
 
 
 # The smallest kernel size from which FFT convolution beat direct cuDNN convolution, by image size
-# (rows of (image size, kernel size)), as `libnn bench fft_conv` measured on the H100 (fp32, stride 1).
+# (rows of (image size, kernel size)), as `libnn bench fft_conv` measured on the H100 (fp32, stride 1;
+# benchmarks/RESULTS.md, FFT convolution).
 FFT_CROSSOVER = {"single channel": ((64, 63), (256, 31), (1024, 7), (2048, 3)),
                  "multi channel": ((256, 15), (1024, 15), (2048, 15))}
 ALGOS = ("auto", "direct", "fft")

@@ -212,7 +212,8 @@ _UNINITIALISED: ContextVar[bool] = ContextVar("libnn_uninitialised", default=Fal
 def uninitialised() -> Iterator[None]:
     """Layers built inside leave their random-initialised parameters as they are allocated (np.empty):
     for a loader that replaces every parameter at once (load_state_dict refuses a missing key), and
-    so need not draw values it would throw away (1.2 s for a BERT-base on the host, float64 first)."""
+    so need not draw values it would throw away (they are drawn in float64 first: for a BERT-base a
+    cost in seconds on the host, benchmarks/RESULTS.md)."""
     token = _UNINITIALISED.set(True)
     try:
         yield

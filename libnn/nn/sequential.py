@@ -47,8 +47,8 @@ class FlattenLinear(Module):
     """Flatten(layout="NHWC") → Linear [→ activation] without the transpose Flatten would make: the
     (N, H, W, C) input is reshaped as it lies and multiplied by the Linear's weight with its columns
     permuted from PyTorch's (C, H, W) order to (H, W, C), a copy made once per input shape (the
-    parameter itself stays PyTorch's, so state_dict() is unchanged). Saving the transpose took SeedCNN
-    from 114 µs to 100 µs (fp16, batch 360, H100). Formed by Sequential."""
+    parameter itself stays PyTorch's, so state_dict() is unchanged). Saving the transpose made SeedCNN
+    measurably faster (benchmarks/RESULTS.md, models). Formed by Sequential."""
 
     def __init__(self, flatten: Flatten, layer: Linear, activation: str | None):
         super().__init__()

@@ -241,8 +241,8 @@ _CMUL = contracts.params("fft_conv.cu", "fft_cmul")
 
 # Up to this many channel pairs the contraction is one pass over the spectra (fft_cmul on the GPU, a
 # broadcast multiply-and-sum on the host); above it, one batched GEMM over frequencies. A GEMM per
-# frequency with C = K = 1 is millions of 1x1 products: on the H100 it made a 2048² single-channel
-# convolution 6× slower than CuPy's fftconvolve.
+# frequency with C = K = 1 is millions of 1x1 products: on the H100 it made large single-channel
+# convolutions several times slower than CuPy's fftconvolve (benchmarks/RESULTS.md, FFT convolution).
 GEMM_CHANNEL_PAIRS = 16
 
 

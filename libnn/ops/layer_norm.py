@@ -13,9 +13,9 @@ the next block. y is the normalization of the unrounded h on the custom and refe
 cuDNN's, with return_sum, of h as stored in x's dtype (the add's output is then a graph output).
 
 Paths, in `auto` order (custom first: on the H100 it matched or beat cuDNN's bandwidth on the
-common shapes, 2.72 vs 2.67 TB/s at 131072×768 fp16, and costs a third of the host time per call,
-41 vs 124 µs; cuDNN is faster on the rows only the looping kernel takes, odd N past 1024 or longer
-than a block holds, e.g. 1024×65536, so for those auto tries cudnn first):
+common shapes and costs less host time per call; cuDNN is faster on the rows only the looping kernel
+takes, odd N past 1024 or longer than a block holds, e.g. 1024×65536, so for those auto tries cudnn
+first; figures in benchmarks/RESULTS.md, layer_norm):
 - custom:    kernels/layer_norm.cu (a row per warp up to N = 1024, a row per block in registers
              beyond, a looping row per block for the longest or unaligned rows).
 - cudnn:     the cuDNN frontend's layernorm node in its INFERENCE phase (no mean or inv_var
@@ -315,11 +315,11 @@ def launch_custom(problem: LayerNormProblem, x, weight, bias, residual=None, ver
 
 def _custom_slower(problem: LayerNormProblem) -> str | None:
     """Rows that only the looping kernel takes (longer than a block holds, or an odd N past 1024)
-    ran faster on cuDNN on the H100: 1024x65536 fp16 at 2.49 vs 0.71 TB/s, 8192x12289 at 1.69 vs 1.19."""
+    ran faster on cuDNN on the H100 (benchmarks/RESULTS.md, layer_norm)."""
     aligned = problem.N % row_kernels.group(problem.dtype) == 0
     if custom_version(problem, aligned) == _VERSIONS.loop:
         return (f"rows of {problem.N} take kernels/layer_norm.cu's looping kernel, which cuDNN outran on "
-                "the H100 (1024x65536 fp16: 2.49 vs 0.71 TB/s)")
+                "the H100 (benchmarks/RESULTS.md, layer_norm)")
     return None
 
 

@@ -173,7 +173,7 @@ def _cublaslt_slower(problem: LinearProblem) -> str | None:
 
 def _custom_slower(problem: LinearProblem) -> str | None:
     """custom is deferred with cublaslt so that it stays behind it, should cudnn decline the graph:
-    kernels/gemm.cu runs at about half cuBLASLt's rate (RESULTS.md: 352 vs 760 TFLOP/s at 4096³ bf16),
+    kernels/gemm.cu runs at about half cuBLASLt's rate (benchmarks/RESULTS.md, linear),
     a larger cost than cuBLASLt's pass (one read and one write of the output) at the FFN shapes of
     `libnn bench linear`, where both are timed."""
     if _erf_fused_by_cudnn(problem):

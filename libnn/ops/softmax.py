@@ -15,8 +15,9 @@ Paths, in `auto` order:
              so every layout is taken.
 - cupy:      CuPy array arithmetic on the GPU (CuPy's generated elementwise and reduction kernels,
              hence kind "library"): max, subtract, exp, sum, one pass each; fp16/bf16 inputs are
-             computed in fp32 and rounded once at the end. Kept to compare against: about 200 us per
-             call from Python, where custom's bound call is one allocation and one launch.
+             computed in fp32 and rounded once at the end. Kept to compare against: four passes
+             launched from Python, where custom's bound call is one allocation and one launch (host
+             cost per call: benchmarks/RESULTS.md).
 - reference: NumPy in float64, rounded to x's dtype once at the end; it refuses, before allocating,
              an x whose float64 copy and temporaries would not fit in host RAM.
 """
