@@ -12,12 +12,12 @@ from libnn.config import config
 from libnn.errors import (FallbackWarning, KernelCompileError, LibnnError, LibraryError, NoPathError,
                           PathUnavailableError)
 from libnn.registry import get_op, paths
-from libnn.runtime.cache import cache_info
+from libnn.runtime.cache import cache_info, cache_keys
 from libnn.runtime.device import has_gpu, info
 from libnn.runtime.stream import stream
 
 __version__ = "0.1.0"
 
-__all__ = ["nn", "ops", "config", "paths", "get_op", "info", "has_gpu", "stream", "cache_info",
+__all__ = ["nn", "ops", "config", "paths", "get_op", "info", "has_gpu", "stream", "cache_info", "cache_keys",
            "LibnnError", "PathUnavailableError", "NoPathError", "LibraryError", "KernelCompileError",
            "FallbackWarning"]

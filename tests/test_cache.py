@@ -1,6 +1,8 @@
 """Plan caches build once per key, count hits, and evict least-recently-used entries."""
 
-from libnn.runtime.cache import PlanCache, cache_info
+import pytest
+
+from libnn.runtime.cache import PlanCache, cache_info, cache_keys
 
 
 def test_cache_builds_once_per_key_and_counts_hits():
@@ -18,6 +20,15 @@ def test_cache_evicts_the_least_recently_used():
     for key in ["a", "b", "a", "c"]:
         cache.get(key, lambda: key)
     assert "a" in cache and "c" in cache and "b" not in cache
+
+
+def test_cache_keys_lists_a_plan_cache_by_name_least_recent_first():
+    cache = PlanCache("test cache keys", maxsize=3)
+    for key in ["a", "b", "a"]:
+        cache.get(key, lambda: key)
+    assert cache_keys("test cache keys") == ["b", "a"]
+    with pytest.raises(KeyError, match="no plan cache named 'no such cache'"):
+        cache_keys("no such cache")
 
 
 def test_time_paths_rows_ratios_and_declined_paths(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 
 from libnn.errors import KernelCompileError
 from libnn.runtime import kernels
+from libnn.runtime.cache import cache_info
 
 if os.environ.get("CI"):
     import cuda.bindings.nvrtc  # noqa: F401  (CI installs libnn[test]: a missing NVRTC is a failure there)
@@ -44,8 +45,11 @@ def test_disk_cache_is_keyed_by_source_options_and_arch(tmp_path, monkeypatch):
     calls = []
     real = kernels._compile_uncached
     monkeypatch.setattr(kernels, "_compile_uncached", lambda *a: calls.append(a[2:]) or real(*a))
+    stats = cache_info()["kernel compiles"]
+    builds, hits = stats.builds, stats.hits
     first = kernels.compile_file(source, "sm_90")
     assert kernels.compile_file(source, "sm_90").cubin == first.cubin and len(calls) == 1
+    assert (stats.builds - builds, stats.hits - hits) == (1, 1)  # what a test in another process can read
     kernels.compile_file(source, "sm_80")
     kernels.compile_file(source, "sm_90", kernels.DEFAULT_OPTIONS + ("-DVARIANT=2",))
     source.write_text(source.read_text() + "// changed\n")

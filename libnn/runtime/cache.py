@@ -1,7 +1,7 @@
 """Plan caches: everything expensive (library plans, handles, compiled modules) is built once per key
 and reused. A key must name everything the object depends on (shapes, strides, dtypes, options,
 device); `cache_info()` reports hits and build time per cache, which is how tests check that a second
-call built nothing. What outlives the process (compiled kernels, serialized cuDNN plans) goes under
+call built nothing, and `cache_keys(name)` lists what a plan cache holds. What outlives the process (compiled kernels, serialized cuDNN plans) goes under
 `cache_dir()`."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable, Generic, Hashable, TypeVar
 T = TypeVar("T")
 
 _STATS: dict[str, "CacheStats"] = {}
+_CACHES: dict[str, "PlanCache"] = {}
 
 
 @dataclass
@@ -36,6 +37,7 @@ class PlanCache(Generic[T]):
         self._items: OrderedDict[Hashable, T] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = register_stats(name)
+        _CACHES[name] = self
 
     def get(self, key: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
@@ -77,6 +79,13 @@ def register_stats(name: str) -> CacheStats:
 def cache_info() -> dict[str, CacheStats]:
     """Statistics of every plan cache libnn has created in this process."""
     return dict(_STATS)
+
+
+def cache_keys(name: str) -> list[Hashable]:
+    """The keys the plan cache `name` (as `cache_info()` names it) holds now, least recently used first."""
+    if name not in _CACHES:
+        raise KeyError(f"cache_keys: no plan cache named {name!r}; plan caches: {sorted(_CACHES)}")
+    return _CACHES[name].keys()
 
 
 def cache_dir() -> Path:

@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from libnn.errors import KernelCompileError
-from libnn.runtime.cache import PlanCache, cache_dir
+from libnn.runtime.cache import PlanCache, cache_dir, register_stats
 from libnn.runtime.device import compute_capability, current_device_id
 from libnn.runtime.nvrtc import bindings, check, nvrtc_version, supported_archs
 
@@ -176,6 +178,11 @@ def _compile_uncached(path: Path, source: bytes, arch: str, options: tuple[str, 
         nvrtc.nvrtcDestroyProgram(program)
 
 
+# cache_info()["kernel compiles"]: hits are compiles found in the disk cache, builds are NVRTC runs.
+_compiles = register_stats("kernel compiles")
+_compiles_lock = threading.Lock()
+
+
 def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT_OPTIONS,
                  use_disk_cache: bool = True, refresh: bool = False) -> CompiledFile:
     """Compile one kernel file for `arch` ('sm_90', or 'compute_90' for PTX), from the disk cache when
@@ -187,8 +194,14 @@ def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT
     stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
     binary, log = stored.with_suffix(".bin"), stored.with_suffix(".log")
     if use_disk_cache and not refresh and binary.exists() and log.exists():
+        with _compiles_lock:
+            _compiles.hits += 1
         return CompiledFile(path, arch, options, binary.read_bytes(), log.read_text(), binary)
+    start = time.perf_counter()
     compiled = _compile_uncached(path, source, arch, options)
+    with _compiles_lock:
+        _compiles.builds += 1
+        _compiles.build_seconds += time.perf_counter() - start
     if not use_disk_cache:
         return compiled
     stored.parent.mkdir(parents=True, exist_ok=True)
