@@ -23,9 +23,10 @@ v/(1+expf(-v)) (the division is div.full.f32, <= 2 ulp: IEEE '/' would be a call
 makes the callers spill); any other value: none. fp16/bf16 are passed as raw 16-bit storage (unsigned
 short).
 
-It includes no CUDA toolkit header (only libnn's kernels/common.cuh) so that NVRTC from any pip wheel
-compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are inline PTX. It needs sm_80 or newer
-(cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with -Xptxas=-v -I kernels/ -arch=sm_80 or sm_90.
+It includes no CUDA toolkit header (only libnn's kernels/common.cuh and kernels/mma_pipeline.cuh) so that
+NVRTC from any pip wheel compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are
+inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with
+-Xptxas=-v -I kernels/ -arch=sm_80 or sm_90.
 
 Versions:
 
@@ -62,7 +63,9 @@ Versions:
    bank-conflict free. Each thread copies one 16-byte chunk (8 channels) of 4 A rows and 2 B rows per
    k-tile; the chunk's (r, s, c) is advanced incrementally and each A row keeps its image offset and
    window origin, so the im2col gather costs a few integer ops per copy. Blocks are rasterized in groups
-   of 8 M-tiles (the kernel remaps the block index). Epilogue through shared memory: the fp32 tile is
+   of 8 M-tiles (the kernel remaps the block index). The main loop (pipeline, swizzle, fragments, mmas)
+   and the rasterization are kernels/mma_pipeline.cuh's, shared with gemm.cu's gemm3; this file has
+   conv3's im2col loader (load_tile) and epilogue. Epilogue through shared memory: the fp32 tile is
    written to smem (reusing the pipeline buffers, rows padded to BN+8 floats), then each thread stores
    runs of 8 channels of one output pixel (one 16-byte store when y is channel-contiguous and aligned),
    which also keeps the activation code out of the unrolled accumulator loop.
@@ -117,6 +120,7 @@ and C4_BM/BN (libnn/runtime/contracts.py reads them; tests/test_kernel_contracts
 */
 
 #include "common.cuh"
+#include "mma_pipeline.cuh"
 
 namespace ck {
 
@@ -381,15 +385,6 @@ __device__ __forceinline__ void conv2_entry(const typename DT::T* __restrict__ x
 #define CONV3_THREADS (32 * CONV3_WM * CONV3_WN)
 #define CONV3_GROUP_M 8
 
-// 16-byte chunk c of smem row r (rows are BK*2 bytes). Only r&7 matters, and every row a thread touches
-// differs from its first one by a multiple of 8, so each thread's swizzle term is a constant.
-template <int CH>
-__device__ __forceinline__ int swz(int r, int c) {
-    static_assert(CH == 4 || CH == 8, "BK must be 32 or 64");
-    if constexpr (CH == 8) return c ^ (r & 7);
-    else return c ^ ((r >> 1) & 3);   // 64-byte rows: two rows share a 128-byte line
-}
-
 template <class DT, int BM, int BN, int BK, int WM, int WN, int STAGES, bool AL>
 __device__ __forceinline__ void conv3_body(const u16* __restrict__ x, const u16* __restrict__ w,
                                            const float* __restrict__ scale, const float* __restrict__ shift,
@@ -398,10 +393,8 @@ __device__ __forceinline__ void conv3_body(const u16* __restrict__ x, const u16*
     constexpr int WTM = BM / WM, WTN = BN / WN;    // warp tile
     constexpr int MI = WTM / 16, NI = WTN / 8;     // mma tiles per warp
     constexpr int CH = BK / 8;                     // 16-byte chunks per smem row
-    constexpr int KS = BK / 16;                    // k16 steps per k-tile
     constexpr int RSTEP = NT / CH;                 // loader row step
     constexpr int A_IT = BM * CH / NT, B_IT = BN * CH / NT;
-    static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
     static_assert(NT % CH == 0 && RSTEP % 8 == 0 && BM % RSTEP == 0 && BN % RSTEP == 0, "loader shape");
     static_assert(A_IT >= 1 && B_IT >= 1 && A_IT <= 32, "loader shape");
 
@@ -415,19 +408,8 @@ __device__ __forceinline__ void conv3_body(const u16* __restrict__ x, const u16*
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / WN, wn = warp % WN;
 
-    // grouped rasterization over the (M-tile, N-tile) grid: consecutive blocks walk GROUP_M M-tiles
-    // before moving to the next N-tile
-    int tm, tn;
-    {
-        const int mt = gridDim.x, nt = gridDim.y;
-        const int bid = blockIdx.y * mt + blockIdx.x;
-        const int per = CONV3_GROUP_M * nt;
-        const int fm = (bid / per) * CONV3_GROUP_M;
-        const int gs = imin(mt - fm, CONV3_GROUP_M);
-        const int r = bid % per;
-        tm = fm + r % gs;
-        tn = r / gs;
-    }
+    int tm, tn;   // grid = (M-tiles, N-tiles)
+    grouped_tile<CONV3_GROUP_M>(gridDim.x, gridDim.y, tm, tn);
     const int m0 = tm * BM, n0 = tn * BN;
 
     // loader: thread owns chunk column lc (8 consecutive k) of rows lr0 + i*RSTEP
@@ -527,80 +509,8 @@ __device__ __forceinline__ void conv3_body(const u16* __restrict__ x, const u16*
         }
     };
 
-    // ldmatrix.x4 source rows. A (16x16 per mma): lanes 0-15 -> rows 0-15 at k 0-7, lanes 16-31 -> rows
-    // 0-15 at k 8-15, giving a0..a3 in mma order. B (two n8 tiles x k16): lanes 0-7 n 0-7/k 0-7 (b0 of
-    // tile 0), 8-15 n 0-7/k 8-15 (b1 of tile 0), 16-23 n 8-15/k 0-7, 24-31 n 8-15/k 8-15.
-    const int a_row = wm * WTM + (lane & 15);
-    const int a_hc = lane >> 4;
-    const int b_row = wn * WTN + ((lane >> 4) << 3) + (lane & 7);
-    const int b_hc = (lane >> 3) & 1;
-    u32 a_off[KS], b_off[KS];
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        a_off[kk] = (u32)((a_row * BK + swz<CH>(a_row, kk * 2 + a_hc) * 8) * 2);
-        b_off[kk] = (u32)((b_row * BK + swz<CH>(b_row, kk * 2 + b_hc) * 8) * 2);
-    }
-
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
-
-    const int KT = (KG + BK - 1) / BK;
-#pragma unroll 1
-    for (int st = 0; st < STAGES - 1; st++) {
-        if (st < KT) load_tile(st, st);
-        cp_async_commit();
-    }
-
-    // Fragments are double-buffered across k16 steps, and across k-tiles too: the barrier for tile kt+1
-    // is taken before the last k16 step of tile kt, so the first ldmatrix of kt+1 overlaps its mmas.
-    u32 af[2][MI][4], bf[2][NI][2];
-    auto load_frags = [&](int buf, int stage, int kk) {
-        const u32 sa = sA_u + (u32)(stage * BM * BK * 2) + a_off[kk];
-        const u32 sb = sB_u + (u32)(stage * BN * BK * 2) + b_off[kk];
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-            ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3], sa + (u32)(i * 16 * BK * 2));
-#pragma unroll
-        for (int j = 0; j < NI / 2; j++)
-            ldsm_x4(bf[buf][2 * j][0], bf[buf][2 * j][1], bf[buf][2 * j + 1][0], bf[buf][2 * j + 1][1],
-                    sb + (u32)(j * 16 * BK * 2));
-    };
-    static_assert(KS % 2 == 0, "tile kt+1 starts in fragment buffer 0");
-
-    cp_async_wait<STAGES - 2>();   // tile 0 landed (this thread's copies) ...
-    __syncthreads();               // ... and everyone's
-    load_frags(0, 0, 0);
-
-    int rs_ = 0, ws_ = STAGES - 1;   // stage being read, stage being refilled
-    for (int kt = 0; kt < KT; kt++) {
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            if (kk == 0) {
-                // stage ws_ was last read (by ldmatrix) before the previous barrier: safe to refill
-                if (kt + STAGES - 1 < KT) load_tile(ws_, kt + STAGES - 1);
-                cp_async_commit();   // always commit, so the group count stays in step
-                ws_ = (ws_ + 1 == STAGES) ? 0 : ws_ + 1;
-            }
-            if (kk + 1 < KS) {
-                load_frags((kk + 1) & 1, rs_, kk + 1);
-            } else {
-                cp_async_wait<STAGES - 2>();   // tile kt+1 landed for this thread ...
-                __syncthreads();               // ... for all, and all are done reading stage rs_'s fragments
-                rs_ = (rs_ + 1 == STAGES) ? 0 : rs_ + 1;
-                if (kt + 1 < KT) load_frags(0, rs_, 0);
-            }
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-#pragma unroll
-                for (int j = 0; j < NI; j++) mma16816<DT::bf16 != 0>(acc[i][j], af[kk & 1][i], bf[kk & 1][j]);
-        }
-    }
-    cp_async_wait<0>();   // only empty groups remain; no copy outlives the block
+    mma_mainloop<DT::bf16 != 0, BM, BN, BK, WM, WN, STAGES, false>(acc, sA_u, sB_u, KG, wm, wn, lane, load_tile);
     __syncthreads();      // every warp is done reading the pipeline's shared memory
 
     // Epilogue through shared memory: the fp32 tile goes to smem (rows padded to BN+8 floats: the float2

@@ -19,9 +19,10 @@ compile is the identity.
 M, N, K may be any positive ints: all edges are bounds-checked or zero-filled, nothing outside the tensors
 is read or written. fp16/bf16 are passed as raw 16-bit storage (unsigned short).
 
-It includes no CUDA toolkit header (only libnn's kernels/common.cuh) so that NVRTC from any pip wheel
-compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are inline PTX. It needs sm_80
-or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with -Xptxas=-v -I kernels/ -arch=sm_XX.
+It includes no CUDA toolkit header (only libnn's kernels/common.cuh and kernels/mma_pipeline.cuh) so that
+NVRTC from any pip wheel compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are
+inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with
+-Xptxas=-v -I kernels/ -arch=sm_XX.
 
 Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via torch in brackets):
 
@@ -48,7 +49,9 @@ Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via tor
    Shared rows are BK*2 = 64 bytes; 16-byte chunks are XOR-swizzled (chunk ^ ((row>>1)&3); for BK=64,
    chunk ^ (row&7)) so both the cp.async stores and every 8-row ldmatrix phase hit 8 distinct 16-byte
    bank groups. Blocks are rasterized in groups of 8 M-tiles (the kernel remaps blockIdx itself) so the
-   blocks in flight share their A rows and B columns in L2.
+   blocks in flight share their A rows and B columns in L2. The main loop (pipeline, swizzle, fragments,
+   mmas) and the rasterization are kernels/mma_pipeline.cuh's, shared with conv2d.cu's conv3; this file
+   has gemm3's loader (load_tile) and epilogue.
    Also measured: 8192^3 ~450 TFLOP/s (cuBLAS 781), 2048^3 ~243 (440), 1024^3 ~42 (102). Other
    tiles (128x128 4 warps, 256x128, BK=64, 3/5 stages) were all within +-5% at 4096^3 and 8192^3.
    Alignment: the 16-byte cp.async path is used only when K%8==0 and x,w are 16-byte aligned; otherwise
@@ -89,6 +92,7 @@ GEMM_PARAMS below and computes this table from the constants GEMM1_BX/BY, G2_THR
 */
 
 #include "common.cuh"
+#include "mma_pipeline.cuh"
 
 namespace gk {
 
@@ -295,15 +299,6 @@ __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const fl
 #define GEMM3_THREADS (32 * GEMM3_WM * GEMM3_WN)
 #define GEMM3_GROUP_M 8
 
-// 16-byte chunk c of smem row r (rows are BK*2 bytes). Only r&7 matters, and every row a thread touches
-// differs from its first one by a multiple of 8, so each thread's swizzle term is a constant.
-template <int CH>
-__device__ __forceinline__ int swz(int r, int c) {
-    static_assert(CH == 4 || CH == 8, "BK must be 32 or 64");
-    if constexpr (CH == 8) return c ^ (r & 7);
-    else return c ^ ((r >> 1) & 3);   // 64-byte rows: two rows share a 128-byte line
-}
-
 extern __shared__ u32x4 dsmem[];   // u32x4: 16-byte aligned, as cp.async needs
 
 template <class DT, unsigned ACTS, int BM, int BN, int BK, int WM, int WN, int STAGES, bool AL>
@@ -314,10 +309,8 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16*
     constexpr int WTM = BM / WM, WTN = BN / WN;    // warp tile
     constexpr int MI = WTM / 16, NI = WTN / 8;     // mma tiles per warp
     constexpr int CH = BK / 8;                     // 16-byte chunks per smem row
-    constexpr int KS = BK / 16;                    // k16 steps per k-tile
     constexpr int RS = NT / CH;                    // loader row step
     constexpr int A_IT = BM * CH / NT, B_IT = BN * CH / NT;
-    static_assert(WTM % 16 == 0 && WTN % 16 == 0, "warp tile must be a multiple of 16x16");
     static_assert(NT % CH == 0 && RS % 8 == 0 && BM % RS == 0 && BN % RS == 0, "loader shape");
     static_assert(A_IT >= 1 && B_IT >= 1, "loader shape");
 
@@ -328,18 +321,8 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16*
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int wm = warp / WN, wn = warp % WN;
 
-    // grouped rasterization: consecutive blocks walk GROUP_M M-tiles before moving to the next N-tile
-    int tm, tn;
-    {
-        const int gx = gridDim.x, gy = gridDim.y;
-        const int bid = blockIdx.y * gx + blockIdx.x;
-        const int per = GEMM3_GROUP_M * gx;
-        const int fm = (bid / per) * GEMM3_GROUP_M;
-        const int gs = imin(gy - fm, GEMM3_GROUP_M);
-        const int r = bid % per;
-        tm = fm + r % gs;
-        tn = r / gs;
-    }
+    int tm, tn;   // grid = (N-tiles, M-tiles)
+    grouped_tile<GEMM3_GROUP_M>(gridDim.y, gridDim.x, tm, tn);
     const int m0 = tm * BM, n0 = tn * BN;
 
     // loader: thread owns chunk column lc of rows lr0 + i*RS
@@ -393,80 +376,8 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16*
         }
     };
 
-    // ldmatrix.x4 source rows. A (16x16 per mma): lanes 0-15 -> rows 0-15 at k 0-7, lanes 16-31 -> rows
-    // 0-15 at k 8-15, giving a0..a3 in mma order. B (two n8 tiles x k16): lanes 0-7 n 0-7/k 0-7 (b0 of
-    // tile 0), 8-15 n 0-7/k 8-15 (b1 of tile 0), 16-23 n 8-15/k 0-7, 24-31 n 8-15/k 8-15.
-    const int a_row = wm * WTM + (lane & 15);
-    const int a_hc = lane >> 4;
-    const int b_row = wn * WTN + ((lane >> 4) << 3) + (lane & 7);
-    const int b_hc = (lane >> 3) & 1;
-    u32 a_off[KS], b_off[KS];
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        a_off[kk] = (u32)((a_row * BK + swz<CH>(a_row, kk * 2 + a_hc) * 8) * 2);
-        b_off[kk] = (u32)((b_row * BK + swz<CH>(b_row, kk * 2 + b_hc) * 8) * 2);
-    }
-
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
-
-    const int KT = (K + BK - 1) / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();
-    }
-
-    // Fragments are double-buffered across k16 steps, and across k-tiles too: the barrier for tile kt+1
-    // is taken before the last k16 step of tile kt, so the first ldmatrix of kt+1 overlaps its mmas.
-    u32 af[2][MI][4], bf[2][NI][2];
-    auto load_frags = [&](int buf, int stage, int kk) {
-        const u32 sa = sA_u + (u32)(stage * BM * BK * 2) + a_off[kk];
-        const u32 sb = sB_u + (u32)(stage * BN * BK * 2) + b_off[kk];
-#pragma unroll
-        for (int i = 0; i < MI; i++)
-            ldsm_x4(af[buf][i][0], af[buf][i][1], af[buf][i][2], af[buf][i][3], sa + (u32)(i * 16 * BK * 2));
-#pragma unroll
-        for (int j = 0; j < NI / 2; j++)
-            ldsm_x4(bf[buf][2 * j][0], bf[buf][2 * j][1], bf[buf][2 * j + 1][0], bf[buf][2 * j + 1][1],
-                    sb + (u32)(j * 16 * BK * 2));
-    };
-    static_assert(KS % 2 == 0, "tile kt+1 starts in fragment buffer 0");
-
-    cp_async_wait<STAGES - 2>();   // tile 0 landed (this thread's copies) ...
-    __syncthreads();               // ... and everyone's
-    load_frags(0, 0, 0);
-
-    int rs = 0, ws = STAGES - 1;   // stage being read, stage being refilled
-    for (int kt = 0; kt < KT; kt++) {
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) {
-            if (kk == 0) {
-                // stage ws was last read (by ldmatrix) before the previous barrier: safe to refill
-                if (kt + STAGES - 1 < KT) load_tile(ws, kt + STAGES - 1);
-                cp_async_commit();   // always commit, so the group count stays in step
-                ws = (ws + 1 == STAGES) ? 0 : ws + 1;
-            }
-            if (kk + 1 < KS) {
-                load_frags((kk + 1) & 1, rs, kk + 1);
-            } else {
-                cp_async_wait<STAGES - 2>();   // tile kt+1 landed for this thread ...
-                __syncthreads();               // ... for all, and all are done reading stage rs's fragments
-                rs = (rs + 1 == STAGES) ? 0 : rs + 1;
-                if (kt + 1 < KT) load_frags(0, rs, 0);
-            }
-#pragma unroll
-            for (int i = 0; i < MI; i++)
-#pragma unroll
-                for (int j = 0; j < NI; j++) mma16816<DT::bf16 != 0>(acc[i][j], af[kk & 1][i], bf[kk & 1][j]);
-        }
-    }
-    cp_async_wait<0>();   // only empty groups remain; no copy outlives the block
+    mma_mainloop<DT::bf16 != 0, BM, BN, BK, WM, WN, STAGES, true>(acc, sA_u, sB_u, K, wm, wn, lane, load_tile);
 
     // C fragment: c0,c1 at (row g, cols 2t,2t+1), c2,c3 at row g+8
     const int g = lane >> 2, t = lane & 3;
