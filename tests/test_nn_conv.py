@@ -21,8 +21,8 @@ def model(fold_bn=True, dtype="fp64", device="cpu", layout="NHWC"):
 
 
 def layer_by_layer(m, x):
-    for _, layer in m._children.items():
-        x = layer(x)
+    for i in range(len(m)):
+        x = m[i](x)
     return x
 
 
