@@ -39,6 +39,11 @@ def short_name(dtype) -> str:
     return name
 
 
+def is_float(dtype) -> bool:
+    """A floating-point dtype: NumPy's float kinds, or bfloat16 (ml_dtypes' kind is 'V', not 'f')."""
+    return dtype.kind == "f" or short_name(dtype) == "bf16"
+
+
 def parse(name) -> np.dtype:
     """A dtype from a short name ('bf16', 'fp32', ...) or anything NumPy understands."""
     if isinstance(name, str):

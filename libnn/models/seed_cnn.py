@@ -97,7 +97,7 @@ class SeedCNN(Module):
         x = as_array(x, "SeedCNN", "x")
         if x.ndim != 4 or tuple(x.shape[1:]) != INPUT_SHAPE or x.shape[0] < 1:
             raise ValueError(f"SeedCNN: expected input (N, 1, 28, 28) with N >= 1, got {tuple(x.shape)}")
-        if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+        if not dtypes.is_float(x.dtype):
             raise TypeError(f"SeedCNN: expected a floating-point input, got dtype {x.dtype}")
         weight = self.features[0].weight
         if is_cupy(x) != is_cupy(weight):

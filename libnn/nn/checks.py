@@ -23,10 +23,6 @@ DEVICES = ("cpu", "gpu", "cuda")  # what Module.to() takes; "cuda" is "gpu"
 FLOAT_DTYPES = "fp16, bf16, fp32 or fp64"
 
 
-def _is_float(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
-
-
 def is_int(value: Any) -> bool:
     """An int or a NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -121,7 +117,7 @@ def float_dtype(layer: str, value: Any) -> np.dtype:
         dtype = dtypes.parse(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{layer}: dtype {value!r}: {exc}") from None
-    if not _is_float(dtype):
+    if not dtypes.is_float(dtype):
         raise TypeError(f"{layer}: dtype must be {FLOAT_DTYPES}, got {dtype}")
     return dtype
 
@@ -149,7 +145,7 @@ def float_input(layer: str, x: Any, like: Any = None, name: str = "x") -> Any:
     """`x` (the argument `name`) as an array of a floating-point dtype (an integer one would have the
     result rounded back to it), on the device of the parameter `like` when there is one."""
     x = as_array(x, layer, name)
-    if not _is_float(x.dtype):
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"{layer}: {name} must be a floating-point array ({FLOAT_DTYPES}), got dtype {x.dtype}; "
                         f"convert it first ({name}.astype(...))")
     if like is not None and is_cupy(x) != is_cupy(like):

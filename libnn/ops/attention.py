@@ -163,7 +163,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 4:
             raise ValueError(f"attention: {name} must be 4-D {dims} for layout {layout}, got shape {tuple(a.shape)}")
-    if q.dtype.kind != "f" and dtypes.short_name(q.dtype) != "bf16":
+    if not dtypes.is_float(q.dtype):
         raise TypeError(f"attention: q must be a floating-point array (fp16, bf16, fp32, fp64), got {q.dtype}")
     for name, a in (("k", k), ("v", v), ("bias", bias)):
         if a is not None and a.dtype != q.dtype:

@@ -153,7 +153,7 @@ def conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, l
     if w.ndim != 4:
         filter_layout = "K, R, S, C/groups" if layout == "NHWC" else "K, C/groups, R, S"
         raise ValueError(f"conv2d: w must be 4-D ({filter_layout}), got shape {tuple(w.shape)}")
-    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"conv2d: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     for name, a in (("w", w), ("b", b)):
         if a is not None and a.dtype != x.dtype:

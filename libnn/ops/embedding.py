@@ -103,17 +103,13 @@ class EmbeddingProblem:
         return 2 * self.output_bytes
 
 
-def _is_float(dtype) -> bool:
-    return dtype.kind == "f" or dtypes.short_name(dtype) == "bf16"
-
-
 def embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight, norm_bias, eps,
            normalize) -> EmbeddingProblem:
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
     if weight.ndim != 2:
         raise ValueError(f"embedding: weight must be 2-D (rows, hidden), got shape {tuple(weight.shape)}")
-    if not _is_float(weight.dtype):
+    if not dtypes.is_float(weight.dtype):
         raise TypeError(f"embedding: weight must be a floating-point array (fp16, bf16, fp32, fp64), "
                         f"got {weight.dtype}")
     rows, H = weight.shape

@@ -81,7 +81,7 @@ class LayerNormProblem:
 def layer_norm_problem(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
     if x.ndim < 1:
         raise ValueError("layer_norm: x must have at least 1 dimension (..., N), got a 0-d array")
-    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"layer_norm: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     N = x.shape[-1]
     for name, a in (("weight", weight), ("bias", bias)):

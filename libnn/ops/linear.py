@@ -95,7 +95,7 @@ def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None) -> Line
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"linear: residual must have the output's shape {out_shape} (x's leading dimensions, "
                          f"w's out_features), got {tuple(residual.shape)}")
-    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"linear: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     for name, a in (("w", w), ("b", b), ("residual", residual)):
         if a is not None and a.dtype != x.dtype:

@@ -62,7 +62,7 @@ def pool2d_problem(mode, x, kernel_size, stride, padding, count_include_pad, lay
         raise ValueError(f"{name}: layout must be one of {LAYOUTS}, got {layout!r}")
     if x.ndim != 4:
         raise ValueError(f"{name}: x must be 4-D ({', '.join(layout)}), got shape {tuple(x.shape)}")
-    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"{name}: x must be a floating-point array, got {x.dtype}")
     if not isinstance(count_include_pad, (bool, np.bool_)):  # "no" would mean yes
         raise TypeError(f"{name}: count_include_pad must be True or False, got {type(count_include_pad).__name__} "

@@ -83,7 +83,7 @@ def softmax_problem(x, dim, log: bool) -> SoftmaxProblem:
     if not -x.ndim <= dim < x.ndim:
         raise ValueError(f"{name}: dim {dim} is out of range for x of shape {tuple(x.shape)} "
                          f"(expected {-x.ndim}..{x.ndim - 1})")
-    if x.dtype.kind != "f" and dtypes.short_name(x.dtype) != "bf16":
+    if not dtypes.is_float(x.dtype):
         raise TypeError(f"{name}: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     return SoftmaxProblem(tuple(x.shape), int(dim) % x.ndim, bool(log), dtypes.short_name(x.dtype),
                           device_of({"x": x}, name))
