@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
+from libnn.ops.spatial import is_int
 from libnn.registry import get_op, ops as known_ops
 from libnn.runtime import device as runtime_device
 from libnn.runtime import memory
@@ -21,11 +22,6 @@ from libnn.runtime.arrays import as_array, describe, is_cupy
 
 DEVICES = ("cpu", "gpu", "cuda")  # what Module.to() takes; "cuda" is "gpu"
 FLOAT_DTYPES = "fp16, bf16, fp32 or fp64"
-
-
-def is_int(value: Any) -> bool:
-    """An int or a NumPy integer, not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _at_least(minimum: int) -> str:
