@@ -48,7 +48,10 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     position = xp.arange(S, dtype=xp.int32)[None, :]
     lengths = xp.where(valid, position + 1, 0).max(axis=1).astype(xp.int32)  # up to the last True
     inside = position < lengths[:, None]
-    holes = lambda: xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :]  # noqa: E731
+
+    def holes() -> Any:  # -inf at the Falses before each row's last True: what the lengths cannot mask
+        return xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :]
+
     if is_cupy(valid) and capturing():  # counted from the mask: in range by construction
         return CheckedLengths(lengths), holes()
     is_prefix, shortest = (int(v) for v in xp.stack([xp.all(inside == valid).astype(xp.int32),
