@@ -235,7 +235,11 @@ def test_residual_path_matches_reference(rng, path, dtype, shape):
     assert rel_error(y, expected) <= tolerance(dtype), affine
     y2, h = run(path, x, weight, bias, residual=gpu(r), return_sum=True)
     assert h.shape == x.shape and h.dtype == x.dtype
-    assert rel_error(y2, expected) <= tolerance(dtype), affine
+    # as the op documents: with return_sum, cuDNN normalizes h as stored (rounded to the dtype, as
+    # PyTorch's layer_norm(x + r) does); the custom path the unrounded sum. At |x + r| ~ 30, rounding
+    # h to bf16 moves y by ~1%, so each path is held to its own oracle.
+    expected2 = reference(exact_sum(x, r), weight, bias) if path == "cudnn" else expected
+    assert rel_error(y2, expected2) <= tolerance(dtype), affine
     if path == "custom":
         np.testing.assert_array_equal(h.get(), exact_sum(x, r))
         np.testing.assert_array_equal(y2.get(), y.get())  # the sum written or not, y is the same

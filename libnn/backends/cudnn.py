@@ -122,12 +122,47 @@ def versions() -> str:
     return f"cudnn {cudnn.backend_version()} frontend {cudnn.__version__}"
 
 
-def _disk_key(key: Any) -> str:
+def _builder_fingerprint(builder: Callable[[Any], Any]) -> str:
+    """The builder's bytecode and constants (nested functions' included): a graph stored by an older
+    builder of the same key (another node order, another GELU) is not deserialized in its place."""
+    def text(code: Any) -> str:
+        consts = [text(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
+        return code.co_code.hex() + repr(code.co_names) + "".join(consts)
+    code = getattr(builder, "__code__", None)
+    return "" if code is None else hashlib.sha256(text(code).encode()).hexdigest()[:16]
+
+
+def _disk_key(key: Any, builder: Callable[[Any], Any]) -> str:
     import cupy
 
     props = cupy.cuda.runtime.getDeviceProperties(current_device_id())
-    text = repr((key, props["name"], props["multiProcessorCount"], props["major"], props["minor"], versions()))
+    text = repr((key, _builder_fingerprint(builder), props["name"], props["multiProcessorCount"], props["major"],
+                 props["minor"], versions()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class HostScalar:
+    """A float32 in host memory for a pass-by-value graph input (an epsilon, a constant of a composed
+    activation): cuDNN reads the value through the pointer when the graph is launched, so it is made
+    once per value (`host_scalar`) and kept. It looks like an array to `Graph.executor`, which takes
+    `.data.ptr` of every buffer."""
+
+    def __init__(self, value: float):
+        self.array = np.array([value], np.float32)
+        self.data = HostPointer(self.array.ctypes.data)
+
+
+@dataclass(frozen=True)
+class HostPointer:
+    ptr: int
+
+
+_host_scalars: PlanCache = PlanCache("cuDNN pass-by-value scalars")
+
+
+def host_scalar(value: float) -> HostScalar:
+    """The kept HostScalar holding `value`."""
+    return _host_scalars.get(float(value), lambda: HostScalar(value))
 
 
 def _heur_modes(names: tuple[str, ...]):
@@ -150,7 +185,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
     import cudnn
 
     handle = cudnn_handle()
-    stored = cache_dir() / "cudnn" / f"{_disk_key(key)}.plan"
+    stored = cache_dir() / "cudnn" / f"{_disk_key(key, builder)}.plan"
     start = time.perf_counter()
     if use_disk_cache and stored.exists():
         graph = cudnn.pygraph(handle=handle)

@@ -44,7 +44,6 @@ from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
                                   stream_key)
-from libnn.runtime.cache import PlanCache
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -203,22 +202,6 @@ def _graph_builder(problem: LayerNormProblem):
     return build
 
 
-class _HostScalar:
-    """A float32 in host memory, for a pass-by-value graph input: cuDNN reads the value through the
-    pointer when the graph is launched. It looks like an array to backends.cudnn.Graph.executor,
-    which takes `.data.ptr` of every buffer."""
-
-    def __init__(self, value: float):
-        self.array = np.array([value], np.float32)
-        self.data = _Pointer(self.array.ctypes.data)
-
-
-@dataclass(frozen=True)
-class _Pointer:
-    ptr: int
-
-
-_epsilons: PlanCache = PlanCache("layer_norm epsilons")
 
 
 def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
@@ -238,7 +221,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
         _uids(problem))
     # cuDNN's node requires both: the identity's ones and zeros, made once
     ones, zeros = device_constant(problem.N, 1, x.dtype), device_constant(problem.N, 0, x.dtype)
-    epsilon = _epsilons.get(problem.eps, lambda: _HostScalar(problem.eps))
+    epsilon = cudnn_backend.host_scalar(problem.eps)
     shape, dtype = (problem.M, problem.N), x.dtype
 
     def run(x, weight, bias, residual):

@@ -14,8 +14,8 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
              bias and applies the GELU (kernels/epilogue.cu bias_act_rows); for that reason `auto`
              tries cublaslt after cudnn for "gelu_erf" wherever cudnn can take the problem.
 - cudnn:     one cuDNN frontend graph, matmul → add(bias) → add(residual) → activation, which cuDNN's
-             runtime-fusion engines compile into one kernel: the exact GELU (cuDNN's GELU_FWD) in the
-             GEMM's epilogue, at no extra pass. fp16/bf16 with N and K multiples of 8; a graph cuDNN
+             runtime-fusion engines compile into one kernel: the exact GELU (composed from ERF and
+             arithmetic nodes, see exact_gelu) in the GEMM's epilogue, at no extra pass. fp16/bf16 with N and K multiples of 8; a graph cuDNN
              declines raises LibraryError, and `auto` goes on to the next path with a FallbackWarning.
 - custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32; bias, residual
              and activation in the kernel's epilogue, "gelu_erf" included for fp16/bf16 (kernels of
@@ -239,6 +239,8 @@ CUDNN_ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 # The uids of the tensors in linear_graph_builder's graph, for a variant pack (bias and residual only
 # when the problem has them).
 UID_X, UID_W, UID_BIAS, UID_RESIDUAL, UID_Y = range(1, 6)
+UID_INV_SQRT2, UID_HALF, UID_ONE = range(6, 9)  # exact_gelu's constants
+UID_EXACT_GELU = [UID_INV_SQRT2, UID_HALF, UID_ONE]
 
 
 def _cudnn_support(problem: LinearProblem) -> str | None:
@@ -263,8 +265,10 @@ def cudnn_graph_key(problem: LinearProblem) -> tuple:
 
 
 def _cudnn_uids(problem: LinearProblem) -> list[int]:
-    """The variant pack in the order the runner passes its arrays: x, w, [bias], [residual], y."""
-    return [UID_X, UID_W] + [UID_BIAS] * problem.has_bias + [UID_RESIDUAL] * problem.has_residual + [UID_Y]
+    """The variant pack in the order the runner passes its arrays: x, w, [bias], [residual], y,
+    [exact_gelu's constants]."""
+    return ([UID_X, UID_W] + [UID_BIAS] * problem.has_bias + [UID_RESIDUAL] * problem.has_residual + [UID_Y]
+            + UID_EXACT_GELU * (problem.activation == "gelu_erf"))
 
 
 def linear_graph_builder(problem: LinearProblem):
@@ -289,17 +293,35 @@ def linear_graph_builder(problem: LinearProblem):
         if p.has_residual:
             y = g.add(a=y, b=g.tensor(dim=[1, p.M, p.N], stride=rows, data_type=io, uid=UID_RESIDUAL),
                       compute_data_type=f32)
-        # cuDNN's names are not libnn's: its gelu (GELU_FWD) is the exact 0.5·v·(1 + erf(v/√2)), libnn's
-        # "gelu_erf"; its gelu_approx_tanh (GELU_APPROX_TANH_FWD) is libnn's "gelu"
         if p.activation == "relu":
             y = g.relu(input=y, compute_data_type=f32)
-        elif p.activation == "gelu":
+        elif p.activation == "gelu":  # cuDNN's GELU_APPROX_TANH_FWD is libnn's "gelu"
             y = g.gelu_approx_tanh(input=y, compute_data_type=f32)
         elif p.activation == "gelu_erf":
-            y = g.gelu(input=y, compute_data_type=f32)
+            y = exact_gelu(g, y)
         y.set_output(True).set_data_type(io).set_stride(rows).set_uid(UID_Y)
         return g
     return build
+
+
+def exact_gelu(g, v):
+    """0.5·v·(1 + erf(v/√2)) composed from cuDNN's ERF and arithmetic nodes, the constants passed by
+    value. Not cuDNN's GELU_FWD node: in the matmul runtime-fusion engine of cuDNN 9.19 on the H100 it
+    computes the tanh approximation (-3.637e-3 at v = -3, where the exact GELU is -4.050e-3)."""
+    import cudnn
+
+    f32 = cudnn.data_type.FLOAT
+
+    def constant(uid):
+        return g.tensor(dim=[1, 1, 1], stride=[1, 1, 1], data_type=f32, is_pass_by_value=True, uid=uid)
+    erf = g.erf(input=g.mul(a=v, b=constant(UID_INV_SQRT2), compute_data_type=f32), compute_data_type=f32)
+    half_v = g.mul(a=v, b=constant(UID_HALF), compute_data_type=f32)
+    return g.mul(a=half_v, b=g.add(a=erf, b=constant(UID_ONE), compute_data_type=f32), compute_data_type=f32)
+
+
+def _exact_gelu_constants() -> list:
+    """The pass-by-value inputs of `exact_gelu`, in the order of UID_EXACT_GELU."""
+    return [cudnn_backend.host_scalar(c) for c in (math.sqrt(0.5), 0.5, 1.0)]
 
 
 def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
@@ -317,10 +339,12 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
     execute = cudnn_backend.graph_for(cudnn_graph_key(problem), linear_graph_builder(problem),
                                       problem.describe).executor(_cudnn_uids(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
+    constants = _exact_gelu_constants() if problem.activation == "gelu_erf" else []
 
     def run(x, w, b, r):
         y = cupy.empty(shape, dtype)
-        execute(*[a for a in (x, w, b, r) if a is not None], y)  # b and r are None exactly when not in the graph
+        # b and r are None exactly when not in the graph
+        execute(*[a for a in (x, w, b, r) if a is not None], y, *constants)
         return y
     return run
 
