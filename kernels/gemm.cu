@@ -169,11 +169,9 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
 #define GEMM2_BK 16   // measured on H100: 16 beats 8 by ~7% (fewer barriers per FFMA)
 #endif
 #ifndef GEMM2_MINB
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define GEMM2_MINB 1   // sm_80's ptxas (NVRTC 13.0) spills ~92 B under a 128-register cap with the residual epilogue
-#else
-#define GEMM2_MINB 2   // 2 blocks/SM: caps registers at 128 (no spill on sm_90)
-#endif
+// blocks/SM bound: 2 caps registers at 128 (no spill on sm_90); sm_80's ptxas (NVRTC 13.0) spills ~92 B
+// under that cap with the residual epilogue, so there it is 1
+#define GEMM2_MINB (__CUDA_ARCH__ >= 900 ? 2 : 1)
 #endif
 #define G2_BK GEMM2_BK
 #define G2_LD (128 + 4)   // pad: a warp's transposing stores (rows x k-quads) spread over the banks
