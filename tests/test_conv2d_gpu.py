@@ -95,6 +95,28 @@ def test_conv_path_matches_reference(rng, path, dtype, layout, shape):
         assert rel_error(y, expected) <= tolerance(dtype), activation
 
 
+# 1×1 outputs (7×7 input, 4×4 kernel dilated by 2): cuDNN 9.19's fused conv→relu engine wrote NCHW
+# results transposed (y[n, k] at y[k, n]) and left the last one unwritten, until the graph described
+# a 1×1 output in NHWC form (found by the property tests on the H100)
+ONE_BY_ONE = [(2, 1, 7, 7, 2, 4, 4, 1, 0, 2, 1), (2, 2, 7, 7, 2, 4, 4, 1, 0, 2, 1),
+              (2, 8, 7, 7, 2, 4, 4, 1, 0, 2, 1), (2, 1, 7, 7, 8, 4, 4, 1, 0, 2, 1), (3, 5, 3, 3, 7, 3, 3, 1, 0, 1, 1)]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", ["cudnn", "cudnn+epilogue"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("shape", ONE_BY_ONE, ids=lambda s: "-".join(map(str, s)))
+def test_cudnn_one_by_one_output_lands_in_place(rng, path, layout, shape):
+    x, w, b, _, kwargs = make(rng, shape, "fp16", layout)
+    expected = run("reference", x.astype(np.float64), w.astype(np.float64), None, None, kwargs, "relu")
+    try:
+        y = conv2d(gpu(x), gpu(w), activation="relu", path=path, **kwargs)
+    except libnn.LibraryError as exc:
+        pytest.skip(f"the library declined this case (auto falls back): {exc}")
+    assert y.shape == expected.shape
+    assert rel_error(y, expected) <= tolerance("fp16")
+
+
 @pytest.mark.usefixtures("poisoned_gpu_memory")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_auto_always_finds_a_path_and_says_which(rng, dtype):

@@ -82,7 +82,10 @@ class ConvProblem:
         return _strides(self.layout, self.C, self.H, self.W)
 
     def y_strides(self) -> list[int]:
-        return _strides(self.layout, self.K, self.P, self.Q)
+        """y's, as x_strides. A 1×1 output is described in NHWC form whatever the layout (the same
+        memory): cuDNN 9.19's fused conv→pointwise engines misplace NCHW 1×1 outputs (an H100 property
+        test caught it: y[n, k] written at y[k, n], the last element never written)."""
+        return _strides("NHWC" if self.P * self.Q == 1 else self.layout, self.K, self.P, self.Q)
 
     def w_strides(self) -> list[int]:
         return _strides(self.layout, self.C // self.groups, self.R, self.S)
@@ -276,11 +279,13 @@ def conv2d_graph_builder(problem: ConvProblem):
         x = g.tensor(dim=[p.N, p.C, p.H, p.W], stride=p.x_strides(), data_type=io, uid=UID_X)
         w = g.tensor(dim=[p.K, p.C // p.groups, p.R, p.S], stride=p.w_strides(), data_type=io, uid=UID_W)
         y = g.conv_fprop(x, w, padding=list(p.padding), stride=list(p.stride), dilation=list(p.dilation),
-                         compute_data_type=f32)
+                         compute_data_type=f32).set_stride(p.y_strides())  # every intermediate laid out as y
         if p.has_scale:
             y = g.mul(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SCALE))
+            y.set_stride(p.y_strides())
         if p.has_shift:
             y = g.add(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SHIFT))
+            y.set_stride(p.y_strides())
         if p.activation == "relu":
             y = g.relu(y)
         elif p.activation == "relu6":
