@@ -129,6 +129,51 @@ def test_auto_always_finds_a_path_and_says_which(rng, dtype):
     assert rel_error(y, expected) <= tolerance(dtype)
 
 
+# dense (conv3_igemm, or conv4_igemm in fp32), grouped (conv1_direct) and depthwise (conv2_depthwise)
+BOUND_SHAPES = [(2, 16, 9, 7, 24, 3, 3, 1, 1, 1, 1), (1, 16, 8, 8, 32, 3, 3, 2, 1, 1, 4),
+                (2, 32, 9, 9, 32, 3, 3, 1, 1, 1, 32)]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("shape", BOUND_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_a_bound_custom_call_equals_a_fresh_one_on_new_values(rng, dtype, layout, shape):
+    """The custom path's bound call reads every array at each call: given other arrays, then other
+    values in those same arrays (x, w, b and the batch norm's four), it returns what a newly bound call
+    returns, bit for bit (the same kernel on the same inputs), and the reference's result."""
+    import cupy
+
+    op = libnn.get_op("conv2d")
+
+    def custom(x, w, b, bn, kwargs):
+        return run("custom", x, w, b, bn, kwargs, "relu")
+
+    def reference(x, w, b, bn, kwargs):
+        return run("reference", x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                   tuple(v.astype(np.float64) for v in bn[:4]) + (bn[4],), kwargs, "relu")
+
+    def on_gpu(x, w, b, bn):
+        return gpu(x), gpu(w), gpu(b), tuple(gpu(v) for v in bn[:4]) + (bn[4],)
+
+    first, second, third = (make(rng, shape, dtype, layout) for _ in range(3))
+    custom(*first)  # binds (or finds the bound call of an earlier test)
+    builds = op.calls.stats.builds
+    x, w, b, bn = on_gpu(*second[:4])
+    other_arrays = custom(x, w, b, bn, second[4])
+    nx, nw, nb, nbn = on_gpu(*third[:4])
+    for old, new in zip((x, w, b, *bn[:4]), (nx, nw, nb, *nbn[:4])):
+        old[...] = new
+    other_values = custom(x, w, b, bn, third[4])
+    assert op.calls.stats.builds == builds  # one signature: the bound call ran both times
+    op.calls.clear()
+    fresh = custom(x, w, b, bn, third[4])
+    assert op.calls.stats.builds == builds + 1
+    assert cupy.array_equal(other_values, fresh)  # poisoned memory: an unwritten output is NaN, never equal
+    assert rel_error(other_arrays, reference(*second)) <= tolerance(dtype)
+    assert rel_error(other_values, reference(*third)) <= tolerance(dtype)
+
+
 def test_second_call_reuses_the_graph(rng):
     x, w, b, bn, kwargs = make(rng, (1, 8, 6, 6, 8, 3, 3, 1, 1, 1, 1), "fp16", "NHWC")
     run("cudnn", x, w, b, bn, kwargs, "relu")

@@ -1,12 +1,17 @@
 """conv2d on the CPU: the reference against explicit loops, output-shape arithmetic, BN folding,
 and the errors bad input gets."""
 
+import importlib
 import math
+import sys
+import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from libnn import dtypes
+from libnn.runtime import launch
 from libnn.ops.activations import apply
 from libnn.ops.conv2d import conv2d, fold_batchnorm
 from conftest import random_normal, rel_error
@@ -123,3 +128,52 @@ def test_bad_input_gets_a_clear_error(kwargs, error, message):
 def test_forcing_a_gpu_path_with_host_arrays_says_so():
     with pytest.raises(TypeError, match="path 'cudnn' runs on the GPU, but the arrays are host"):
         conv2d(np.ones((1, 4, 4, 2), np.float32), np.ones((2, 3, 3, 2), np.float32), path="cudnn")
+
+
+
+# --- the custom path's bound call, without a GPU -----------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_custom_binds_its_kernel_once_and_each_call_passes_that_calls_arrays(rng, monkeypatch, layout):
+    """The bind finds the kernel, its geometry and its scalars once; every call passes its own x, a KRSC
+    copy of its own w (NCHW filters are transposed at each call), the epilogue folded from its own bn,
+    and a new y. CuPy's allocations and the packed launch are stood in for by NumPy and a recorder."""
+    conv = importlib.import_module("libnn.ops.conv2d")
+    binds, launches = [], []
+
+    def bind(file, kernel, grid, block, args, *, shared_mem=0):
+        binds.append((file, kernel, grid, block, args, shared_mem))
+        return lambda *arrays: launches.append(arrays)
+
+    monkeypatch.setattr(launch, "bind", bind)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty,
+                                                                   ascontiguousarray=np.ascontiguousarray))
+
+    def arrays():
+        x = random_normal(rng, (2, 7, 6, 8) if layout == "NHWC" else (2, 8, 7, 6), "fp32")
+        w = random_normal(rng, (4, 3, 3, 8) if layout == "NHWC" else (4, 8, 3, 3), "fp32")
+        bn = (*(random_normal(rng, (4,), "fp32") for _ in range(3)), rng.uniform(0.5, 2, 4).astype(np.float32), 1e-5)
+        return x, w, random_normal(rng, (4,), "fp32"), bn
+
+    def check(x, w, b, bn):
+        y = run(x, w, b, bn)
+        sent = launches[-1]
+        assert sent[0] is x and sent[4] is y and y.shape == conv.output_shape(problem)
+        np.testing.assert_array_equal(sent[1], w if layout == "NHWC" else w.transpose(0, 2, 3, 1))
+        scale, shift = fold_batchnorm(*bn)
+        np.testing.assert_allclose(sent[2], scale, rtol=1e-12)
+        np.testing.assert_allclose(sent[3], shift + b * scale, rtol=1e-12)
+
+    first, second = arrays(), arrays()
+    problem = replace(conv.conv2d_problem(*first[:3], first[3], 1, 1, 1, 1, "relu", layout, False), device="gpu:0")
+    run = conv.op.paths["custom"].bind(problem, first)
+    check(*first)
+    check(*second)  # other arrays
+    third = arrays()
+    for old, new in zip((*second[:3], *second[3][:4]), (*third[:3], *third[3][:4])):
+        old[...] = new
+    check(*second)  # the same arrays, holding other values
+    assert len({id(sent[4]) for sent in launches}) == 3
+    ((file, kernel, grid, block, args, smem),) = binds
+    grid_of, threads, smem_of = conv._conv_launch("conv4_igemm", problem)
+    assert (file, kernel, grid, block, smem) == ("conv2d.cu", "conv4_igemm_f32", grid_of, (threads,), smem_of)
+    assert args[:5] == (launch.ARRAY,) * 5 and args == conv._conv_args(problem)

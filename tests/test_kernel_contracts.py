@@ -111,7 +111,7 @@ def launched() -> list[tuple[str, contracts.Params, str]]:
     for dtype in dtypes.KERNEL_SUFFIX:
         problems = (_conv_problem(dtype, 8, 8, 8), _conv_problem(dtype, 8, 16, 1), _conv_problem(dtype, 8, 16, 2))
         for version in sorted({v for p in problems for v in conv2d.custom_versions(p)}):
-            rows.append(("conv2d.launch_custom", conv2d._CONV, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}"))
+            rows.append(("conv2d.bind_custom", conv2d._CONV, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}"))
         rows.append(("conv2d.apply_epilogue_kernel", conv2d._CHANNEL_EPILOGUE,
                      f"channel_epilogue_{dtypes.KERNEL_SUFFIX[dtype]}"))
         rows.append(("attention_kernels.flash_attention", attention_kernels._ATTN,
@@ -259,9 +259,7 @@ def assert_packed(args: tuple, declared: contracts.Params, kernel: str) -> None:
 def test_conv2d_packs_what_its_kernels_take(dtype):
     for p in (_conv_problem(dtype, 8, 8, 8), _conv_problem(dtype, 8, 16, 1), _conv_problem(dtype, 8, 16, 2)):
         for version in conv2d.custom_versions(p):
-            for scale, shift in ((None, None), (object(), object())):
-                args = conv2d._conv_args(p, object(), object(), scale, shift, object())
-                assert_packed(args, conv2d._CONV, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}")
+            assert_packed(conv2d._conv_args(p), conv2d._CONV, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}")
 
 
 @pytest.mark.parametrize("layout", ["NHWC", "NCHW"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from libnn.backends import cudnn as cudnn_backend
 from libnn.ops import activations
 from libnn.ops.spatial import LAYOUTS, is_int, nhwc_strides, pair
 from libnn.registry import Op, option_key
-from libnn.runtime import contracts, kernels, memory
+from libnn.runtime import contracts, kernels, launch, memory
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
@@ -395,36 +395,56 @@ def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, in
     return (min(-(-p.P * p.Q * p.K // threads), _MAX_BLOCKS_PER_IMAGE), images), threads, 0
 
 
-def _conv_args(p: ConvProblem, x, w, scale, shift, y) -> tuple:
-    """The arguments of every kernel of kernels/conv2d.cu, by the names CONV_PARAMS gives them."""
+def _conv_args(p: ConvProblem) -> tuple:
+    """The arguments of every kernel of kernels/conv2d.cu, by the names CONV_PARAMS gives them: the
+    problem's scalars, and launch.ARRAY for the five arrays, whose pointers each launch writes."""
     (sxn, sxh, sxw, sxc), (syn, syh, syw, syk) = nhwc_strides(p.layout, p.C, p.H, p.W), nhwc_strides(p.layout, p.K,
                                                                                                        p.P, p.Q)
     (stride_h, stride_w), (pad_h, pad_w), (dil_h, dil_w) = p.stride, p.padding, p.dilation
-    return _CONV.pack(x=x, w=w, scale=scale, shift=shift, y=y, N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, R=p.R, S=p.S,
+    A = launch.ARRAY
+    return _CONV.pack(x=A, w=A, scale=A, shift=A, y=A, N=p.N, H=p.H, W=p.W, C=p.C, K=p.K, R=p.R, S=p.S,
                       P=p.P, Q=p.Q, stride_h=stride_h, stride_w=stride_w, pad_h=pad_h, pad_w=pad_w, dil_h=dil_h,
                       dil_w=dil_w, groups=p.groups, act=activations.KERNEL_CODES[p.activation],
                       sxn=sxn, sxh=sxh, sxw=sxw, sxc=sxc, syn=syn, syh=syh, syw=syw, syk=syk)
 
 
-def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None):
-    """y = act(scale * conv(x, w) + shift) with one kernel of kernels/conv2d.cu (the default: the
-    fastest that supports the problem)."""
+def bind_custom(problem: ConvProblem, version: str | None = None) -> Callable[..., Any]:
+    """run(x, w, scale, shift) -> y with one kernel of kernels/conv2d.cu (the default: the fastest that
+    supports the problem) for C-contiguous x and w in the problem's layout and fp32 (K,) scale and shift
+    (None where the problem has none: a null pointer). The kernel, its geometry and its scalars are
+    found here, once; the runner allocates y and launches."""
     import cupy
 
     p = problem
     version = version or custom_version(p)
-    if p.layout == "NCHW" and p.groups != p.C:  # the kernels read KRSC filters (depthwise: the same bytes)
-        w = cupy.ascontiguousarray(w.transpose(0, 2, 3, 1))
-    y = cupy.empty(output_shape(p), x.dtype)
     grid, block, smem = _conv_launch(version, p)
-    kernel = kernels.function("conv2d.cu", f"{version}_{dtypes.KERNEL_SUFFIX[p.dtype]}", smem)
-    kernel(grid, (block,), _conv_args(p, x, w, scale, shift, y), shared_mem=smem)
-    return y
+    kernel = launch.bind("conv2d.cu", f"{version}_{dtypes.KERNEL_SUFFIX[p.dtype]}", grid, (block,), _conv_args(p),
+                         shared_mem=smem)
+    shape, dtype = output_shape(p), dtypes.parse(p.dtype)
+    to_krsc = p.layout == "NCHW" and p.groups != p.C  # the kernels read KRSC filters (depthwise: the same bytes)
+
+    def run(x, w, scale, shift):
+        if to_krsc:  # at every call: w's values may have changed since the last one
+            w = cupy.ascontiguousarray(w.transpose(0, 2, 3, 1))
+        y = cupy.empty(shape, dtype)
+        kernel(x, w, scale, shift, y)
+        return y
+    return run
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support)
+def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None) -> Any:
+    """y = act(scale * conv(x, w) + shift) with one kernel of kernels/conv2d.cu (the default: the
+    fastest that supports the problem), bound for this call alone (for tests and benchmarks)."""
+    return bind_custom(problem, version)(x, w, scale, shift)
+
+
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: ConvProblem, x, w, b, bn):
-    return launch_custom(problem, *_inputs(problem, x, w, b, bn))
+    kernel = bind_custom(problem)
+
+    def run(x, w, b, bn):
+        return kernel(*_inputs(problem, x, w, b, bn))
+    return run
 
 
 # --- reference --------------------------------------------------------------------------------------
