@@ -182,7 +182,7 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
     left = right_padded([10, 6, 2], 10)[:, ::-1].astype(bool)  # left padding, and a boolean mask
     out = model(ids, left, types)
     # left padding: every row's last token is real, so the lengths are full and the bias masks the holes
-    assert calls[0]["seq_lens_kv"].lengths.tolist() == [10] * 3 and calls[0]["attn_bias"].shape == (3, 1, 1, 10)
+    assert calls[0]["seq_lens_kv"].lengths.tolist() == [10] * 3 and calls[0]["attn_bias"].bias.shape == (3, 1, 1, 10)
     assert_matches(out, numpy_bert(state, config, ids, left, types), 1e-5)
     holes = (rng.random((3, 10)) < 0.7).astype(np.int32)
     holes[:, 3] = 1

@@ -13,6 +13,7 @@ from libnn import dtypes
 from libnn.nn import functional, transformer
 from libnn.nn.functional import key_padding
 from libnn.nn.transformer import MultiheadAttention, TransformerEncoderLayer
+from libnn.ops.attention import KeyPaddingBias
 
 E, H = 32, 4
 
@@ -169,6 +170,8 @@ def test_key_padding_right_padding_becomes_lengths_else_lengths_and_a_bias_for_t
                           [False] * 5])
     lens, bias = key_padding(scattered, np.float16)
     assert lens.lengths.tolist() == [3, 5, 0], "up to each row's last key"
+    assert isinstance(bias, KeyPaddingBias), "it never empties a row: attention may skip looking for such rows"
+    bias = bias.bias
     assert bias.shape == (3, 1, 1, 5) and bias.dtype == np.float16
     holes = np.array([[False, True, False, False, False], [True, True, False, False, False], [False] * 5])
     assert np.array_equal(np.isneginf(bias[:, 0, 0]), holes) and np.all(bias[~holes[:, None, None, :]] == 0)
@@ -189,7 +192,7 @@ def test_mha_masks_reference_matches_numpy(rng, monkeypatch):
     scattered = np.array([[0, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]], bool)
     out = mha(x, key_padding_mask=scattered)[0]
     # lengths up to the last key (kpm True = padding) and a bias for the holes before it
-    assert calls[-1]["seq_lens_kv"].lengths.tolist() == [6, 6, 5] and calls[-1]["attn_bias"].shape == (3, 1, 1, 6)
+    assert calls[-1]["seq_lens_kv"].lengths.tolist() == [6, 6, 5] and calls[-1]["attn_bias"].bias.shape == (3, 1, 1, 6)
     assert rel_error(out, numpy_mha(state, x, x, x, H, key_padding_mask=scattered)) < 1e-5
     bool_mask = rng.random((6, 6)) < 0.3
     bool_mask[:, 0] = False  # every row keeps a key under the padding too

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from libnn.ops.attention import CheckedLengths, attention
+from libnn.ops.attention import CheckedLengths, KeyPaddingBias, attention
 from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module, as_array, is_cupy
 from libnn.runtime.stream import capturing
@@ -49,8 +49,9 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     lengths = xp.where(valid, position + 1, 0).max(axis=1).astype(xp.int32)  # up to the last True
     inside = position < lengths[:, None]
 
-    def holes() -> Any:  # -inf at the Falses before each row's last True: what the lengths cannot mask
-        return xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :]
+    def holes() -> KeyPaddingBias:  # -inf at the Falses before each row's last True: what the lengths cannot
+        # mask; the True at each row's end stays finite, so the bias never empties a row (KeyPaddingBias)
+        return KeyPaddingBias(xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :])
 
     if is_cupy(valid) and capturing():  # counted from the mask: in range by construction
         return CheckedLengths(lengths), holes()

@@ -29,7 +29,7 @@ from libnn.nn.functional import key_padding, on_device_of, op_path, packed_self_
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, full, init_uniform
 from libnn.nn.norm import LayerNorm
-from libnn.ops.attention import attention
+from libnn.ops.attention import KeyPaddingBias, attention
 from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module
 
@@ -155,6 +155,8 @@ class MultiheadAttention(Module):
                                  f"(batch * num_heads, seq_len_q, seq_len_kv) = {(B * self.num_heads, Sq, Skv)}, "
                                  f"got {tuple(mask.shape)}")
             mask = _additive(mask, query.dtype, where, "attn_mask")
+            if isinstance(bias, KeyPaddingBias):  # holes plus a mask may empty rows: a plain bias
+                bias = bias.bias
             bias = mask if bias is None else bias + mask
         return lens, bias
 

@@ -29,9 +29,10 @@ Paths, in `auto` order:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,7 @@ class AttentionProblem:
     bias_shape: tuple[int, int, int, int] | None
     aligned: bool                           # every pointer and row stride a multiple of 16 bytes
     device: str
+    bias_keeps_a_key: bool = False          # a KeyPaddingBias: it never empties a row the lengths leave
 
     def describe(self) -> str:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
@@ -122,6 +124,17 @@ class CheckedLengths:
 
     def __init__(self, lengths: Any):
         self.lengths = lengths
+
+
+class KeyPaddingBias:
+    """A key-padding bias (B or 1, 1, 1, Skv) whose -inf entries all lie before each row's last
+    allowed key (seq_lens_kv - 1, or Skv - 1), which it leaves finite: holes in a padding mask, as
+    nn.functional.key_padding builds them. `attention(attn_bias=KeyPaddingBias(bias))` takes the
+    caller's word for it: the rows without keys then follow from the lengths alone, and no pass over
+    the bias looks for rows it empties, which a layer stack would otherwise pay once per layer."""
+
+    def __init__(self, bias: Any):
+        self.bias = bias
 
 
 def _seq_lens(lens, name: str, B: int, S: int, like):
@@ -234,17 +247,30 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     """Scaled dot-product attention; see the module docstring for shapes, masks and paths. `scale`
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
     q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    keeps_a_key = isinstance(attn_bias, KeyPaddingBias)
+    attn_bias = attn_bias.bias if keeps_a_key else attn_bias
     bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (signature(q), signature(k), signature(v), signature(bias), option_key(scale), causal, layout,
-           seq_lens_q is None, seq_lens_kv is None, path, stream_key())
+    key = (signature(q), signature(k), signature(v), signature(bias), keeps_a_key, option_key(scale), causal,
+           layout, seq_lens_q is None, seq_lens_kv is None, path, stream_key())
 
     def prepare():
         for name, a in (("q", q), ("k", k), ("v", v)):
             if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
                 raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
                                  f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
-        return attention_problem(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None)
+        problem = attention_problem(q, k, v, bias, scale, causal, layout, seq_lens_q is not None,
+                                    seq_lens_kv is not None)
+        if keeps_a_key:
+            _check_key_padding_bias(problem)
+        return replace(problem, bias_keeps_a_key=keeps_a_key)
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
+
+
+def _check_key_padding_bias(problem: AttentionProblem) -> None:
+    p = problem
+    if p.bias_shape is None or p.bias_shape[1:3] != (1, 1):
+        raise ValueError(f"attention: a KeyPaddingBias must have shape (B, 1, 1, Skv) = {(p.B, 1, 1, p.Skv)} "
+                         f"(or (1, 1, 1, Skv)), got {p.bias_shape}")
 
 
 def _lengths(problem: AttentionProblem, q, seq_lens_q, seq_lens_kv):
@@ -336,7 +362,11 @@ def _zero_rows_without_keys(o, o_bhsd, problem: AttentionProblem, lens_q, lens_k
     import cupy
 
     p = problem
-    if bias is None:  # the masks alone: a closed form per row
+    if (bias is None or p.bias_keeps_a_key) and lens_q is None and p.causal != "bottom_right":
+        if lens_kv is not None:  # rows empty only where a whole batch entry has no key
+            _zero_batches_without_keys(o, lens_kv)
+        return
+    if bias is None or p.bias_keeps_a_key:  # the masks alone: a closed form per row
         i = cupy.arange(p.Sq, dtype=cupy.int32)[None, None, :, None]
         Lq = p.Sq if lens_q is None else lens_q[:, None, None, None]
         Lk = p.Skv if lens_kv is None else lens_kv[:, None, None, None]
@@ -358,9 +388,26 @@ def _zero_rows_without_keys(o, o_bhsd, problem: AttentionProblem, lens_q, lens_k
         cupy.copyto(o_bhsd, 0, where=~has_key)
 
 
+@functools.cache
+def _zero_batches_kernel():
+    """o[b] = 0 (all bits) where lens[b] <= 0, over o as raw words of its item size: it reads only
+    the lengths, writes only the rows it zeroes, and is one launch whatever the batch."""
+    import cupy
+
+    return cupy.ElementwiseKernel("raw int32 lens, int64 per_batch", "raw T o",
+                                  "if (lens[i / per_batch] <= 0) o[i] = T(0);", "libnn_zero_batches_without_keys")
+
+
+def _zero_batches_without_keys(o, lens_kv) -> None:
+    """Zero o[b] (o C-contiguous, batch first) for the batch entries b with no key."""
+    if o.size:
+        words = o.view(f"u{o.dtype.itemsize}")  # all-zero bits are +0.0 in every float format, bf16 included
+        _zero_batches_kernel()(lens_kv, o.size // o.shape[0], words, size=o.size)
+
+
 def _can_empty_rows(problem: AttentionProblem) -> bool:
     p = problem
-    return (p.has_seq_lens_q or p.has_seq_lens_kv or p.bias_shape is not None
+    return (p.has_seq_lens_q or p.has_seq_lens_kv or (p.bias_shape is not None and not p.bias_keeps_a_key)
             or (p.causal == "bottom_right" and p.Sq > p.Skv))
 
 
