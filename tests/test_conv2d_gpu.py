@@ -274,3 +274,23 @@ def test_fused_conv_model_on_gpu_matches_reference(rng, fold_bn, dtype):
     x = rng.standard_normal((4, 16, 16, 3))
     y = gpu_model(gpu(x.astype(dtypes.parse(dtype))))
     assert rel_error(y, layer_by_layer(host, x)) <= tolerance(dtype)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_fp32_bias_and_scale_shift_are_read_as_values(rng, path):
+    """Strided fp32 views as b and bn=(scale, shift): the paths read packed (K,) vectors, so the op
+    must pass them packed (an fp32 view once reached the kernels as it was)."""
+    import cupy
+
+    x, w, _, _, kwargs = make(rng, (2, 8, 9, 9, 6, 3, 3, 1, 1, 1, 1), "fp16", "NHWC")
+    b, scale, shift = (random_normal(rng, (12,), "fp32")[::2] for _ in range(3))
+    expected = conv2d(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64),
+                      bn=(scale.astype(np.float64), shift.astype(np.float64)), path="reference", **kwargs)
+    strided = [cupy.asarray(np.repeat(v, 2))[::2] for v in (b, scale, shift)]
+    assert not strided[0].flags.c_contiguous
+    try:
+        y = conv2d(gpu(x), gpu(w), strided[0], bn=(strided[1], strided[2]), path=path, **kwargs)
+    except libnn.LibraryError as exc:
+        pytest.skip(f"the library declined this case (auto falls back): {exc}")
+    assert rel_error(y, expected) <= tolerance("fp16")

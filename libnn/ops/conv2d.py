@@ -136,11 +136,12 @@ def _epilogue_vectors(bn, b, K: int, device_array):
             if tuple(v.shape) != (K,):
                 raise ValueError(f"conv2d: bn[{i}] must have shape ({K},) to match w's {K} output channels, "
                                  f"got {tuple(v.shape)}")
-        # copy=False: (scale, shift) already in fp32, as a layer passes them, cost no kernel per call
-        scale, shift = fold_batchnorm(*bn) if len(bn) == 5 else (bn[0].astype(dt, copy=False),
-                                                                  bn[1].astype(dt, copy=False))
+        # copy=False: (scale, shift) already in fp32, as a layer passes them, cost no kernel per call;
+        # contiguous: the kernels and cuDNN read them as packed (K,) vectors, a strided view included
+        scale, shift = fold_batchnorm(*bn) if len(bn) == 5 else (contiguous(bn[0].astype(dt, copy=False)),
+                                                                  contiguous(bn[1].astype(dt, copy=False)))
     if b is not None:
-        b = b.astype(dt, copy=False)
+        b = contiguous(b.astype(dt, copy=False))
         shift = b if scale is None else shift + b * scale
     return scale, shift
 
