@@ -111,6 +111,9 @@ def test_output_size_arithmetic(H, R, stride, padding, dilation, expected):
     (dict(bn=(np.ones(4),)), ValueError, r"bn must be \(scale, shift\) or"),
     (dict(b=np.ones(5)), ValueError, r"b must have shape \(4,\)"),
     (dict(w=np.ones((4, 3, 3, 3), np.float32)), TypeError, r"w has dtype fp32 but x has fp64"),
+    (dict(b=np.ones(4, np.float32)), TypeError, r"b has dtype fp32 but x has fp64; pass b in x's dtype \(or fp32"),
+    (dict(x=np.ones((1, 6, 6, 3), np.float16), w=np.ones((4, 3, 3, 3), np.float16), b=np.ones(4, np.int32)),
+     TypeError, r"b has dtype int32 but x has fp16"),
     (dict(activation="tanh"), ValueError, r"activation must be one of"),
     (dict(x=np.ones((6, 6, 3))), ValueError, r"x must be 4-D \(N, H, W, C\)"),
 ])
@@ -177,3 +180,13 @@ def test_custom_binds_its_kernel_once_and_each_call_passes_that_calls_arrays(rng
     grid_of, threads, smem_of = conv._conv_launch("conv4_igemm", problem)
     assert (file, kernel, grid, block, smem) == ("conv2d.cu", "conv4_igemm_f32", grid_of, (threads,), smem_of)
     assert args[:5] == (launch.ARRAY,) * 5 and args == conv._conv_args(problem)
+
+
+def test_an_fp32_bias_of_fp16_x_is_taken_as_is(rng):
+    """b in fp32 for fp16 x: the epilogue reads fp32, so it is the same as the bias rounded to fp16
+    only where fp16 holds it exactly; the reference computes with the fp32 values."""
+    x, w = random_normal(rng, (2, 7, 5, 3), "fp16"), random_normal(rng, (4, 3, 3, 3), "fp16")
+    b32 = random_normal(rng, (4,), "fp32")
+    got = conv2d(x, w, b32, padding=1, activation="relu")
+    expected = apply(conv2d(x.astype(np.float64), w.astype(np.float64), b32.astype(np.float64), padding=1), "relu")
+    assert got.dtype == np.float16 and rel_error(got, expected) <= dtypes.TOLERANCE["fp16"]

@@ -80,7 +80,8 @@ class Conv2d(Module):
         self.register_parameter("weight", init_uniform(shape, bound, dtype, device, seed))
         self.register_parameter("bias", init_uniform((out_channels,), bound, dtype, device,
                                                      None if seed is None else seed + 1) if bias else None)
-        self._converted: tuple[int, Any] | None = None
+        self._converted: tuple[Any, Any] | None = None
+        self._bias32: tuple[Any, Any] | None = None
 
     def filters(self) -> Any:
         """The weight in the filter layout of `self.layout` (KRSC for NHWC), converted once."""
@@ -117,8 +118,18 @@ class Conv2d(Module):
         x = as_array(x, "Conv2d", "x")
         if self.uses_fft(x):
             return self._fft_forward(x, bn, activation)
-        return conv2d(x, self.filters(), self.bias, stride=self.stride, padding=self.padding, dilation=self.dilation,
-                      groups=self.groups, bn=bn, activation=activation, layout=self.layout, path=self.path)
+        return conv2d(x, self.filters(), self.epilogue_bias(), stride=self.stride, padding=self.padding,
+                      dilation=self.dilation, groups=self.groups, bn=bn, activation=activation, layout=self.layout,
+                      path=self.path)
+
+    def epilogue_bias(self) -> Any:
+        """The bias as conv2d's epilogue reads it: an fp16/bf16 bias on the GPU in fp32, converted once
+        per bias array (as `filters` converts the weight), not by a kernel in every call."""
+        if self.bias is None or not is_cupy(self.bias) or self.bias.dtype.itemsize != 2:
+            return self.bias
+        if self._bias32 is None or self._bias32[0] is not self.bias:
+            self._bias32 = (self.bias, self.bias.astype(np.float32))
+        return self._bias32[1]
 
     def _fft_forward(self, x: Any, bn: Any, activation: str | None) -> Any:
         """fft_conv2d works in NCHW; the epilogue (BN as scale/shift, activation) follows in fp32."""

@@ -5,7 +5,9 @@ x is (N, H, W, C) for layout="NHWC" or (N, C, H, W) for layout="NCHW"; w is in t
 layout: (K, R, S, C/groups) for NHWC, (K, C/groups, R, S) (PyTorch's) for NCHW; y has x's layout.
 Bias and batch norm become one per-channel affine epilogue (computed in fp32):
     scale = gamma / sqrt(running_var + eps),  shift = beta - running_mean * scale + b * scale.
-`bn` is (scale, shift) or (gamma, beta, running_mean, running_var, eps). Activations: None, "relu",
+`bn` is (scale, shift) or (gamma, beta, running_mean, running_var, eps). b is in x's dtype, or fp32
+for fp16/bf16 x (taken as is: the epilogue reads fp32, and a layer keeps its bias so converted once
+rather than paying a conversion kernel per call). Activations: None, "relu",
 "relu6", "gelu" (tanh approximation), "silu".
 
 Paths, in `auto` order:
@@ -159,10 +161,12 @@ def conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, l
         raise ValueError(f"conv2d: w must be 4-D ({filter_layout}), got shape {tuple(w.shape)}")
     if not dtypes.is_float(x.dtype):
         raise TypeError(f"conv2d: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
-    for name, a in (("w", w), ("b", b)):
-        if a is not None and a.dtype != x.dtype:
-            raise TypeError(f"conv2d: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
-                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    if w.dtype != x.dtype:
+        raise TypeError(f"conv2d: w has dtype {dtypes.short_name(w.dtype)} but x has "
+                        f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    if b is not None and b.dtype != x.dtype and not (b.dtype == np.float32 and x.dtype.itemsize == 2):
+        raise TypeError(f"conv2d: b has dtype {dtypes.short_name(b.dtype)} but x has {dtypes.short_name(x.dtype)}; "
+                        "pass b in x's dtype (or fp32 for fp16/bf16 x)")
     activations.check("conv2d", activation, ACTIVATIONS)
     if not isinstance(allow_tf32, (bool, np.bool_)):  # "no" would mean yes
         raise TypeError(f"conv2d: allow_tf32 must be True or False, got {type(allow_tf32).__name__} {allow_tf32!r}")
