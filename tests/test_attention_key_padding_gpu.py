@@ -54,3 +54,24 @@ def test_rows_without_keys_are_zeros_and_the_rest_match(rng, path, dtype, holes,
     empty = ~valid.any(axis=1)
     assert np.all(got[empty] == 0), "a batch entry with no key gives zeros"
     assert rel_error(got[~empty], expected[~empty]) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("B, S", [(1, 1), (3, 17), (5, 128), (2, 1000)])
+def test_key_padding_as_captured_equals_the_host_result(rng, monkeypatch, dtype, B, S):
+    """While a graph is captured key_padding runs its two kernels (lengths, holes) whatever the mask:
+    the same lengths, and a bias that is the host's where the host gives one and zeros otherwise."""
+    import cupy
+
+    from libnn.nn import functional
+
+    valid = valid_mask(rng, B, S) if B > 1 else rng.random((B, S)) < 0.5
+    host_lens, host_bias = key_padding(valid, dtypes.parse(dtype))
+    monkeypatch.setattr(functional, "capturing", lambda: True)
+    lens, bias = key_padding(cupy.asarray(valid), dtypes.parse(dtype))
+    expected_lens = np.full(B, S) if host_lens is None else host_lens.lengths
+    assert lens.lengths.get().tolist() == list(expected_lens)
+    assert isinstance(bias, KeyPaddingBias) and bias.bias.shape == (B, 1, 1, S)
+    assert bias.bias.dtype == dtypes.parse(dtype)
+    expected_bias = np.zeros((B, 1, 1, S)) if host_bias is None else host_bias.bias.astype(np.float64)
+    np.testing.assert_array_equal(bias.bias.get().astype(np.float64), expected_bias)
