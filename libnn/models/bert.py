@@ -419,7 +419,7 @@ class BertEncoder(Module):
         c = self.config
         act = c.activation
         act_where = ("in the GEMM epilogue" if act in FUSED_ACTIVATIONS else
-                     "in the epilogue of cuDNN's fused matmul graph (fp16/bf16), else a pass after cuBLASLt's GEMM")
+                     "a pass after cuBLASLt's GEMM")
         heads = f"{c.num_attention_heads} heads of {c.hidden_size // c.num_attention_heads}"
         last = f"0-{c.num_hidden_layers - 1}" if c.num_hidden_layers > 1 else "0"
         dtype = dtypes.short_name(self.embeddings.word_embeddings.weight.dtype)

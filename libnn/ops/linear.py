@@ -11,11 +11,11 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - cublaslt:  cuBLASLt through nvmath-python: D = epilogue(A·B + β·C + bias) in one call, with the
              residual as C (β = 1) and bias, relu or gelu in the epilogue. cuBLASLt has no erf GELU, so
              "gelu_erf" is the GEMM (with the residual) followed by one memory-bound pass that adds the
-             bias and applies the GELU (kernels/epilogue.cu bias_act_rows); for that reason `auto`
-             tries cublaslt after cudnn for "gelu_erf" wherever cudnn can take the problem.
+             bias and applies the GELU (kernels/epilogue.cu bias_act_rows). Still first for "gelu_erf":
+             at BERT's FFN shapes the GEMM + pass beat cudnn's fused kernel (benchmarks/RESULTS.md).
 - cudnn:     one cuDNN frontend graph, matmul → add(bias) → add(residual) → activation, which cuDNN's
-             runtime-fusion engines compile into one kernel: the exact GELU (composed from ERF and
-             arithmetic nodes, see exact_gelu) in the GEMM's epilogue, at no extra pass. fp16/bf16 with N and K multiples of 8; a graph cuDNN
+             runtime-fusion engines compile into one kernel, the exact GELU composed from ERF and
+             arithmetic nodes (see exact_gelu). fp16/bf16 with N and K multiples of 8; a graph cuDNN
              declines raises LibraryError, and `auto` goes on to the next path with a FallbackWarning.
 - custom:    kernels/gemm.cu, tensor cores (mma.sync) for fp16/bf16, tiled FFMA for fp32; bias, residual
              and activation in the kernel's epilogue, "gelu_erf" included for fp16/bf16 (kernels of
@@ -157,41 +157,17 @@ def _gpu_support(problem: LinearProblem) -> str | None:
     return None
 
 
-def _erf_fused_by_cudnn(problem: LinearProblem) -> bool:
-    """Whether the problem is an exact GELU that the cudnn path can take (installed, and supported):
-    then its graph, with the erf GELU in the GEMM's epilogue, is the one `auto` tries first."""
-    cudnn = op.paths["cudnn"]
-    return problem.activation == "gelu_erf" and not (cudnn.missing() or cudnn.supports(problem))
-
-
-def _cublaslt_slower(problem: LinearProblem) -> str | None:
-    if _erf_fused_by_cudnn(problem):
-        return ("cuBLASLt has no exact-GELU epilogue: gelu_erf is its GEMM, then a pass over the output; "
-                "cudnn computes it in the GEMM's epilogue")
-    return None
-
-
-def _custom_slower(problem: LinearProblem) -> str | None:
-    """custom is deferred with cublaslt so that it stays behind it, should cudnn decline the graph:
-    kernels/gemm.cu runs at about half cuBLASLt's rate (benchmarks/RESULTS.md, linear),
-    a larger cost than cuBLASLt's pass (one read and one write of the output) at the FFN shapes of
-    `libnn bench linear`, where both are timed."""
-    if _erf_fused_by_cudnn(problem):
-        return "cudnn fuses gelu_erf, and kernels/gemm.cu runs at about half cuBLASLt's rate"
-    return None
-
-
 # cuBLASLt computes D = epilogue(alpha·A·B + beta·C + bias): the bias is "added before applying the final
 # postprocessing" (cublasLtEpilogue_t) and nvmath's matmul is documented as F(alpha·a @ b + beta·c) with F
 # the epilog, so C = residual, beta = 1 is act(x @ w.T + b + residual), the op's order, for every fused
 # activation. (test_linear_gpu's residual tests check this against the reference on the device.)
 @op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support,
-         slower=_cublaslt_slower, binds=True)
+         binds=True)
 def _cublaslt(problem: LinearProblem, x, w, b, r):
     return _bind_gpu(cublaslt.bind_linear, problem.activation in FUSED_ACTIVATIONS, problem, x, w, b, r)
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower, binds=True)
+@op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: LinearProblem, x, w, b, r):
     return _bind_gpu(bind_custom, _custom_fuses(problem), problem, x, w, b, r)
 
