@@ -493,6 +493,13 @@ def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
 def _mean_pool(x: Any, valid: Any) -> Any:
     """The mean of each sequence's unmasked tokens, accumulated in float32 (float64 on the host)."""
     xp = array_module(x)
+    if is_cupy(x) and valid is not None and x.dtype.kind == "f":
+        # fp16/fp32: x · 0/1 is exact in x's own dtype, and the sum accumulates in fp32 as it reads, so
+        # x is read twice at its width instead of widened first (three fp32 passes, 0.16 ms at MiniLM
+        # batch 256); bf16, which CuPy's arithmetic may not take, widens as before
+        kept = valid.astype(x.dtype)
+        counts = xp.maximum(kept.sum(axis=1, keepdims=True, dtype=xp.float32), 1)
+        return ((x * kept[:, :, None]).sum(axis=1, dtype=xp.float32) / counts).astype(x.dtype)
     acc = x.astype(xp.float32 if is_cupy(x) else np.float64)
     if valid is None:
         return acc.mean(axis=1).astype(x.dtype)
