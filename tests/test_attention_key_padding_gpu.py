@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from libnn import dtypes
-from libnn.errors import LibraryError
+from libnn.errors import LibraryError, PathUnavailableError
 from libnn.nn.functional import key_padding
 from libnn.ops.attention import KeyPaddingBias, attention
 from conftest import random_normal, rel_error
@@ -43,7 +43,7 @@ def test_rows_without_keys_are_zeros_and_the_rest_match(rng, path, dtype, holes,
     kwargs = dict(seq_lens_kv=lens, attn_bias=bias, layout="BSHD")
     try:
         got = attention(*(cupy.asarray(a) for a in (q, k, v)), path=path, **kwargs).get()
-    except LibraryError as exc:
+    except (LibraryError, PathUnavailableError) as exc:  # unaligned bias rows (odd S), say
         if path == "cudnn":
             pytest.skip(f"cuDNN declines: {str(exc)[:200]}")
         raise

@@ -84,10 +84,7 @@ class ConvProblem:
         return _strides(self.layout, self.C, self.H, self.W)
 
     def y_strides(self) -> list[int]:
-        """y's, as x_strides. A 1×1 output is described in NHWC form whatever the layout (the same
-        memory): cuDNN 9.19's fused conv→pointwise engines misplace NCHW 1×1 outputs (an H100 property
-        test caught it: y[n, k] written at y[k, n], the last element never written)."""
-        return _strides("NHWC" if self.P * self.Q == 1 else self.layout, self.K, self.P, self.Q)
+        return _strides(self.layout, self.K, self.P, self.Q)
 
     def w_strides(self) -> list[int]:
         return _strides(self.layout, self.C // self.groups, self.R, self.S)
@@ -268,6 +265,19 @@ def _cudnn_support(problem: ConvProblem) -> str | None:
     return None
 
 
+def _fused_cudnn_support(problem: ConvProblem) -> str | None:
+    """The fused graph's limits: those of cuDNN's convolution, and no NCHW 1×1 output with an epilogue,
+    which cuDNN 9.19's fused conv→pointwise engines write misplaced (measured on the H100: y[n, k] at
+    y[k, n], garbage for C > 1; describing y in NHWC form, or every intermediate with y's strides,
+    did not help). cudnn+epilogue, the convolution alone then libnn's epilogue kernel, runs them."""
+    if reason := _cudnn_support(problem):
+        return reason
+    p = problem
+    if p.layout == "NCHW" and p.P * p.Q == 1 and (p.has_scale or p.has_shift or p.activation):
+        return "cuDNN 9.19's fused engines misplace NCHW 1x1 outputs with an epilogue (wrong results on the H100)"
+    return None
+
+
 # The uids of the tensors in conv2d_graph_builder's graph, for a variant pack (scale and shift only
 # when the problem has them).
 UID_X, UID_W, UID_SCALE, UID_SHIFT, UID_Y = range(1, 6)
@@ -284,13 +294,11 @@ def conv2d_graph_builder(problem: ConvProblem):
         x = g.tensor(dim=[p.N, p.C, p.H, p.W], stride=p.x_strides(), data_type=io, uid=UID_X)
         w = g.tensor(dim=[p.K, p.C // p.groups, p.R, p.S], stride=p.w_strides(), data_type=io, uid=UID_W)
         y = g.conv_fprop(x, w, padding=list(p.padding), stride=list(p.stride), dilation=list(p.dilation),
-                         compute_data_type=f32).set_stride(p.y_strides())  # every intermediate laid out as y
+                         compute_data_type=f32)
         if p.has_scale:
             y = g.mul(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SCALE))
-            y.set_stride(p.y_strides())
         if p.has_shift:
             y = g.add(y, g.tensor(dim=[1, p.K, 1, 1], stride=[p.K, 1, p.K, p.K], data_type=f32, uid=UID_SHIFT))
-            y.set_stride(p.y_strides())
         if p.activation == "relu":
             y = g.relu(y)
         elif p.activation == "relu6":
@@ -323,7 +331,7 @@ def bind_cudnn_graph(problem: ConvProblem):
     return run
 
 
-@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_fused_cudnn_support, binds=True)
 def _cudnn(problem: ConvProblem, x, w, b, bn):
     graph = bind_cudnn_graph(problem)
 
