@@ -84,7 +84,7 @@ def test_conv_path_matches_reference(rng, path, dtype, layout, shape):
                        activation)
     try:
         y = run(path, x, w, b, bn, kwargs, activation)
-    except libnn.LibraryError as exc:
+    except (libnn.LibraryError, libnn.PathUnavailableError) as exc:  # refused by cuDNN, or by libnn's rule
         pytest.skip(f"the library declined this case (auto falls back): {exc}")
     assert y.shape == expected.shape and y.dtype == x.dtype
     if (path, dtype) == ("cudnn", "fp32") and activation in ("gelu", "silu"):
