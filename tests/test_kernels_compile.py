@@ -15,6 +15,12 @@ else:
     pytest.importorskip("cuda.bindings.nvrtc", reason="NVRTC (cuda-bindings) is not installed")
 
 
+# Spills accepted on purpose, with the measurement that chose them: gemm2_tiled_f32 keeps 2 blocks/SM
+# (128 registers) on sm_90, where NVRTC 13.0's ptxas spills up to 16 B in some runs, because the
+# uncapped kernel ran 19% slower on the H100 (31.9 vs 39.5 TFLOP/s at 4096^3, benchmarks/RESULTS.md).
+ACCEPTED_SPILL_BYTES = {("gemm2_tiled_f32", "sm_90"): 16}
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("path", kernels.kernel_files(), ids=lambda p: p.name)
 def test_kernel_file_compiles_without_spills(path, arch):
@@ -24,7 +30,9 @@ def test_kernel_file_compiles_without_spills(path, arch):
     for r in resources:
         print(f"{path.name} {arch} {r.kernel}: {r.registers} registers, {r.shared_bytes} B smem, "
               f"{r.stack_bytes} B stack, spills {r.spill_store_bytes}/{r.spill_load_bytes} B")
-        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, f"{r.kernel} spills registers on {arch}"
+        accepted = ACCEPTED_SPILL_BYTES.get((r.kernel, arch), 0)
+        assert r.spill_store_bytes <= accepted and r.spill_load_bytes <= accepted, \
+            f"{r.kernel} spills registers on {arch}"
         assert r.registers <= 255
 
 
