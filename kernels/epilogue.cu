@@ -55,30 +55,6 @@ __device__ __forceinline__ u32 f32_as_u32(float f) {
     u32 u; asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f)); return u;
 }
 
-// y + bias[n .. n + V) and the activation on one 16-byte vector of V elements
-template <class DT>
-__device__ __forceinline__ u32x4 bias_act_vector(u32x4 v, const typename DT::T* __restrict__ bias, int n, int act) {
-    typedef typename DT::T T;
-    constexpr int V = DT::V;
-    u32x4 b = {0u, 0u, 0u, 0u};
-    if (bias) b = *reinterpret_cast<const u32x4*>(bias + n);
-    u32 w[4] = {v.a, v.b, v.c, v.d};
-    const u32 bw[4] = {b.a, b.b, b.c, b.d};
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        if constexpr (V == 4) {   // fp32: one element per word
-            w[j] = f32_as_u32(apply_act(u32_as_f32(w[j]) + u32_as_f32(bw[j]), act));
-        } else {                  // fp16/bf16: two per word, low half first
-            const float lo = DT::ld((T)(w[j] & 0xffffu)) + DT::ld((T)(bw[j] & 0xffffu));
-            const float hi = DT::ld((T)(w[j] >> 16)) + DT::ld((T)(bw[j] >> 16));
-            w[j] = pack_f32x2<DT::bf16 != 0>(apply_act(lo, act), apply_act(hi, act));
-        }
-    }
-    u32x4 o;
-    o.a = w[0]; o.b = w[1]; o.c = w[2]; o.d = w[3];
-    return o;
-}
-
 template <class DT>
 __device__ __forceinline__ void bias_act_rows(typename DT::T* __restrict__ y, const typename DT::T* __restrict__ bias,
                                               i64 total, int N, int act) {
@@ -90,17 +66,26 @@ __device__ __forceinline__ void bias_act_rows(typename DT::T* __restrict__ y, co
         const i64 vectors = total / V;
         int n = (int)((first * V) % N);                 // this thread's first column
         const int step = (int)((stride * V) % N);       // columns advanced per grid stride
-        // two vectors per step, both loads issued before either is used: one 16-byte load in flight
-        // per thread left the pass latency-bound (BERT FFN shapes, benchmarks/RESULTS.md)
-        for (i64 i = first; i < vectors; i += 2 * stride) {
-            const bool second = i + stride < vectors;
-            int n2 = n + step;
-            if (n2 >= N) n2 -= N;
-            const u32x4 v0 = yv[i];
-            const u32x4 v1 = second ? yv[i + stride] : v0;
-            yv[i] = bias_act_vector<DT>(v0, bias, n, act);
-            if (second) yv[i + stride] = bias_act_vector<DT>(v1, bias, n2, act);
-            n = n2 + step;
+        for (i64 i = first; i < vectors; i += stride) {
+            const u32x4 v = yv[i];
+            u32x4 b = {0u, 0u, 0u, 0u};
+            if (bias) b = *reinterpret_cast<const u32x4*>(bias + n);
+            u32 w[4] = {v.a, v.b, v.c, v.d};
+            const u32 bw[4] = {b.a, b.b, b.c, b.d};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if constexpr (V == 4) {   // fp32: one element per word
+                    w[j] = f32_as_u32(apply_act(u32_as_f32(w[j]) + u32_as_f32(bw[j]), act));
+                } else {                  // fp16/bf16: two per word, low half first
+                    const float lo = DT::ld((T)(w[j] & 0xffffu)) + DT::ld((T)(bw[j] & 0xffffu));
+                    const float hi = DT::ld((T)(w[j] >> 16)) + DT::ld((T)(bw[j] >> 16));
+                    w[j] = pack_f32x2<DT::bf16 != 0>(apply_act(lo, act), apply_act(hi, act));
+                }
+            }
+            u32x4 o;
+            o.a = w[0]; o.b = w[1]; o.c = w[2]; o.d = w[3];
+            yv[i] = o;
+            n += step;
             if (n >= N) n -= N;
         }
         return;
