@@ -75,3 +75,29 @@ def test_key_padding_as_captured_equals_the_host_result(rng, monkeypatch, dtype,
     assert bias.bias.dtype == dtypes.parse(dtype)
     expected_bias = np.zeros((B, 1, 1, S)) if host_bias is None else host_bias.bias.astype(np.float64)
     np.testing.assert_array_equal(bias.bias.get().astype(np.float64), expected_bias)
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_causal_rows_that_see_only_holes_are_zeros(rng, path, dtype):
+    """Causal top-left with a key-padding bias: row i sees keys 0..i, and where those are all holes
+    before the row's last key the row has no key, so zeros (the bias is a plain one under a causal mask)."""
+    import cupy
+
+    B, H, S, D = 3, 2, 16, 64
+    valid = np.ones((B, S), bool)
+    valid[:, :5] = False  # keys 0..4 are holes: rows 0..4 see no key
+    lens, bias = key_padding(cupy.asarray(valid), dtypes.parse(dtype))
+    q, k, v = (random_normal(rng, (B, S, H, D), dtype) for _ in range(3))
+    try:
+        got = attention(*(cupy.asarray(a) for a in (q, k, v)), causal=True, seq_lens_kv=lens, attn_bias=bias,
+                        layout="BSHD", path=path).get()
+    except (LibraryError, PathUnavailableError) as exc:
+        if path == "cudnn":
+            pytest.skip(f"cuDNN declines: {str(exc)[:200]}")
+        raise
+    expected = attention(*(a.astype(np.float64) for a in (q, k, v)), causal=True, layout="BSHD", path="reference",
+                         seq_lens_kv=lens.lengths.get(), attn_bias=bias.bias.get().astype(np.float64))
+    assert np.all(got[:, :5] == 0), "rows that see only holes give zeros"
+    assert rel_error(got[:, 5:], expected[:, 5:]) <= 1e-2

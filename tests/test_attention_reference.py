@@ -144,3 +144,29 @@ def test_attention_takes_numpy_scalars_as_scale_and_checked_lengths(rng):
     assert rel_error(got, expected) == 0
     with pytest.raises(TypeError, match="scale must be a finite number"):
         attention(q, q, q, scale=True, path="reference")
+
+
+def test_a_key_padding_bias_of_another_shape_is_refused(rng):
+    from libnn.ops.attention import KeyPaddingBias
+
+    q = random_normal(rng, (2, 3, 5, 8), "fp32")
+    with pytest.raises(ValueError, match=r"a KeyPaddingBias must have shape \(B, 1, 1, Skv\) = \(2, 1, 1, 5\) "
+                                         r"\(or \(1, 1, 1, Skv\)\), got \(1, 3, 5, 5\)"):
+        attention(q, q, q, attn_bias=KeyPaddingBias(np.zeros((1, 3, 5, 5), np.float32)))
+
+
+@pytest.mark.parametrize("causal, kept", [(False, True), ("top_left", False), ("bottom_right", False)])
+def test_a_key_padding_bias_is_a_plain_bias_under_a_causal_mask(monkeypatch, causal, kept):
+    """Under a causal mask a row may see only the holes before its last key (row 0 of [hole, key]):
+    the promise that the bias never empties a row holds without one only."""
+    from libnn.ops.attention import KeyPaddingBias, op
+
+    bound = []
+    real_bind = op.bind
+    monkeypatch.setattr(op, "bind", lambda problem, *args: bound.append(problem) or real_bind(problem, *args))
+    op.calls.clear()
+    q = np.ones((1, 1, 2, 8), np.float32)
+    o = attention(q, q, q, causal=causal, attn_bias=KeyPaddingBias(np.array([[[[-np.inf, 0.0]]]], np.float32)))
+    assert bound[-1].bias_keeps_a_key is kept
+    if causal == "top_left":
+        assert np.all(o[0, 0, 0] == 0), "row 0 sees only the hole: a row without keys, zeros"

@@ -131,7 +131,8 @@ class KeyPaddingBias:
     allowed key (seq_lens_kv - 1, or Skv - 1), which it leaves finite: holes in a padding mask, as
     nn.functional.key_padding builds them. `attention(attn_bias=KeyPaddingBias(bias))` takes the
     caller's word for it: the rows without keys then follow from the lengths alone, and no pass over
-    the bias looks for rows it empties, which a layer stack would otherwise pay once per layer."""
+    the bias looks for rows it empties, which a layer stack would otherwise pay once per layer. Under
+    a causal mask a row may see only holes (keys before its last one), so there it is a plain bias."""
 
     def __init__(self, bias: Any):
         self.bias = bias
@@ -262,7 +263,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
                                     seq_lens_kv is not None)
         if keeps_a_key:
             _check_key_padding_bias(problem)
-        return replace(problem, bias_keeps_a_key=keeps_a_key)
+        return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None)
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
@@ -395,7 +396,7 @@ ZERO_THREADS_PER_BATCH = 256
 def _zero_batches_kernel():
     """o[b] = 0 (all bits) where lens[b] <= 0, over o as raw words of its item size. One element of
     the launch per (batch entry, thread): each reads its entry's length and returns, or zeroes a
-    strided share of the row; a thread per element of o cost 60 µs per layer at BERT's batch 256."""
+    strided share of the row (a thread per element of o was measured far slower: RESULTS.md)."""
     import cupy
 
     return cupy.ElementwiseKernel(
