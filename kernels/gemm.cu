@@ -170,8 +170,8 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
 #endif
 #ifndef GEMM2_MINB
 // blocks/SM bound. sm_90: 2 (128 registers), although NVRTC 13.0's ptxas may spill 16 B there with the
-// residual epilogue: uncapped (163 registers, 1 block/SM) ran 19% slower on the H100 (RESULTS.md), and
-// tests/test_kernels_compile.py accepts exactly that spill. sm_80: 1, where the cap spilled 92 B.
+// residual epilogue: uncapped (1 block/SM) ran slower on the H100 (benchmarks/RESULTS.md, gemm2 register
+// cap), and tests/test_kernels_compile.py accepts exactly that spill. sm_80: 1, where the cap spilled.
 #define GEMM2_MINB (__CUDA_ARCH__ >= 900 ? 2 : 1)
 #endif
 #define G2_BK GEMM2_BK

@@ -17,7 +17,7 @@ else:
 
 # Spills accepted on purpose, with the measurement that chose them: gemm2_tiled_f32 keeps 2 blocks/SM
 # (128 registers) on sm_90, where NVRTC 13.0's ptxas spills up to 16 B in some runs, because the
-# uncapped kernel ran 19% slower on the H100 (31.9 vs 39.5 TFLOP/s at 4096^3, benchmarks/RESULTS.md).
+# uncapped kernel ran slower on the H100 (benchmarks/RESULTS.md, gemm2 register cap).
 ACCEPTED_SPILL_BYTES = {("gemm2_tiled_f32", "sm_90"): 16}
 
 

@@ -495,8 +495,8 @@ def _mean_pool(x: Any, valid: Any) -> Any:
     xp = array_module(x)
     if is_cupy(x) and valid is not None and x.dtype.kind == "f":
         # fp16/fp32: x · 0/1 is exact in x's own dtype, and the sum accumulates in fp32 as it reads, so
-        # x is read twice at its width instead of widened first (three fp32 passes, 0.16 ms at MiniLM
-        # batch 256); bf16, which CuPy's arithmetic may not take, widens as before
+        # x is read twice at its width instead of widened first (three fp32 passes); bf16, which CuPy's
+        # arithmetic may not take, widens as before
         kept = valid.astype(x.dtype)
         counts = xp.maximum(kept.sum(axis=1, keepdims=True, dtype=xp.float32), 1)
         return ((x * kept[:, :, None]).sum(axis=1, dtype=xp.float32) / counts).astype(x.dtype)

@@ -382,7 +382,7 @@ def custom_version(problem: ConvProblem) -> str:
 
 def custom_versions(problem: ConvProblem, aligned: bool = True) -> tuple[str, ...]:
     """The numbered versions of kernels/conv2d.cu that can run `problem`, baseline first (for tests and
-    benchmarks; `launch_custom` takes one): conv1_direct, which runs any problem, and the one
+    benchmarks; `bind_custom(problem, version)` takes one): conv1_direct, which runs any problem, and the one
     custom_version picks. Each kernel checks alignment itself, so `aligned` changes nothing here."""
     chosen = custom_version(problem)
     return ("conv1_direct",) if chosen == "conv1_direct" else ("conv1_direct", chosen)
@@ -443,12 +443,6 @@ def bind_custom(problem: ConvProblem, version: str | None = None) -> Callable[..
         kernel(x, w, scale, shift, y)
         return y
     return run
-
-
-def launch_custom(problem: ConvProblem, x, w, scale, shift, version: str | None = None) -> Any:
-    """y = act(scale * conv(x, w) + shift) with one kernel of kernels/conv2d.cu (the default: the
-    fastest that supports the problem), bound for this call alone (for tests and benchmarks)."""
-    return bind_custom(problem, version)(x, w, scale, shift)
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)

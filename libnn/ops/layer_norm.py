@@ -202,8 +202,6 @@ def _graph_builder(problem: LayerNormProblem):
     return build
 
 
-
-
 def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
     import cupy
