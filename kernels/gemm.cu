@@ -24,23 +24,23 @@ NVRTC from any pip wheel compiles it without a CUDA toolkit; conversions, cp.asy
 inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with
 -Xptxas=-v -I kernels/ -arch=sm_XX.
 
-Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via torch in brackets):
+Versions (their speeds on the H100 against cuBLAS: benchmarks/RESULTS.md, linear):
 
-1) gemm1_naive_{f32,f16,bf16}                                               ~0.5 TFLOP/s
+1) gemm1_naive_{f32,f16,bf16}
    One thread per output element, a plain dot product over K. The obviously-correct baseline; slow
    (w rows are read strided across the warp). No alignment requirement.
 
-2) gemm2_tiled_f32                                              ~38.7 TFLOP/s  [cuBLAS fp32 50.6]
+2) gemm2_tiled_f32
    SIMT fp32 (plain FFMA, no tf32). 128x128 block tile, BK=16, 256 threads, 8x8 outputs per thread
    held as two 4x4 quads 64 rows/cols apart (so a warp's float4 shared loads are conflict-free and
    mostly broadcast). Tiles are staged K-major ("transposed") in shared memory, rows padded to 132
    floats to spread the transposing stores over the banks (2-way conflicts remain, on 16 stores per
    thread per tile); double-buffered shared memory plus a register prefetch of the next tile, one
    barrier per k-tile; 2 blocks/SM on sm_90, 1 on sm_80 (GEMM2_MINB). Global loads are float4 when K%4==0 and
-   x,w are 16-byte aligned, otherwise guarded scalar loads (~33 TFLOP/s, measured with BK=8) -- the
-   kernel checks this itself (uniform branch), the launcher does nothing.
+   x,w are 16-byte aligned, otherwise guarded scalar loads (slower) -- the kernel checks this itself
+   (uniform branch), the launcher does nothing.
 
-3) gemm3_mma_{f16,bf16}                              ~350-362 TFLOP/s  [cuBLASLt bf16 ~735, i.e. ~49%]
+3) gemm3_mma_{f16,bf16}
    Tensor cores through mma.sync.m16n8k16 (fp32 accumulate), fed by ldmatrix.x4 from shared memory.
    Default tile 128x256x32, 8 warps as 2(M) x 4(N), 64x64 per warp (128 fp32 accumulators per thread),
    4-stage cp.async (16-byte, .cg, zero-fill for out-of-range rows / k) pipeline, one barrier per
@@ -52,19 +52,18 @@ Versions (H100 SXM, 4096^3, no bias/act, measured with this file; cuBLAS via tor
    blocks in flight share their A rows and B columns in L2. The main loop (pipeline, swizzle, fragments,
    mmas) and the rasterization are kernels/mma_pipeline.cuh's, shared with conv2d.cu's conv3; this file
    has gemm3's loader (load_tile) and epilogue.
-   Also measured: 8192^3 ~450 TFLOP/s (cuBLAS 781), 2048^3 ~243 (440), 1024^3 ~42 (102). Other
-   tiles (128x128 4 warps, 256x128, BK=64, 3/5 stages) were all within +-5% at 4096^3 and 8192^3.
+   The default tile stays because none of the others tried (128x128 4 warps, 256x128, BK=64, 3/5
+   stages) was clearly faster at 4096^3 or 8192^3.
    Alignment: the 16-byte cp.async path is used only when K%8==0 and x,w are 16-byte aligned; otherwise
-   the same pipeline is filled with guarded scalar loads, synchronously: correct for any K but only
-   ~77 TFLOP/s at 4096x4096x4095 -- for large unaligned problems a launcher does better to copy x and w
-   into K-padded (multiple of 8, zero-filled) buffers and run the aligned path. The kernel picks the
+   the same pipeline is filled with guarded scalar loads, synchronously: correct for any K but several times
+   slower -- for large unaligned problems a launcher does better to copy x and w into K-padded (multiple of 8, zero-filled) buffers and run the aligned path. The kernel picks the
    path itself.
 
 Compile-time tuning knobs (defaults are what the LAUNCH table assumes; leave them alone in the library):
 -DGEMM3_BM/BN/BK/WM/WN/STAGES (BK 32 or 64), -DGEMM2_BK (8 or 16), -DGEMM2_MINB (blocks/SM bound).
 
 Activations compiled (the epilogue is inlined for every accumulator a thread holds: gemm3 compiled with
-all five of common.cuh's activations slowed from 353 to 241 TFLOP/s, see ACT_LINEAR there):
+all five of common.cuh's activations ran markedly slower, see ACT_LINEAR there):
     gemm1_naive_*                 none, relu, gelu, gelu_erf
     gemm2_tiled_f32, gemm3_mma_*  none, relu, gelu
     gemm3_mma_gelu_erf_*          none, gelu_erf   (the same kernel as gemm3_mma_*, erf in its epilogue)
@@ -166,7 +165,7 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
 #define G2_BM 128
 #define G2_BN 128
 #ifndef GEMM2_BK
-#define GEMM2_BK 16   // measured on H100: 16 beats 8 by ~7% (fewer barriers per FFMA)
+#define GEMM2_BK 16   // faster than 8 on the H100 (fewer barriers per FFMA; benchmarks/RESULTS.md, linear)
 #endif
 #ifndef GEMM2_MINB
 // blocks/SM bound. sm_90: 2 (128 registers), although NVRTC 13.0's ptxas may spill 16 B there with the
@@ -353,7 +352,7 @@ __device__ __forceinline__ void gemm3_body(const u16* __restrict__ x, const u16*
             }
         } else {
             // Rows not 16-byte aligned: guarded scalar loads, synchronous. (Issuing them after the
-            // first k16 step's mmas instead was measured: no gain, +15 registers.)
+            // first k16 step's mmas instead was measured: no gain, more registers.)
             auto gather = [&](const u16* base, int rows, int g) {
                 u32 p[4] = {0u, 0u, 0u, 0u};
                 if (g < rows) {

@@ -32,7 +32,7 @@ Everything is __forceinline__, and both files' kernels compile to the same cubin
 this loop was written out in each of them (sm_80 and sm_90 cubins and compute_90 PTX, NVRTC 13.5). That
 took the order of the source too: with the k-tile count computed by the caller (before the ldmatrix
 offsets) rather than here, gemm3's PTX and SASS changed, with the same registers. A change here changes
-both kernels' inner loops, which proved sensitive (gemm3 lost ~30% to a larger epilogue, common.cuh):
+both kernels' inner loops, which proved sensitive (gemm3 slowed markedly with a larger epilogue, common.cuh):
 compare the cubins before and after, or benchmark both (libnn bench linear, libnn bench conv).
 */
 #pragma once
