@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.spatial import is_int
+from libnn.ops.spatial import is_int, pair as op_pair
 from libnn.registry import get_op, ops as known_ops
 from libnn.runtime import device as runtime_device
 from libnn.runtime import memory
@@ -38,13 +38,12 @@ def size(layer: str, name: str, value: Any, minimum: int | None = 1) -> int:
 
 
 def pair(layer: str, name: str, value: Any, minimum: int) -> tuple[int, int]:
-    """An int or a pair of ints, each >= minimum, as a pair."""
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(items) != 2 or not all(is_int(v) for v in items):
-        raise TypeError(f"{layer}: {name} must be an int or a pair of ints, got {type(value).__name__} {value!r}")
-    if min(items) < minimum:
-        raise ValueError(f"{layer}: {name} must be {_at_least(minimum)} or a pair of them, got {value!r}")
-    return int(items[0]), int(items[1])
+    """An int or a pair of ints, each >= minimum, as a pair: conv2d's and pool2d's check,
+    its one ValueError (a value below the minimum) worded as the layer's other sizes are."""
+    try:
+        return op_pair(layer, name, value, minimum)
+    except ValueError:
+        raise ValueError(f"{layer}: {name} must be {_at_least(minimum)} or a pair of them, got {value!r}") from None
 
 
 def positive_float(layer: str, name: str, value: Any) -> float:
