@@ -124,14 +124,24 @@ def right_padded(lengths, S):
     return (np.arange(S)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
 
 
-def assert_matches(out, expected, tol):
+def assert_matches(out, expected, tol, mask=None):
+    """out against (hidden, pooled, pooler) at the tokens `mask` marks (every position without one):
+    unpadded models leave zeros at the padding, so pooler_output, which reads the first position, is
+    compared in the rows whose first position is a token."""
     hidden, pooled, pooler = expected
-    assert rel_error(out.last_hidden_state, hidden) < tol
+    tokens = np.ones(hidden.shape[:2], bool) if mask is None else np.asarray(mask) != 0
+    assert rel_error(at(out.last_hidden_state, tokens), hidden[tokens]) < tol
     assert rel_error(out.pooled, pooled) < tol
     if pooler is None:
         assert out.pooler_output is None
     else:
-        assert rel_error(out.pooler_output, pooler) < tol
+        rows = tokens[:, 0]
+        assert rel_error(at(out.pooler_output, rows), pooler[rows]) < tol
+
+
+def at(a, where):
+    """a[where] for host or GPU arrays (`where` on the host)."""
+    return (a.get() if hasattr(a, "get") else a)[where]
 
 
 # --- CPU: reference path against NumPy --------------------------------------------------------------
@@ -154,7 +164,7 @@ def test_bert_reference_fp64_has_no_hidden_rounding(rng, checkpoint):
     ids, types = inputs(rng, 2, 9)
     out = model(ids, right_padded([9, 4], 9), types)
     assert out.last_hidden_state.dtype == np.float64
-    assert_matches(out, numpy_bert(state, config, ids, right_padded([9, 4], 9), types), 1e-10)
+    assert_matches(out, numpy_bert(state, config, ids, right_padded([9, 4], 9), types), 1e-10, right_padded([9, 4], 9))
 
 
 def test_bert_right_padding_runs_as_sequence_lengths(rng, checkpoint, monkeypatch):
@@ -167,7 +177,7 @@ def test_bert_right_padding_runs_as_sequence_lengths(rng, checkpoint, monkeypatc
     mask = right_padded([12, 5, 1], 12)
     out = model(ids, mask, types)
     assert calls[0]["seq_lens_kv"].lengths.tolist() == [12, 5, 1] and calls[0]["attn_bias"] is None
-    assert_matches(out, numpy_bert(state, config, ids, mask, types), 1e-5)
+    assert_matches(out, numpy_bert(state, config, ids, mask, types), 1e-5, mask)
     model(ids, np.ones_like(mask), types)
     assert calls[-1]["seq_lens_kv"] is None and calls[-1]["attn_bias"] is None  # nothing padded: no mask
 
@@ -183,10 +193,68 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
     out = model(ids, left, types)
     # left padding: every row's last token is real, so the lengths are full and the bias masks the holes
     assert calls[0]["seq_lens_kv"].lengths.tolist() == [10] * 3 and calls[0]["attn_bias"].bias.shape == (3, 1, 1, 10)
-    assert_matches(out, numpy_bert(state, config, ids, left, types), 1e-5)
+    assert_matches(out, numpy_bert(state, config, ids, left, types), 1e-5, left)
     holes = (rng.random((3, 10)) < 0.7).astype(np.int32)
     holes[:, 3] = 1
-    assert_matches(model(ids, holes, types), numpy_bert(state, config, ids, holes, types), 1e-5)
+    assert_matches(model(ids, holes, types), numpy_bert(state, config, ids, holes, types), 1e-5, holes)
+
+
+@pytest.mark.parametrize("B, S", [(1, 1), (1, 13), (5, 17), (3, 40)])
+def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng, checkpoint, B, S):
+    """unpad=True (packed tokens) gives unpad=False's values at every token, for right padding,
+    holes, a row without tokens and a full row; zeros at the padding; pooled unchanged."""
+    directory, _, _ = checkpoint
+    packed = BertEncoder.from_pretrained(directory, dtype="fp64", path="reference")
+    padded = BertEncoder.from_pretrained(directory, dtype="fp64", path="reference", unpad=False)
+    ids, types = inputs(rng, B, S)
+    lengths = rng.integers(0, S + 1, B)
+    lengths[0] = max(1, S // 3)
+    holes = (rng.random((B, S)) < 0.6).astype(np.int64)
+    for mask in (right_padded(lengths, S), holes, np.zeros((B, S), np.int64), np.ones((B, S), np.int64)):
+        got, expected = packed(ids, mask, types), padded(ids, mask, types)
+        tokens = mask != 0
+        np.testing.assert_allclose(got.last_hidden_state[tokens], expected.last_hidden_state[tokens], rtol=1e-12,
+                                   atol=1e-12)
+        assert not got.last_hidden_state[~tokens].any()
+        np.testing.assert_allclose(got.pooled, expected.pooled, rtol=1e-12, atol=1e-12)
+
+
+def test_bert_packs_only_when_it_saves_positions(rng, checkpoint, monkeypatch):
+    """The layers see packed rows (2-D) for a well-padded batch, and the padded (B, S, H) layout
+    for a nearly full one or with unpad=False."""
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    shapes = []
+    real = model.encoder.layer[0].forward
+    monkeypatch.setattr(model.encoder.layer[0], "forward", lambda x, *a: shapes.append(x.shape) or real(x, *a))
+    ids, types = inputs(rng, 4, 32)
+    model(ids, right_padded([32, 3, 9, 1], 32), types)
+    model(ids, right_padded([32, 32, 32, 31], 32), types)
+    model.unpad = False
+    model(ids, right_padded([32, 3, 9, 1], 32), types)
+    assert shapes == [(48, 32), (4, 32, 32), (4, 32, 32)]
+
+
+def test_bert_max_tokens_below_the_count_is_refused(rng, checkpoint):
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference")
+    ids, types = inputs(rng, 2, 8)
+    with pytest.raises(ValueError, match="attention_mask holds 9 tokens but max_tokens is 8"):
+        model(ids, right_padded([8, 1], 8), types, max_tokens=8)
+    with pytest.raises(ValueError, match="max_tokens"):
+        model(ids, right_padded([8, 1], 8), types, max_tokens=0)
+    got = model(ids, right_padded([8, 1], 8), types, max_tokens=9).last_hidden_state
+    np.testing.assert_array_equal(got, model(ids, right_padded([8, 1], 8), types).last_hidden_state)
+
+
+def test_token_bucket_covers_the_count_within_an_eighth():
+    from libnn.nn.graphs import token_bucket
+
+    for tokens in [0, 1, 15, 16, 17, 100, 1000, 4097, 17000, 32768]:
+        bucket = token_bucket(tokens, 10**6)
+        assert tokens <= bucket <= max(16, tokens * 9 // 8 + 16)
+    assert token_bucket(17000, 16384) == 16384  # never past every position
+    assert len({token_bucket(t, 10**6) for t in range(8192, 16384)}) <= 16
 
 
 def test_bert_padded_sequence_equals_it_alone(rng, checkpoint):
@@ -344,8 +412,16 @@ def test_bert_reference_matches_transformers(rng, checkpoint):
         expected = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                       token_type_ids=torch.from_numpy(types))
     out = model(ids, mask, types)
-    assert rel_error(out.last_hidden_state, expected.last_hidden_state.numpy()) < 1e-5
-    assert rel_error(out.pooler_output, expected.pooler_output.numpy()) < 1e-5
+    assert_matches(out, (expected.last_hidden_state.numpy(), _hf_pooled(expected, mask),
+                         expected.pooler_output.numpy()), 1e-5, mask)
+    padded = BertEncoder.from_pretrained(directory, path="reference", unpad=False)(ids, mask, types)
+    assert rel_error(padded.last_hidden_state, expected.last_hidden_state.numpy()) < 1e-5  # every position
+
+
+def _hf_pooled(expected, mask):
+    """Hugging Face's last_hidden_state mean-pooled over `mask`, as BertOutput.pooled."""
+    hidden = expected.last_hidden_state.double().numpy()
+    return (hidden * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
 
 
 def hf_model(transformers, torch, config, state):
@@ -358,19 +434,20 @@ def hf_model(transformers, torch, config, state):
 
 
 # --- GPU --------------------------------------------------------------------------------------------
-GPU_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+GPU_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_bert_gpu_matches_reference(rng, tmp_path, dtype):
+@pytest.mark.parametrize("unpad", [True, False])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_bert_gpu_matches_reference(rng, tmp_path, dtype, unpad):
     import cupy
 
     config = TINY | {"max_position_embeddings": 80}
     state = random_state(rng, config)
     directory = write_checkpoint(tmp_path, config, state)
-    reference = BertEncoder.from_pretrained(directory, path="reference")
-    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    reference = BertEncoder.from_pretrained(directory, path="reference", unpad=unpad)
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu", unpad=unpad)
     assert isinstance(model.encoder.layer[0].attention.self.packed()[0], cupy.ndarray)
     ids, types = inputs(rng, 4, 64)
     right = right_padded([64, 17, 1, 40], 64)
@@ -398,8 +475,8 @@ def test_bert_gpu_matches_transformers(rng, checkpoint, dtype):
         expected = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                       token_type_ids=torch.from_numpy(types))
     out = model(ids, mask, types)
-    assert rel_error(out.last_hidden_state, expected.last_hidden_state.numpy()) < GPU_TOLERANCE[dtype]
-    assert rel_error(out.pooler_output, expected.pooler_output.numpy()) < GPU_TOLERANCE[dtype]
+    assert_matches(out, (expected.last_hidden_state.numpy(), _hf_pooled(expected, mask),
+                         expected.pooler_output.numpy()), GPU_TOLERANCE[dtype], mask)
 
 
 @pytest.mark.gpu
@@ -452,3 +529,34 @@ def test_uninitialised_ends_with_its_block_even_on_an_error():
     a, b = Linear(4, 4, seed=1), Linear(4, 4, seed=1)
     np.testing.assert_array_equal(a.weight, b.weight)
     assert np.all(np.abs(a.weight) <= 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_bert_graphed_unpadded_captures_per_token_bucket(rng, checkpoint, dtype):
+    """Unpadded graphs capture per token bucket (the mask's count read back per call), replay the
+    eager result for each count, reuse a capture for a count in its bucket, and replay() refuses a
+    caller-filled mask with more tokens than its capture packs."""
+    import cupy
+
+    from libnn.errors import LibnnError
+
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    graphed = model.graphed()
+    ids, types = (cupy.asarray(a) for a in inputs(rng, 8, 32))
+    for lengths in ([32, 3, 9, 1, 20, 5, 7, 2], [30, 3, 9, 1, 20, 5, 7, 2], [32] * 4 + [1] * 4):
+        mask = cupy.asarray(right_padded(lengths, 32))
+        got = graphed(ids, mask, types)
+        expected = model(ids, mask, types)
+        assert not got.last_hidden_state[~mask.astype(bool)].any()
+        for name in ("last_hidden_state", "pooled"):
+            assert rel_error(got[name], expected[name].get()) < dtypes.TOLERANCE[dtype], (lengths, name)
+    assert sum(s.captures for s in graphed.stats().values()) == 2  # 79 and 77 tokens share a bucket
+    bufs = graphed.inputs(ids, cupy.asarray(right_padded([1] * 8, 32)), types)
+    bufs[1][...] = cupy.asarray(right_padded([32] * 8, 32))
+    with pytest.raises(LibnnError, match="holds 256 tokens but this capture packs at most 16"):
+        graphed.replay()
+    bufs[1][...] = cupy.asarray(right_padded([2] + [1] * 7, 32))
+    got = graphed(*bufs).last_hidden_state.copy()
+    assert rel_error(got, model(ids, bufs[1], types).last_hidden_state.get()) < dtypes.TOLERANCE[dtype]

@@ -19,7 +19,8 @@ Parts (`--only` picks some, comma-separated):
 
 Rows per case: libnn graph (one CUDA graph per input shape, replayed; the first call's split into eager
 warm-up and capture beside it), libnn eager (op by op from Python), for the seed CNN libnn forced to
-its custom path, and the peers in the same run: PyTorch eager (Hugging Face transformers for the
+its custom path, for the encoders libnn's graph with unpad=False (every padding position computed, as
+Hugging Face does; the default packs the tokens, and each call reads their count back), and the peers in the same run: PyTorch eager (Hugging Face transformers for the
 encoders), the same captured in a `torch.cuda.graph` (static inputs, replayed), and `torch.compile`
 of it (on the cases the targets name: a compile takes tens of seconds). "ms" is GPU time (queue pre-filled);
 "per-call ms" is back-to-back calls with nothing queued before, what a user's loop sees.
@@ -92,8 +93,8 @@ def _cases(quick: bool, parts: tuple[str, ...]) -> list[Case]:
 
 
 # --- libnn's side ---------------------------------------------------------------------------------
-def _libnn_model(case: Case, path: str = "auto", checkpoint: str | None = None):
-    """The libnn model and its inputs for `case`, on the GPU."""
+def _libnn_model(case: Case, path: str = "auto", checkpoint: str | None = None, unpad: bool = True):
+    """The libnn model and its inputs for `case`, on the GPU (an encoder unpadded or not)."""
     import cupy
 
     rng = cupy.random.default_rng(11)
@@ -107,7 +108,7 @@ def _libnn_model(case: Case, path: str = "auto", checkpoint: str | None = None):
         model = Sequential(Conv2d(C, K, 3, padding=1, path=path, **kw), BatchNorm2d(K, **kw), ReLU())
         x = rng.standard_normal((case.batch, HW, HW, C), dtype=cupy.float32).astype(dtypes.parse(case.dtype))
         return model, (x,)
-    model = BertEncoder.from_pretrained(checkpoint, dtype=case.dtype, device="gpu", path=path)
+    model = BertEncoder.from_pretrained(checkpoint, dtype=case.dtype, device="gpu", path=path, unpad=unpad)
     ids, mask = _encoder_inputs(case)
     return model, (cupy.asarray(ids), cupy.asarray(mask))
 
@@ -137,6 +138,10 @@ def _libnn_timings(case: Case, checkpoint: str | None) -> list[tuple[str, Callab
         custom, custom_inputs = _libnn_model(case, path="custom")
         custom_graphed = custom.graphed()
         found.append(("libnn custom graph", lambda _: custom_graphed(*custom_inputs), {}))
+    if case.model in SHAPES:  # the fusion's twin: every position computed, as Hugging Face does
+        padded, padded_inputs = _libnn_model(case, checkpoint=checkpoint, unpad=False)
+        padded_graphed = padded.graphed()
+        found.append(("libnn graph padded", lambda _: padded_graphed(*padded_inputs), {}))
     return found
 
 

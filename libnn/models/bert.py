@@ -35,8 +35,9 @@ import numpy as np
 from libnn import dtypes
 from libnn.nn import checks, weights
 from libnn.nn.basic import Embedding
-from libnn.nn.functional import key_padding, on_device_of, op_path, packed_self_attention
-from libnn.nn.graphs import SequenceInputs
+from libnn.nn.functional import (TokenPacking, key_padding_and_tokens, on_device_of, op_path,
+                                 packed_self_attention, zero_padding)
+from libnn.nn.graphs import SequenceInputs, token_bucket
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import LayerNorm
@@ -54,6 +55,11 @@ POSITION_EMBEDDING_TYPES = ("absolute",)
 # The config's sizes and the least each may be (no encoder layers leaves the embeddings, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1, "intermediate_size": 1,
          "max_position_embeddings": 1, "type_vocab_size": 1}
+# Unpadding packs the tokens when their rows are at most this share of the padded positions: the
+# gathers it adds (the hidden state in and out, and per layer q, k, v out to the padded layout and the
+# attention's output back) cost about a quarter of a layer's memory traffic, so near-full batches run
+# padded.
+PACKED_AT_MOST = 0.875
 TASK_HEADS = ("cls", "classifier", "qa_outputs")  # BertFor...'s heads: set aside at load
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # constant buffers some checkpoints hold
 
@@ -220,9 +226,10 @@ class BertSelfAttention(Module):
             self._packed = (tuple(p for layer in layers for p in (layer.weight, layer.bias)), w, b)
         return self._packed[1], self._packed[2]
 
-    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any, packing: TokenPacking | None = None) -> Any:
         w, b = self.packed()
-        return packed_self_attention(x, w, b, self.num_heads, seq_lens_kv=seq_lens_kv, bias=bias, path=self.path)
+        return packed_self_attention(x, w, b, self.num_heads, seq_lens_kv=seq_lens_kv, bias=bias, path=self.path,
+                                     packing=packing)
 
 
 class _DenseLayerNorm(Module):
@@ -244,8 +251,8 @@ class BertAttention(Module):
         self.self = BertSelfAttention(c, dtype, device, path)
         self.output = _DenseLayerNorm(c.hidden_size, c, dtype, device, path)
 
-    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
-        return self.output(self.self(x, seq_lens_kv, bias), x)
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any, packing: TokenPacking | None = None) -> Any:
+        return self.output(self.self(x, seq_lens_kv, bias, packing), x)
 
 
 class BertIntermediate(Module):
@@ -265,8 +272,10 @@ class BertLayer(Module):
         self.intermediate = BertIntermediate(c, dtype, device, path)
         self.output = _DenseLayerNorm(c.intermediate_size, c, dtype, device, path)
 
-    def forward(self, x: Any, seq_lens_kv: Any, bias: Any) -> Any:
-        x = self.attention(x, seq_lens_kv, bias)
+    def forward(self, x: Any, seq_lens_kv: Any, bias: Any, packing: TokenPacking | None = None) -> Any:
+        """x (B, S, H), or with `packing` the packed tokens (capacity, H): every layer but the attention
+        works row by row, so only the attention sees the padded layout."""
+        x = self.attention(x, seq_lens_kv, bias, packing)
         return self.output(self.intermediate(x), x)
 
 
@@ -305,32 +314,47 @@ class BertPooler(Module):
 
 class BertEncoder(Module):
     """A BERT encoder (Hugging Face's BertModel) for inference. Build it from a checkpoint directory
-    with `from_pretrained`, or from a BertConfig (random weights) for tests."""
+    with `from_pretrained`, or from a BertConfig (random weights) for tests.
 
-    # For graphed(seq_buckets=...): sequences are padded with zeros at positions attention_mask marks 0
-    # (forward's second parameter); only last_hidden_state has the sequence dimension to slice back.
-    # pooled averages the unmasked tokens and pooler_output reads the first: padding changes neither.
-    graph_sequence_inputs = SequenceInputs(mask="attention_mask", mask_position=1, outputs=("last_hidden_state",))
+    `unpad=True` (the default) computes only the tokens: with an attention_mask, the embeddings' rows
+    of the tokens are packed together, every GEMM, LayerNorm and activation runs on those rows alone,
+    and only the attention sees the padded (B, S) layout (q, k, v gathered out to it, its output
+    gathered back). A batch padded to twice its tokens then costs about half. last_hidden_state is
+    zeros at the padding (as PyTorch's nested-tensor encoders give; Hugging Face computes values
+    there that no token reads; zeros also when a nearly full batch runs padded, so the result never
+    depends on that choice). pooled is unchanged, and so is pooler_output, which reads each row's
+    first position, wherever that is a token (left padding puts padding there). `unpad=False` runs
+    every position, as Hugging Face does."""
 
     def __init__(self, config: BertConfig, *, pooler: bool = True, dtype: Any = "fp32", device: str = "cpu",
-                 path: str | dict[str, str] = "auto"):
+                 path: str | dict[str, str] = "auto", unpad: bool = True):
         super().__init__()
         _check_fits("BertEncoder", config, pooler, dtype, device, "the config")
         checks.path("BertEncoder", path, ("linear", "attention", "layer_norm", "embedding"), per_op=True)
         self.config, self.path = config, path
+        self.unpad = checks.flag("BertEncoder", "unpad", unpad)
         self.embeddings = BertEmbeddings(config, dtype, device, path)
         self.encoder = _Encoder(config, dtype, device, path)
         self.pooler = BertPooler(config, dtype, device, path) if pooler else None
         self.load_report: LoadReport | None = None
         self._pack()
 
+    @property
+    def graph_sequence_inputs(self) -> SequenceInputs:
+        """For graphed(seq_buckets=...): sequences are padded with zeros at positions attention_mask
+        marks 0 (forward's second parameter); only last_hidden_state has the sequence dimension to
+        slice back. pooled averages the unmasked tokens and pooler_output reads the first: padding
+        changes neither. With `unpad`, graphs pass forward's `max_tokens`."""
+        return SequenceInputs(mask="attention_mask", mask_position=1, outputs=("last_hidden_state",),
+                              tokens="max_tokens" if self.unpad else None)
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp32", device: str = "cpu",
-                        path: str | dict[str, str] = "auto") -> BertEncoder:
+                        path: str | dict[str, str] = "auto", unpad: bool = True) -> BertEncoder:
         """Load config.json and model.safetensors from `directory` into a BertEncoder in `dtype`
         ("fp32", "fp16", "bf16", ...) on `device` ("cpu" or "gpu"). `path` goes to every op ("auto",
-        "reference", ...) or is a dict by op name. Raises, naming the keys, if the checkpoint's
-        weights do not match the config."""
+        "reference", ...) or is a dict by op name; `unpad` as for the constructor. Raises, naming the
+        keys, if the checkpoint's weights do not match the config."""
         where = "BertEncoder.from_pretrained"
         if not isinstance(directory, (str, Path)):
             raise TypeError(f"{where}: directory must be a str or pathlib.Path, got {type(directory).__name__} "
@@ -347,7 +371,7 @@ class BertEncoder(Module):
         report.files = files
         with uninitialised():  # every parameter is replaced by the checkpoint's, or the load fails
             model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu",
-                        path=path)
+                        path=path, unpad=unpad)
         try:
             model.load_state_dict(state, assign=True)  # the arrays just read: no copy of the checkpoint
         except (KeyError, ValueError, TypeError) as exc:  # a key, shape or dtype: name the checkpoint
@@ -372,9 +396,13 @@ class BertEncoder(Module):
         for layer in self.encoder.layer:
             layer.attention.self.packed()
 
-    def forward(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> BertOutput:
+    def forward(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                max_tokens: int | None = None) -> BertOutput:
         """input_ids (B, S) integers; attention_mask (B, S), 1/True for a token and 0/False for
-        padding; token_type_ids (B, S) (default all 0). Host arrays are moved to the model's device."""
+        padding; token_type_ids (B, S) (default all 0). Host arrays are moved to the model's device.
+        With `unpad` (see the class), `max_tokens` is the number of rows the tokens are packed into
+        (default: token_bucket of their count); graphed() passes it, as a capture cannot read the
+        count back. A mask with more tokens than `max_tokens` is refused."""
         like = self.embeddings.word_embeddings.weight
         c = self.config
         input_ids = self._ids(input_ids, "input_ids", like)
@@ -386,7 +414,7 @@ class BertEncoder(Module):
             token_type_ids = self._ids(token_type_ids, "token_type_ids", like, (B, S))
         _check_ranges({"input_ids": (input_ids, c.vocab_size, "vocab_size"),
                        "token_type_ids": (token_type_ids, c.type_vocab_size, "type_vocab_size")})
-        valid = lens = bias = None
+        valid = lens = bias = tokens = None
         if attention_mask is not None:
             mask = on_device_of(attention_mask, like, "BertEncoder", "attention_mask")
             if tuple(mask.shape) != (B, S):
@@ -396,11 +424,36 @@ class BertEncoder(Module):
                 raise TypeError(f"BertEncoder: attention_mask must be boolean or integer (1 = token, 0 = padding), "
                                 f"got dtype {mask.dtype}")
             valid = mask != 0
-            lens, bias = key_padding(valid, like.dtype)
+            lens, bias, tokens = key_padding_and_tokens(valid, like.dtype)
         x = self.embeddings(input_ids, token_type_ids)
+        packing = self._packing(valid, tokens, max_tokens)
+        h = x if packing is None else packing.pack(x)
         for layer in self.encoder.layer:
-            x = layer(x, lens, bias)
+            h = layer(h, lens, bias, packing)
+        if packing is not None:
+            x = packing.unpack(h)
+        elif self.unpad and valid is not None:  # zeros at the padding however the batch ran
+            x = zero_padding(h, valid)
+        else:
+            x = h
         return BertOutput(x, _mean_pool(x, valid), None if self.pooler is None else self.pooler(x))
+
+    def _packing(self, valid: Any, tokens: int | None, max_tokens: Any) -> TokenPacking | None:
+        """How this call packs its tokens, or None to run every position: without `unpad` or a mask,
+        when packing would save less than PACKED_AT_MOST of the positions, and while a graph is
+        captured without `max_tokens` (the count cannot be read back there)."""
+        if max_tokens is not None:
+            max_tokens = checks.size("BertEncoder", "max_tokens", max_tokens)
+            if tokens is not None and tokens > max_tokens:
+                raise ValueError(f"BertEncoder: attention_mask holds {tokens} tokens but max_tokens is {max_tokens}; "
+                                 "pass at least the number of tokens, or None")
+        if not self.unpad or valid is None:
+            return None
+        positions = valid.shape[0] * valid.shape[1]
+        capacity = max_tokens if max_tokens is not None else None if tokens is None else token_bucket(tokens, positions)
+        if capacity is None or capacity > PACKED_AT_MOST * positions:
+            return None
+        return TokenPacking(valid, capacity)
 
     @staticmethod
     def _ids(a: Any, name: str, like: Any, shape: tuple[int, int] | None = None) -> Any:
@@ -431,7 +484,9 @@ class BertEncoder(Module):
                   "strided BSHD views of its output (no copies)"),
                  "encoder.layer.*.attention.output.dense: bias and the residual in the GEMM epilogue; LayerNorm",
                  f"encoder.layer.*.intermediate.dense: bias in the GEMM epilogue; {act} ({c.hidden_act!r}) {act_where}",
-                 "encoder.layer.*.output.dense: bias and the residual in the GEMM epilogue; LayerNorm"]
+                 "encoder.layer.*.output.dense: bias and the residual in the GEMM epilogue; LayerNorm",
+                 ("unpadded: the layers compute the tokens alone, packed; the attention reads them in the padded "
+                  "layout" if self.unpad else "padded: every position is computed")]
         if self.pooler is not None:
             lines.append("pooler.dense: bias in the GEMM epilogue, tanh after")
         if self.load_report is not None:

@@ -42,14 +42,20 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     skip the padding; the bias masks only the holes. Decided on the host for NumPy; for CuPy with one
     reduction (one synchronisation). While a CUDA graph is captured nothing can be read back, and a
     replay may bring any mask: always lengths and bias, computed on the device by two kernels."""
+    return key_padding_and_tokens(valid, dtype)[:2]
+
+
+def key_padding_and_tokens(valid: Any, dtype: Any) -> tuple[Any, Any, int | None]:
+    """key_padding's (seq_lens_kv, bias) and the number of Trues in `valid` (the tokens), read back in
+    the same synchronisation; None while a CUDA graph is captured."""
     xp = array_module(valid)
     B, S = valid.shape
     if B == 0 or S == 0:
-        return None, None
+        return None, None, 0
     if is_cupy(valid) and capturing():  # counted from the mask: in range by construction
         valid = contiguous(valid.astype(bool, copy=False))
         lengths = _lengths_kernel()(valid, S, size=B)
-        return CheckedLengths(lengths), KeyPaddingBias(_holes(valid, lengths, dtype)[:, None, None, :])
+        return CheckedLengths(lengths), KeyPaddingBias(_holes(valid, lengths, dtype)[:, None, None, :]), None
     position = xp.arange(S, dtype=xp.int32)[None, :]
     lengths = xp.where(valid, position + 1, 0).max(axis=1).astype(xp.int32)  # up to the last True
     inside = position < lengths[:, None]
@@ -58,23 +64,103 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
         # mask; the True at each row's end stays finite, so the bias never empties a row (KeyPaddingBias)
         return KeyPaddingBias(xp.where(valid | ~inside, 0.0, -np.inf).astype(dtype)[:, None, None, :])
 
-    is_prefix, shortest = (int(v) for v in xp.stack([xp.all(inside == valid).astype(xp.int32),
-                                                      lengths.min()]).tolist())
+    is_prefix, shortest, tokens = (int(v) for v in xp.stack([xp.all(inside == valid).astype(xp.int32),
+                                                              lengths.min(), xp.count_nonzero(valid)]).tolist())
     if is_prefix:
-        return (None if shortest == S else CheckedLengths(lengths)), None
-    return CheckedLengths(lengths), holes()
+        return (None if shortest == S else CheckedLengths(lengths)), None, tokens
+    return CheckedLengths(lengths), holes(), tokens
+
+
+class TokenPacking:
+    """The tokens of a padded batch, `valid` (B, S) True at each token, packed into `capacity` rows
+    (at least the number of tokens): the rows every position-wise layer (GEMMs, LayerNorm, the
+    activation) then computes are the tokens alone, not the padding. `pack` takes (B, S, F) or
+    (B·S, F) rows to (capacity, F), the rows past the last token zeros; `unpack` gives them back as
+    (B, S, F), zeros at the padding. Both are one gather kernel; the maps are built on the device
+    (a scan and a scatter: no synchronisation, so a CUDA graph captures them). Tokens past
+    `capacity` would be dropped: the caller sizes it from the count (key_padding_and_tokens)."""
+
+    def __init__(self, valid: Any, capacity: int):
+        xp = array_module(valid)
+        self.shape, self.capacity = tuple(valid.shape), capacity
+        flat = valid.reshape(-1)
+        slot = xp.cumsum(flat, dtype=xp.int32) - 1  # each token's packed row
+        self.packed_row = xp.where(flat, slot, -1).astype(xp.int32)  # per position; -1 at padding
+        if is_cupy(valid):
+            self.position = xp.full(capacity, -1, xp.int32)
+            _scatter_positions_kernel()(flat, slot, capacity, self.position)
+        else:
+            self.position = np.full(capacity, -1, np.int32)  # per packed row; -1 past the last token
+            tokens = np.flatnonzero(flat)
+            self.position[slot[tokens]] = tokens
+
+    def pack(self, x: Any) -> Any:
+        return gather_rows(x.reshape(self.packed_row.shape[0], -1), self.position)
+
+    def unpack(self, x: Any) -> Any:
+        return gather_rows(x, self.packed_row).reshape(*self.shape, -1)
+
+
+def zero_padding(x: Any, valid: Any) -> Any:
+    """x (B, S, F) with zeros where `valid` (B, S) is False: what TokenPacking.unpack gives there."""
+    xp = array_module(valid)
+    flat = valid.reshape(-1)
+    rows = xp.where(flat, xp.arange(flat.shape[0], dtype=xp.int32), -1).astype(xp.int32)
+    return gather_rows(x.reshape(flat.shape[0], -1), rows).reshape(x.shape)
+
+
+def gather_rows(x: Any, rows: Any) -> Any:
+    """out[i] = x[rows[i]] for the rows of a 2-D `x`, zeros where rows[i] is -1."""
+    xp = array_module(x)
+    if not is_cupy(x):
+        out = np.zeros((rows.shape[0], x.shape[1]), x.dtype)
+        kept = rows >= 0
+        out[kept] = x[rows[kept]]
+        return out
+    x = contiguous(x)
+    row_bytes = x.shape[1] * x.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)  # whole rows as the widest words: any dtype,
+    words = x.view(f"u{word}")                                   # bf16 included, moved as raw bits
+    out = xp.empty((rows.shape[0], words.shape[1]), words.dtype)
+    _gather_rows_kernel()(words, rows, words.shape[1], out)
+    return out.view(x.dtype)
 
 
 def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq_lens_kv: Any = None,
-                          bias: Any = None, causal: bool = False, path: str | dict[str, str] = "auto") -> Any:
+                          bias: Any = None, causal: bool = False, path: str | dict[str, str] = "auto",
+                          packing: TokenPacking | None = None) -> Any:
     """Attention of x (B, S, E) to itself before the output projection: ONE GEMM with the packed
     (3E, E) weight, then the attention op on q, k, v as strided BSHD views of its output. Returns
-    (B, S, E)."""
-    B, S, E = x.shape
-    qkv = linear(x, w_qkv, b_qkv, path=op_path(path, "linear")).reshape(B, S, 3, num_heads, E // num_heads)
+    (B, S, E). With `packing`, x is the packed tokens (capacity, E): the GEMM runs on them, its output
+    is unpacked to (B, S, 3E) for the attention (zeros at the padding, which the lengths and bias
+    mask) and the result packed again (capacity, E)."""
+    qkv = linear(x, w_qkv, b_qkv, path=op_path(path, "linear"))
+    if packing is not None:
+        qkv = packing.unpack(qkv)
+    B, S, E = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3
+    qkv = qkv.reshape(B, S, 3, num_heads, E // num_heads)
     o = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, seq_lens_kv=seq_lens_kv,
                   attn_bias=bias, layout="BSHD", path=op_path(path, "attention"))
-    return o.reshape(B, S, E)
+    return o.reshape(B, S, E) if packing is None else packing.pack(o)
+
+
+@functools.cache
+def _gather_rows_kernel():
+    """out[i] = x[rows[i / width]] word by word, 0 where the row is -1 (one thread per word)."""
+    import cupy
+
+    return cupy.ElementwiseKernel("raw T x, raw int32 rows, int64 width", "T out",
+                                  "const int r = rows[i / width]; out = r < 0 ? T(0) : x[r * width + i % width];",
+                                  "libnn_gather_rows")
+
+
+@functools.cache
+def _scatter_positions_kernel():
+    """position[slot] = i for each token i (valid) whose slot fits the capacity."""
+    import cupy
+
+    return cupy.ElementwiseKernel("bool valid, int32 slot, int32 capacity", "raw int32 position",
+                                  "if (valid && slot < capacity) position[slot] = i;", "libnn_scatter_positions")
 
 
 @functools.cache

@@ -40,6 +40,13 @@ real rows of each buffer (views), and the padding rows are refreshed on every ca
 masked (attention_mask 0; a mask of ones is built where the caller gave none), and the output fields it
 names are sliced back along dim 1. A sequence longer than the largest seq bucket is refused likewise.
 
+**Packed tokens.** A model that computes only its tokens, packed without the padding (BertEncoder,
+`unpad=True`: its SequenceInputs names `tokens`), needs the number of rows to pack them into when it
+is captured. Every call therefore counts the mask's tokens on the host (one read-back of the mask,
+which waits for the work queued before it) and captures one graph per `token_bucket` of the count
+(steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. `g.replay()` on
+caller-filled buffers counts them too, and refuses a mask with more tokens than its capture packs.
+
 `g.stats()` gives, per signature (per bucket with buckets: `(8,)`, or `(8, 128)` with seq_buckets), the
 number of captures, the last one's warm-up and capture time, the replays, and the pad waste: the share
 of padded rows (row × position with seq_buckets) among all rows replayed.
@@ -86,10 +93,13 @@ class SequenceInputs:
     """How a model takes sequences, for graphed(seq_buckets=...): every array argument is (batch, seq,
     ...); `mask` is the argument, at `mask_position` among forward's parameters, that marks tokens 1 and
     padding 0; `outputs` names the output fields with the sequence on dim 1 (the others are sliced on
-    the batch only)."""
+    the batch only). A model that computes only the tokens, packed (BertEncoder), names in `tokens` the
+    keyword that takes how many rows to pack them into: every graphed call counts the mask's tokens
+    (one read-back) and passes token_bucket(count), which keys the capture like any other value."""
     mask: str
     mask_position: int
     outputs: tuple[str, ...]
+    tokens: str | None = None     # forward's keyword for the packed capacity, if the model packs its tokens
 
 
 @dataclass
@@ -138,6 +148,8 @@ class _Capture:
     stats: CaptureStats
     graph: Any = None
     output: Any = None
+    tokens: int | None = None    # the packed capacity the capture was made for (SequenceInputs.tokens)
+    mask_index: int | None = None  # the mask's position among the buffers, when `tokens` is set
     parameters: tuple[Any, ...] = ()   # the parameters baked in: held, never freed under the graph
     regions: dict[tuple[int, int | None], _Region] = field(default_factory=dict)
     last: _Region | None = None  # the region whose padding the buffers hold now
@@ -170,7 +182,7 @@ class GraphedModule:
 
     # --- the calls -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, region, arrays = self._locate(args, kwargs)
+        entry, region, arrays = self._locate(*self._with_tokens(args, kwargs))
         self._last = entry, region
         return self._replay(entry, region, arrays)
 
@@ -178,6 +190,7 @@ class GraphedModule:
         """The graph's input buffers for a call like this one (captured now if needed): one per array
         argument, positional ones first, then keyword ones in the order given. With buckets, the real
         rows (and positions) of each buffer. Fill them and call `g(*buffers)` or `g.replay()`."""
+        args, kwargs = self._with_tokens(args, kwargs)
         entry, region, _ = self._locate(args, kwargs)
         self._last = entry, region
         positional = sum(1 for a in args if is_cupy(a))
@@ -193,6 +206,13 @@ class GraphedModule:
             raise LibnnError(f"{self._name}.replay(): that capture was dropped (a parameter was replaced, or "
                              f"max_captures={self.max_captures} newer ones pushed it out); call g.inputs(...) "
                              "again and refill the buffers it returns")
+        if entry.tokens is not None:
+            mask = region.inputs[entry.mask_index]
+            tokens = self._count_tokens(mask, entry.bucket[0] if entry.bucket else mask.shape[0])
+            if tokens > entry.tokens:
+                raise LibnnError(f"{self._name}.replay(): the mask buffer holds {tokens} tokens but this capture "
+                                 f"packs at most {entry.tokens}; call g(...) with the inputs instead (it captures "
+                                 "for the new count)")
         return self._replay(entry, region, None)
 
     def stats(self) -> dict[tuple, CaptureStats]:
@@ -201,6 +221,36 @@ class GraphedModule:
         return dict(self._stats)
 
     # --- finding the capture ---------------------------------------------------------------------
+    def _with_tokens(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """For a model that packs its tokens (SequenceInputs.tokens): kwargs with the packed capacity
+        for this call's mask, token_bucket of its count, which keys the capture. A mask that is the
+        buffer of a capture made for at least as many tokens keeps that capture's capacity, so that
+        caller-filled buffers replay the capture they belong to."""
+        spec = getattr(self.module, "graph_sequence_inputs", None)
+        if spec is None or spec.tokens is None or spec.tokens in kwargs:
+            return args, kwargs
+        mask = _mask_argument(spec, args, kwargs)
+        if not is_cupy(mask) or mask.ndim != 2 or 0 in mask.shape:
+            return args, kwargs  # no mask (nothing to pack) or one the model's checks refuse
+        rows, seq = mask.shape
+        rows_bucket = rows if self.buckets is None else bucket_for(rows, self.buckets, "buckets", self._name)
+        seq_bucket = seq if self.seq_buckets is None else bucket_for(seq, self.seq_buckets, "seq_buckets", self._name)
+        tokens = self._count_tokens(mask, rows_bucket)
+        capacity = token_bucket(tokens, rows_bucket * seq_bucket)
+        owner = self._owners.get(id(_root(mask)))
+        if owner is not None and owner[0].tokens is not None and tokens <= owner[0].tokens:
+            capacity = owner[0].tokens
+        return args, {**kwargs, spec.tokens: capacity}
+
+    @staticmethod
+    def _count_tokens(mask: Any, rows_bucket: int) -> int:
+        """The tokens of `mask` (rows, seq) once its rows are padded to `rows_bucket` with copies of the
+        last: one read-back."""
+        import cupy
+
+        per_row = cupy.count_nonzero(mask, axis=1).get()
+        return int(per_row.sum()) + (rows_bucket - mask.shape[0]) * int(per_row[-1])
+
     def _locate(self, args: tuple, kwargs: dict) -> tuple[_Capture, _Region, list[Any]]:
         if self.module.version != self._version:
             self._drop_all()
@@ -268,10 +318,7 @@ class GraphedModule:
         return (rows_bucket, seq_bucket, auto_mask, signature), arrays, bucket
 
     def _mask_given(self, args: tuple, kwargs: dict) -> bool:
-        spec = self._sequence
-        if len(args) > spec.mask_position:
-            return args[spec.mask_position] is not None
-        return kwargs.get(spec.mask) is not None
+        return _mask_argument(self._sequence, args, kwargs) is not None
 
     # --- replaying -------------------------------------------------------------------------------
     def _replay(self, entry: _Capture, region: _Region, arrays: list[Any] | None) -> Any:
@@ -328,6 +375,11 @@ class GraphedModule:
             auto_mask = cupy.empty(size, cupy.bool_) if bucket is not None and bucket.auto_mask else None
         stats_key = key if bucket is None else tuple(b for b in size if b is not None)
         entry = _Capture(buffers, auto_mask, size, self._stats.setdefault(stats_key, CaptureStats()))
+        spec = getattr(self.module, "graph_sequence_inputs", None)
+        if spec is not None and spec.tokens is not None and spec.tokens in kwargs:
+            entry.tokens = kwargs[spec.tokens]
+            mask = _mask_argument(spec, args, kwargs)
+            entry.mask_index = next((i for i, a in enumerate(arrays) if a is mask), None)
         where = (None, None) if bucket is None else (bucket.rows, bucket.seq)
         region = self._region(entry, *where)
         self._fill(entry, region, arrays)
@@ -470,6 +522,19 @@ class LRU:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def token_bucket(tokens: int, limit: int) -> int:
+    """The rows to pack `tokens` tokens into: rounded up to a step of 1/16 to 1/8 of the count (16 at
+    least), so that varying counts share captures and GEMM plans, and at most `limit` (every position
+    of the padded batch)."""
+    step = max(16, 1 << max(0, tokens.bit_length() - 4))
+    return min(limit, -(-max(tokens, 1) // step) * step)
+
+
+def _mask_argument(spec: SequenceInputs, args: tuple, kwargs: dict) -> Any:
+    """The mask argument of a call (None when not given)."""
+    return args[spec.mask_position] if len(args) > spec.mask_position else kwargs.get(spec.mask)
 
 
 def validated_buckets(buckets: Sequence[int] | None, name: str, where: str) -> tuple[int, ...] | None:
