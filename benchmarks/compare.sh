@@ -7,15 +7,16 @@
 #   git archive <BASE> -o .whl/base.tar                  # here (.whl/ is git-ignored and carried)
 #   bash benchmarks/compare.sh .whl/base.tar             # on the device, from the repository root
 #   OPS="linear conv2d" ROUNDS=3 bash benchmarks/compare.sh .whl/base.tar
+#   bash benchmarks/compare.sh .whl/base.tar .whl/head.tar   # two archived trees (head in /tmp/head)
 #   bash benchmarks/compare.sh --table DIR               # only the table, from DIR's JSON files
 #
 # The baseline is extracted to /tmp/base and run from there (with `python3 -m`, the current directory
 # comes first on sys.path, so each tree runs from its own root); each tree keeps its own libnn cache
-# directory. Where the baseline's CLI has an older name for an op's benchmark (conv for conv2d), that
-# name is used. Results go to $OUT (default ./gpu-out): compare/<tree>_<op>_<round>.json and .log (a
-# run's results and its output; tree is base or head), and the table in compare.txt. The carried wheels in .whl/ are installed
-# into /tmp/site first, as benchmarks/gpu_suite.sh does. A failed run is reported and skipped; the exit
-# status is then 1.
+# directory. Where a tree's CLI has an older name for an op's benchmark (conv for conv2d), that name is
+# used. Results go to $OUT (default ./gpu-out): compare/<tree>_<op>_<round>.json and .log (a run's
+# results and its output; tree is base or head), and the table in compare.txt. The carried wheels in
+# .whl/ are installed into /tmp/site first, as benchmarks/gpu_suite.sh does. A failed run is reported
+# and skipped; the exit status is then 1.
 set -uo pipefail
 
 table() {  # table DIR: one row per case found in DIR/{base,head}_<op>_<round>.json
@@ -96,9 +97,9 @@ if [ "${1:-}" = --table ]; then
   table "$2"
   exit
 fi
-base_tar=${1:-}
-if [ -z "$base_tar" ] || [ ! -f "$base_tar" ]; then
-  echo "compare.sh: usage: bash benchmarks/compare.sh BASE.tar (from git archive), or --table DIR" >&2
+base_tar=${1:-} head_tar=${2:-}
+if [ -z "$base_tar" ] || [ ! -f "$base_tar" ] || { [ -n "$head_tar" ] && [ ! -f "$head_tar" ]; }; then
+  echo "compare.sh: usage: bash benchmarks/compare.sh BASE.tar [HEAD.tar] (from git archive), or --table DIR" >&2
   exit 2
 fi
 
@@ -107,6 +108,10 @@ dir=$OUT/compare
 mkdir -p "$dir"
 head=$PWD base=/tmp/base
 rm -rf "$base" && mkdir -p "$base" && tar -xf "$base_tar" -C "$base" || exit 1
+if [ -n "$head_tar" ]; then
+  head=/tmp/head
+  rm -rf "$head" && mkdir -p "$head" && tar -xf "$head_tar" -C "$head" || exit 1
+fi
 site=
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
