@@ -10,6 +10,9 @@ Each edge goes to the module an import names: `from libnn.nn import weights` to 
 `from libnn.nn import Module` to the package libnn.nn. The parent packages Python imports first
 (`import libnn.nn.module` runs libnn/__init__.py and libnn/nn/__init__.py) are not edges: a package's
 __init__ is a module of its own layer like any other, checked by its own imports.
+
+Two more rules are read from the source the same way: no module uses another's private names, and no
+module builds an object around its constructor (`__new__` and `__dict__.update`).
 """
 
 from __future__ import annotations
@@ -291,3 +294,24 @@ def test_no_module_uses_another_modules_private_names():
     uses = all_private_uses()
     assert not uses, ("private names of another libnn module (make them public in their module instead):\n"
                       + "\n".join(f"  {use} at {', '.join(lines)}" for use, lines in sorted(uses.items())))
+
+
+def constructor_bypasses(source: str) -> list[int]:
+    """Lines that call `X.__new__(...)` or `obj.__dict__.update(...)`: an object made or refilled without
+    its constructor, which skips the checks and the state (version counters, caches) __init__ sets up."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and (node.func.attr == "__new__" or (node.func.attr == "update"
+                                                       and isinstance(node.func.value, ast.Attribute)
+                                                       and node.func.value.attr == "__dict__")))
+
+
+def test_constructor_bypass_reader_finds_both_forms():
+    source = "c = Conv2d.__new__(Conv2d)\nc.__dict__.update(other.__dict__)\nd.update(e)\nf = object()\n"
+    assert constructor_bypasses(source) == [1, 2]
+
+
+def test_no_module_clones_around_the_constructor():
+    found = {str(path.relative_to(ROOT.parent)): lines for path in sorted(ROOT.rglob("*.py"))
+             if (lines := constructor_bypasses(path.read_text()))}
+    assert not found, f"objects built without their constructor (build them through it instead): {found}"
