@@ -6,6 +6,12 @@ Tests marked `gpu` skip cleanly where there is no GPU; everything else runs in C
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
 import zlib
 
 import numpy as np
@@ -15,6 +21,8 @@ from libnn import dtypes
 from libnn.runtime.device import gpu_missing
 
 BASE_SEED = pytest.StashKey[int]()
+CACHE_DIR = pytest.StashKey[str]()
+CACHE_DIR_KEY = "libnn_cache_dir"  # of xdist's workerinput
 
 
 def pytest_addoption(parser):
@@ -24,6 +32,14 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # One fresh kernel/plan cache per run, shared by the run's xdist workers and every subprocess (they
+    # inherit the environment): each kernel file is compiled once per architecture in the whole run
+    # (the cache's entry locks make the others wait for it), and nothing from earlier runs is reused.
+    # A worker takes the controller's directory; the controller, or a run without xdist, makes it.
+    if hasattr(config, "workerinput"):
+        os.environ["LIBNN_CACHE_DIR"] = config.workerinput[CACHE_DIR_KEY]
+    else:
+        os.environ["LIBNN_CACHE_DIR"] = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="libnn-test-cache-")
     value = os.environ.get("LIBNN_TEST_SEED", "0")
     if config.getoption("--random-seed") or value == "random":
         config.stash[BASE_SEED] = int(np.random.SeedSequence().entropy % 2**32)
@@ -33,19 +49,20 @@ def pytest_configure(config):
         raise pytest.UsageError(f"LIBNN_TEST_SEED must be a non-negative integer or 'random', got {value!r}")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist, in the controller, before a worker starts: the run's cache directory goes with it."""
+    node.workerinput[CACHE_DIR_KEY] = node.config.stash[CACHE_DIR]
+
+
+def pytest_unconfigure(config):
+    if CACHE_DIR in config.stash:  # the controller, after every worker has finished
+        shutil.rmtree(config.stash[CACHE_DIR], ignore_errors=True)
+
+
 def pytest_report_header(config):
     seed = config.stash[BASE_SEED]
     return f"libnn rng base seed {seed} (LIBNN_TEST_SEED={seed} reproduces; --random-seed draws a new one)"
-
-
-@pytest.fixture(autouse=True, scope="session")
-def private_kernel_cache(tmp_path_factory):
-    """One fresh kernel/plan cache for the whole session (subprocesses inherit it): every kernel file
-    is compiled once per architecture, and nothing from earlier runs is reused."""
-    import os
-
-    os.environ["LIBNN_CACHE_DIR"] = str(tmp_path_factory.mktemp("libnn-cache"))
-    yield
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,6 +97,40 @@ def rng(request) -> np.random.Generator:
     base = request.config.stash[BASE_SEED]
     print(f"rng: base seed {base} (LIBNN_TEST_SEED={base} reproduces), node id {request.node.nodeid!r}")
     return np.random.default_rng([base, zlib.crc32(request.node.nodeid.encode())])
+
+
+def start_together(tmp_path, script: str, processes: int, env: dict | None = None) -> list[subprocess.Popen]:
+    """`processes` Pythons running `script`, each started after its imports only once all are ready, so
+    that they reach the cache at the same moment (`go()` in the script waits for the start); `env` as
+    subprocess takes it (default: this process's)."""
+    prelude = textwrap.dedent(f"""
+        import os, pathlib, sys, time
+        ready, start = pathlib.Path({str(tmp_path / "ready")!r}), pathlib.Path({str(tmp_path / "go")!r})
+        def go():
+            (ready / str(os.getpid())).touch()
+            while not start.exists():
+                time.sleep(0.005)
+    """)
+    (tmp_path / "ready").mkdir()
+    children = [subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(script)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env) for _ in range(processes)]
+    deadline = time.monotonic() + 60
+    while len(list((tmp_path / "ready").iterdir())) < processes:
+        assert time.monotonic() < deadline, "the child processes did not get ready in 60 s"
+        assert all(c.poll() is None for c in children), [c.communicate() for c in children if c.poll() is not None]
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    return children
+
+
+def outputs_of(children: list[subprocess.Popen]) -> list[str]:
+    """Each child's stdout, once all have exited; a child that failed fails the test with its stderr."""
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        outputs.append(out)
+    return outputs
 
 
 @pytest.fixture

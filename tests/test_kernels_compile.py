@@ -4,6 +4,7 @@ loader's cache and error messages behave. Runs in CI: there NVRTC must be presen
 import os
 
 import pytest
+from conftest import outputs_of, start_together
 
 from libnn.errors import KernelCompileError
 from libnn.runtime import kernels
@@ -129,3 +130,24 @@ def test_ptxas_errors_are_located_in_the_generated_ptx():
     log = "ptxas application ptx input, line 1855; error   : Feature '.bf16' requires .target sm_80 or higher\n"
     assert kernels._first_error_location(log) == \
         "line 1855 of the generated PTX: Feature '.bf16' requires .target sm_80 or higher"
+
+
+def test_processes_compiling_one_file_at_once_compile_it_once(tmp_path):
+    """pytest-xdist workers share one cache and ask for the same kernel file at the same moment: the entry
+    lock lets one of them run NVRTC while the others wait for its entry and read it."""
+    source = tmp_path / "tiny.cu"
+    source.write_text('extern "C" __global__ void k(float* a) { a[threadIdx.x] += 1.0f; }\n')
+    cache = tmp_path / "cache"
+    children = start_together(tmp_path, f"""
+        import hashlib
+        from libnn.runtime import kernels
+        from libnn.runtime.cache import cache_info
+        go()
+        compiled = kernels.compile_file({str(source)!r}, "sm_90")
+        print(cache_info()["kernel compiles"].builds, hashlib.sha256(compiled.cubin).hexdigest(),
+              [r.kernel for r in compiled.resources()])
+    """, processes=4, env={**os.environ, "LIBNN_CACHE_DIR": str(cache)})
+    rows = [line.split(" ", 2) for line in outputs_of(children)]
+    assert sum(int(builds) for builds, _, _ in rows) == 1
+    assert len({cubin for _, cubin, _ in rows}) == 1 and {kernels for _, _, kernels in rows} == {"['k']\n"}
+    assert sorted(p.suffix for p in (cache / "kernels").iterdir()) == [".bin", ".lock", ".log"]  # no temporary left

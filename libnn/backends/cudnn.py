@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from libnn.errors import LibraryError
-from libnn.runtime.cache import PlanCache, cache_dir
+from libnn.runtime.cache import PlanCache, cache_dir, write_atomically
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cudnn_handle, workspace
 from libnn.runtime.stream import current_stream
@@ -204,10 +204,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
     built = Graph(graph, "built", time.perf_counter() - start, graph.get_plan_name_at_index(index),
                   graph.get_workspace_size())
     if use_disk_cache:
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stored.with_suffix(".tmp")
-        tmp.write_bytes(bytes(graph.serialize()))
-        tmp.replace(stored)
+        write_atomically(stored, bytes(graph.serialize()))  # processes sharing the cache may write it at once
     return built
 
 

@@ -6,13 +6,16 @@ call built nothing, and `cache_keys(name)` lists what a plan cache holds. What o
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -94,3 +97,29 @@ def cache_dir() -> Path:
     root = os.environ.get("LIBNN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "libnn")
     return Path(root)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `path` so that a reader, in this process or another, finds the old contents or the new,
+    never part of them: the data goes to a temporary file of a unique name in the same directory (so
+    on the same file system), which then replaces `path` in one rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def entry_lock(lock: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `lock` (created if missing) against every other holder, in
+    other processes or other threads, so that one of them builds a disk-cache entry while the rest wait
+    and then read it. Not reentrant: a holder that takes the same lock again waits forever."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "ab") as f:  # each open is its own flock: threads of one process exclude each other too
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock

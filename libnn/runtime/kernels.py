@@ -14,7 +14,6 @@ may include libnn's own headers, `kernels/*.cuh`, which are part of every cache 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import threading
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from libnn.errors import KernelCompileError
-from libnn.runtime.cache import PlanCache, cache_dir, register_stats
+from libnn.runtime.cache import PlanCache, cache_dir, entry_lock, register_stats, write_atomically
 from libnn.runtime.device import compute_capability, current_device_id
 from libnn.runtime.nvrtc import bindings, check, nvrtc_version, supported_archs
 
@@ -72,9 +71,15 @@ class CompiledFile:
         found = parse_ptxas_report(self.log)
         if found or VERBOSE not in self.options:
             return found
-        report = fresh_report(self.path, self.arch, self.options)
-        if self.file is not None:
-            self.file.with_suffix(".log").write_text(report)
+        if self.file is None:
+            return parse_ptxas_report(fresh_report(self.path, self.arch, self.options))
+        log = self.file.with_suffix(".log")
+        with entry_lock(self.file.with_suffix(".lock")):
+            # a process that held the lock before this one may have put the report in already
+            if found := parse_ptxas_report(log.read_text()):
+                return found
+            report = fresh_report(self.path, self.arch, self.options)
+            write_atomically(log, report.encode())
         return parse_ptxas_report(report)
 
 
@@ -192,25 +197,41 @@ def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT
     key = hashlib.sha256(b"\0".join([source, _headers(path.parent), arch.encode(), *(o.encode() for o in options),
                                      nvrtc_version().encode()])).hexdigest()[:32]
     stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
+    if not use_disk_cache:
+        return _timed_compile(path, source, arch, options)
+    if not refresh and (found := _cached(path, arch, options, stored)):
+        return found
+    # One process (or thread) compiles an entry while the others wait and then read it: the test suite's
+    # pytest-xdist workers share one cache and ask for the same files at once, and NVRTC takes tens of
+    # seconds for some of them.
+    with entry_lock(stored.with_suffix(".lock")):
+        if not refresh and (found := _cached(path, arch, options, stored)):
+            return found
+        compiled = _timed_compile(path, source, arch, options)
+        binary = stored.with_suffix(".bin")
+        # the log first: an entry is read only when both files are there, and each appears whole
+        write_atomically(stored.with_suffix(".log"), compiled.log.encode())
+        write_atomically(binary, compiled.cubin)
+    return CompiledFile(path, arch, options, compiled.cubin, compiled.log, binary)
+
+
+def _cached(path: Path, arch: str, options: tuple[str, ...], stored: Path) -> CompiledFile | None:
+    """The disk cache's entry `stored` (its .bin and .log), or None if it has none yet."""
     binary, log = stored.with_suffix(".bin"), stored.with_suffix(".log")
-    if use_disk_cache and not refresh and binary.exists() and log.exists():
-        with _compiles_lock:
-            _compiles.hits += 1
-        return CompiledFile(path, arch, options, binary.read_bytes(), log.read_text(), binary)
+    if not (binary.exists() and log.exists()):
+        return None
+    with _compiles_lock:
+        _compiles.hits += 1
+    return CompiledFile(path, arch, options, binary.read_bytes(), log.read_text(), binary)
+
+
+def _timed_compile(path: Path, source: bytes, arch: str, options: tuple[str, ...]) -> CompiledFile:
     start = time.perf_counter()
     compiled = _compile_uncached(path, source, arch, options)
     with _compiles_lock:
         _compiles.builds += 1
         _compiles.build_seconds += time.perf_counter() - start
-    if not use_disk_cache:
-        return compiled
-    stored.parent.mkdir(parents=True, exist_ok=True)
-    # write-then-rename so that a concurrent process never loads half a file
-    for target, data in ((log, compiled.log.encode()), (binary, compiled.cubin)):
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(target)
-    return CompiledFile(path, arch, options, compiled.cubin, compiled.log, binary)
+    return compiled
 
 
 def target_arch(device_id: int) -> str:
