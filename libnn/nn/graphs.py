@@ -44,8 +44,10 @@ names are sliced back along dim 1. A sequence longer than the largest seq bucket
 `unpad=True`: its SequenceInputs names `tokens`), needs the number of rows to pack them into when it
 is captured. Every call therefore counts the mask's tokens on the host (one read-back of the mask,
 which waits for the work queued before it) and captures one graph per `token_bucket` of the count
-(steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. `g.replay()` on
-caller-filled buffers counts them too, and refuses a mask with more tokens than its capture packs.
+(steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. Caller-filled
+buffers (`g(*bufs)`, `g.replay()`) keep the capture they belong to, counted the same way: one whose
+mask now holds more tokens than it packs is recorded again for the larger count (same buffers, new
+outputs; `stats()` counts it as a capture).
 
 `g.stats()` gives, per signature (per bucket with buckets: `(8,)`, or `(8, 128)` with seq_buckets), the
 number of captures, the last one's warm-up and capture time, the replays, and the pad waste: the share
@@ -148,8 +150,10 @@ class _Capture:
     stats: CaptureStats
     graph: Any = None
     output: Any = None
-    tokens: int | None = None    # the packed capacity the capture was made for (SequenceInputs.tokens)
+    tokens: int | None = None    # the packed capacity it replays now (SequenceInputs.tokens); grows (_grow)
+    key_tokens: int | None = None  # the packed capacity in its key
     mask_index: int | None = None  # the mask's position among the buffers, when `tokens` is set
+    call: tuple[tuple, dict] | None = None  # the static call (the buffers for the arrays), recorded again by _grow
     parameters: tuple[Any, ...] = ()   # the parameters baked in: held, never freed under the graph
     regions: dict[tuple[int, int | None], _Region] = field(default_factory=dict)
     last: _Region | None = None  # the region whose padding the buffers hold now
@@ -182,15 +186,16 @@ class GraphedModule:
 
     # --- the calls -------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, region, arrays = self._locate(*self._with_tokens(args, kwargs))
+        args, kwargs, tokens = self._with_tokens(args, kwargs)
+        entry, region, arrays = self._locate(args, kwargs)
         self._last = entry, region
-        return self._replay(entry, region, arrays)
+        return self._replay(entry, region, arrays, tokens)
 
     def inputs(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """The graph's input buffers for a call like this one (captured now if needed): one per array
         argument, positional ones first, then keyword ones in the order given. With buckets, the real
         rows (and positions) of each buffer. Fill them and call `g(*buffers)` or `g.replay()`."""
-        args, kwargs = self._with_tokens(args, kwargs)
+        args, kwargs, _ = self._with_tokens(args, kwargs)
         entry, region, _ = self._locate(args, kwargs)
         self._last = entry, region
         positional = sum(1 for a in args if is_cupy(a))
@@ -206,14 +211,11 @@ class GraphedModule:
             raise LibnnError(f"{self._name}.replay(): that capture was dropped (a parameter was replaced, or "
                              f"max_captures={self.max_captures} newer ones pushed it out); call g.inputs(...) "
                              "again and refill the buffers it returns")
+        tokens = None
         if entry.tokens is not None:
             mask = region.inputs[entry.mask_index]
             tokens = self._count_tokens(mask, entry.bucket[0] if entry.bucket else mask.shape[0])
-            if tokens > entry.tokens:
-                raise LibnnError(f"{self._name}.replay(): the mask buffer holds {tokens} tokens but this capture "
-                                 f"packs at most {entry.tokens}; call g(...) with the inputs instead (it captures "
-                                 "for the new count)")
-        return self._replay(entry, region, None)
+        return self._replay(entry, region, None, tokens)
 
     def stats(self) -> dict[tuple, CaptureStats]:
         """Per signature, or per bucket ((rows,) or (rows, seq)) with buckets: captures, the last
@@ -221,26 +223,26 @@ class GraphedModule:
         return dict(self._stats)
 
     # --- finding the capture ---------------------------------------------------------------------
-    def _with_tokens(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _with_tokens(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, int | None]:
         """For a model that packs its tokens (SequenceInputs.tokens): kwargs with the packed capacity
-        for this call's mask, token_bucket of its count, which keys the capture. A mask that is the
-        buffer of a capture made for at least as many tokens keeps that capture's capacity, so that
-        caller-filled buffers replay the capture they belong to."""
+        for this call's mask, token_bucket of its count, which keys the capture, and the count. A mask
+        that is a capture's own buffer keeps that capture's capacity, so that caller-filled buffers
+        replay the capture they belong to (which grows if they hold more tokens: see _replay)."""
         spec = getattr(self.module, "graph_sequence_inputs", None)
         if spec is None or spec.tokens is None or spec.tokens in kwargs:
-            return args, kwargs
+            return args, kwargs, None
         mask = _mask_argument(spec, args, kwargs)
         if not is_cupy(mask) or mask.ndim != 2 or 0 in mask.shape:
-            return args, kwargs  # no mask (nothing to pack) or one the model's checks refuse
+            return args, kwargs, None  # no mask (nothing to pack) or one the model's checks refuse
         rows, seq = mask.shape
         rows_bucket = rows if self.buckets is None else bucket_for(rows, self.buckets, "buckets", self._name)
         seq_bucket = seq if self.seq_buckets is None else bucket_for(seq, self.seq_buckets, "seq_buckets", self._name)
         tokens = self._count_tokens(mask, rows_bucket)
         capacity = token_bucket(tokens, rows_bucket * seq_bucket)
         owner = self._owners.get(id(_root(mask)))
-        if owner is not None and owner[0].tokens is not None and tokens <= owner[0].tokens:
-            capacity = owner[0].tokens
-        return args, {**kwargs, spec.tokens: capacity}
+        if owner is not None and owner[0].tokens is not None:
+            capacity = owner[0].key_tokens
+        return args, {**kwargs, spec.tokens: capacity}, tokens
 
     @staticmethod
     def _count_tokens(mask: Any, rows_bucket: int) -> int:
@@ -321,8 +323,10 @@ class GraphedModule:
         return _mask_argument(self._sequence, args, kwargs) is not None
 
     # --- replaying -------------------------------------------------------------------------------
-    def _replay(self, entry: _Capture, region: _Region, arrays: list[Any] | None) -> Any:
+    def _replay(self, entry: _Capture, region: _Region, arrays: list[Any] | None, tokens: int | None = None) -> Any:
         self._fill(entry, region, arrays)
+        if tokens is not None and tokens > entry.tokens:
+            self._grow(entry, tokens)
         _launch(entry.graph)
         stats = entry.stats
         stats.replays += 1
@@ -377,13 +381,14 @@ class GraphedModule:
         entry = _Capture(buffers, auto_mask, size, self._stats.setdefault(stats_key, CaptureStats()))
         spec = getattr(self.module, "graph_sequence_inputs", None)
         if spec is not None and spec.tokens is not None and spec.tokens in kwargs:
-            entry.tokens = kwargs[spec.tokens]
+            entry.tokens = entry.key_tokens = kwargs[spec.tokens]
             mask = _mask_argument(spec, args, kwargs)
             entry.mask_index = next((i for i, a in enumerate(arrays) if a is mask), None)
         where = (None, None) if bucket is None else (bucket.rows, bucket.seq)
         region = self._region(entry, *where)
         self._fill(entry, region, arrays)
         static_args, static_kwargs = self._static_call(args, kwargs, buffers, auto_mask)
+        entry.call = static_args, static_kwargs
         self.module(*static_args, **static_kwargs)  # the checked pass: bad input fails here, as it would eagerly
         warmed, captured = self._record(entry, static_args, static_kwargs, pool)
         if bucket is not None:
@@ -423,6 +428,20 @@ class GraphedModule:
             entry.graph.upload(stream)
             stream.synchronize()
         return warmed, time.perf_counter()
+
+    def _grow(self, entry: _Capture, tokens: int) -> None:
+        """Record `entry` again to pack `tokens` tokens: its buffers (filled by the caller with a mask
+        of more tokens than it was captured for) stay, the graph and the outputs are new."""
+        args, kwargs = entry.call
+        limit = entry.buffers[entry.mask_index].size
+        kwargs = {**kwargs, self.module.graph_sequence_inputs.tokens: token_bucket(tokens, limit)}
+        start = time.perf_counter()
+        warmed, captured = self._record(entry, args, kwargs, self._memory_pool())
+        entry.call, entry.tokens = (args, kwargs), token_bucket(tokens, limit)
+        for where, region in entry.regions.items():
+            region.output = self._output(entry, *where)
+        entry.stats.captures += 1
+        entry.stats.warmup_seconds, entry.stats.capture_seconds = warmed - start, captured - warmed
 
     def _memory_pool(self) -> Any:
         """The one pool every capture of this module draws from. Each capture's input buffers and
