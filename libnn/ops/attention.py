@@ -39,7 +39,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
-from libnn.ops.attention_kernels import flash_attention, flash_fits, flash_supports, unfused_attention
+from libnn.ops.attention_kernels import _pointer, bind_flash, bind_unfused, flash_fits, flash_supports
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
@@ -238,10 +238,6 @@ def _reference_fits(p: AttentionProblem) -> None:
                    "buffers)")
 
 
-def _pointer(a) -> int:
-    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
-
-
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool | str = False,
               seq_lens_q: Sequence[int] | Any = None, seq_lens_kv: Sequence[int] | Any = None,
               attn_bias: Any = None, layout: str = "BHSD", path: str = "auto") -> Any:
@@ -280,13 +276,10 @@ def _lengths(problem: AttentionProblem, q, seq_lens_q, seq_lens_kv):
             _seq_lens(seq_lens_kv, "seq_lens_kv", problem.B, problem.Skv, q))
 
 
-def _output(problem: AttentionProblem, like):
-    """A new o in `layout`, and its (B, H, S, D) view."""
-    xp = array_module(like)
+def _output_shape(problem: AttentionProblem) -> tuple[int, int, int, int]:
+    """o's shape in `layout` (o is new and contiguous)."""
     p = problem
-    shape = (p.B, p.Hq, p.Sq, p.D) if p.layout == "BHSD" else (p.B, p.Sq, p.Hq, p.D)
-    o = xp.empty(shape, like.dtype)
-    return o, _bhsd(o, p.layout)
+    return (p.B, p.Hq, p.Sq, p.D) if p.layout == "BHSD" else (p.B, p.Sq, p.Hq, p.D)
 
 
 def _gpu_support(problem: AttentionProblem) -> str | None:
@@ -354,8 +347,8 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides
 
 
-def _zero_rows_without_keys(o, o_bhsd, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
-    """Zero the rows of o (its (B, H, Sq, D) view o_bhsd) that attend to no key: rows past the query length, rows of a
+def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
+    """Zero the rows of o that attend to no key: rows past the query length, rows of a
     batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
     the masks allow. cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn
     promises zeros. All on the device (no synchronisation), and only for the masks that can empty a
@@ -386,7 +379,7 @@ def _zero_rows_without_keys(o, o_bhsd, problem: AttentionProblem, lens_q, lens_k
     if has_key.shape[1:] == (1, 1, 1):  # one flag per batch entry (key padding): o as (B, rest), contiguous,
         cupy.copyto(o.reshape(o.shape[0], -1), 0, where=~has_key.reshape(-1, 1))  # not a strided 4-D walk
     else:
-        cupy.copyto(o_bhsd, 0, where=~has_key)
+        cupy.copyto(_bhsd(o, p.layout), 0, where=~has_key)
 
 
 ZERO_THREADS_PER_BATCH = 256
@@ -422,6 +415,8 @@ def _can_empty_rows(problem: AttentionProblem) -> bool:
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
 def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
+    import cupy
+
     p = problem
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
@@ -431,18 +426,19 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
     empties_rows = _can_empty_rows(p)
+    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
         if not contiguous_bias:
             bias = bias.copy()
-        o, o_bhsd = _output(p, q)
+        o = cupy.empty(shape, dtype)
         extra = [] if bias is None else [bias]
         if padded:
             extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
         execute(q, k, v, o, *extra)
         if empties_rows:
-            _zero_rows_without_keys(o, o_bhsd, p, lens_q, lens_kv, bias)
+            _zero_rows_without_keys(o, p, lens_q, lens_kv, bias)
         return o
     return run
 
@@ -464,35 +460,49 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
     return ("attn1_naive", "attn2_flash") if fits else ("attn1_naive",)
 
 
-def _run_kernels(launcher, problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
+def _kernel_views(problem: AttentionProblem, q, k, v, o, bias) -> tuple:
+    """What attention_kernels takes: the (B, H, S, D) views of q, k, v and o, and bias as a
+    (B, Hq, Sq, Skv) view with its broadcast dimensions at stride 0 (or None)."""
     p = problem
-    lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
-    o, o_bhsd = _output(p, q)
-    if o.size:
-        launcher(_bhsd(q, p.layout), _bhsd(k, p.layout), _bhsd(v, p.layout), o_bhsd, scale=p.scale,
-                 causal=p.causal, seq_lens_q=lens_q, seq_lens_kv=lens_kv,
-                 bias=None if bias is None else _broadcast_bias(bias, p))
-    return o
+    return (*(_bhsd(a, p.layout) for a in (q, k, v, o)),
+            None if bias is None else array_module(bias).broadcast_to(bias, (p.B, p.Hq, p.Sq, p.Skv)))
 
 
-def _broadcast_bias(bias, problem: AttentionProblem):
-    """bias as a (B, Hq, Sq, Skv) view, broadcast dimensions with stride 0."""
-    xp = array_module(bias)
-    return xp.broadcast_to(bias, (problem.B, problem.Hq, problem.Sq, problem.Skv))
+def _bind_kernels(bind, problem: AttentionProblem, q, k, v, bias, *, views_per_call: bool):
+    """The runner of the custom or unfused path: `bind` (attention_kernels.bind_flash or bind_unfused)
+    reads the geometry of the views of these arrays and of an o like the calls' once; each call
+    validates its lengths, allocates o and runs the bound kernels. `views_per_call`: whether the bound
+    kernels need the views themselves; the flash kernels read only pointers, which the views share
+    with the arrays, so their calls skip making them."""
+    import cupy
+
+    p = problem
+    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+    padded = p.has_seq_lens_q or p.has_seq_lens_kv
+    # o's geometry and alignment are read from a real output, as q's are: one allocation per signature
+    kernels = bind(*_kernel_views(p, q, k, v, cupy.empty(shape, dtype), bias), scale=p.scale, causal=p.causal)
+
+    def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
+        o = cupy.empty(shape, dtype)
+        kernels(*(_kernel_views(p, q, k, v, o, bias) if views_per_call else (q, k, v, o, bias)), lens_q, lens_kv)
+        return o
+    return run
 
 
-@op.path("custom", kind="custom", device="gpu", supports=_custom_support)
+@op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)
 def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    return _run_kernels(flash_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
+    return _bind_kernels(bind_flash, problem, q, k, v, bias, views_per_call=False)
 
 
-@op.path("unfused", kind="custom", device="gpu", supports=_custom_support)
+@op.path("unfused", kind="custom", device="gpu", supports=_custom_support, binds=True)
 def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
-    # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product
+    # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product; checked
+    # once per signature, at the bind, as the registry checks the output
     temporaries = 4 * (p.B * p.Hq * p.Sq * (p.Skv + 2 * p.D) + 2 * p.B * p.Hkv * p.Skv * p.D)
     memory.require(temporaries, "gpu", "attention", f"the unfused path's fp32 scores and copies for {p.describe()}")
-    return _run_kernels(unfused_attention, problem, q, k, v, seq_lens_q, seq_lens_kv, bias)
+    return _bind_kernels(bind_unfused, problem, q, k, v, bias, views_per_call=True)
 
 
 # --- reference --------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
-`flash_attention` writes o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn2_flash
+`bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn2_flash
 (FlashAttention-2 on tensor cores) when the problem fits it — fp16/bf16, head dim D <= 128 with
 D % 8 == 0, q, k, v, o rows 16-byte aligned, scale != 0 under a bias — otherwise attn1_naive (one warp
-per query row, any D <= 256, fp32 too). `unfused_attention` computes the same in three steps that hold
-the (Sq, Skv) scores in memory: S = q kᵀ on cuBLAS (cupy.matmul in fp32), our masked softmax kernel in
-place, O = P v on cuBLAS.
+per query row, any D <= 256, fp32 too). `bind_unfused` binds the same in three steps that hold the
+(Sq, Skv) scores in memory: S = q kᵀ on cuBLAS (cupy.matmul in fp32), our masked softmax kernel in
+place, O = P v on cuBLAS. A bind reads the arrays' shapes, strides and alignment once (the kernel, its
+grid and its scalars are packed then, runtime/launch.py) and keeps none of them; its runner takes each
+call's arrays. `flash_attention` and `unfused_attention` bind and run once (tests, the sanitize driver).
 
 Arguments (the op front end, libnn/ops/attention.py, validates them): q (B, Hq, Sq, D), k and v
 (B, Hkv, Skv, D), o (B, Hq, Sq, D), any element strides with the last one 1, one dtype (fp16, bf16,
@@ -19,7 +21,8 @@ from __future__ import annotations
 import math
 
 from libnn import dtypes
-from libnn.runtime import contracts, kernels
+from libnn.runtime import contracts, launch
+from libnn.runtime.arrays import is_cupy
 
 _FILE = "attention.cu"
 _VERSIONS = ("attn1_naive", "attn2_flash")   # 1) baseline, 2) default where it applies
@@ -51,9 +54,14 @@ def _kernel_strides(a) -> tuple[int, ...]:
     return tuple(0 if n == 1 else s // a.itemsize for n, s in zip(a.shape, a.strides))
 
 
+def _pointer(a) -> int:
+    """The address of a CuPy or NumPy array's first element (NumPy: the binds' tests on the CPU)."""
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
 def _rows_aligned(a) -> bool:
     """Every row of `a` starts on 16 bytes: the pointer and all strides but the last's."""
-    return a.data.ptr % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
+    return _pointer(a) % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
 
 
 def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:
@@ -70,24 +78,27 @@ def flash_version(q, k, v, o, bias=None, scale: float = 1.0) -> str:
     return "attn2_flash" if fits else "attn1_naive"
 
 
-def _bias_for_flash(bias):
-    """bias itself when attn2 can stage its rows with 16-byte copies (contiguous, aligned, Skv % 8 == 0),
-    else a copy that can: rows contiguous and padded to a multiple of 8 elements, the broadcast
-    dimensions kept at size 1 and viewed back at stride 0 (a broadcast bias is not materialised)."""
+def _bias_staged(bias) -> bool:
+    """Whether attn2 can stage the bias's rows with 16-byte copies as it is: contiguous rows, aligned,
+    Skv % 8 == 0."""
+    return _kernel_strides(bias)[3] == 1 and bias.shape[3] % 8 == 0 and _rows_aligned(bias)
+
+
+def _padded_bias(bias):
+    """A copy of bias that attn2 can stage: rows contiguous and padded to a multiple of 8 elements, the
+    broadcast dimensions kept at size 1 and viewed back at stride 0 (a broadcast bias is not
+    materialised). Made at every call that needs it: the bias's values may have changed."""
     import cupy
 
     Skv = bias.shape[3]
-    strides = _kernel_strides(bias)
-    if strides[3] == 1 and Skv % 8 == 0 and _rows_aligned(bias):
-        return bias
-    stored = bias[tuple(slice(0, 1) if s == 0 else slice(None) for s in strides[:3])]
+    stored = bias[tuple(slice(0, 1) if s == 0 else slice(None) for s in _kernel_strides(bias)[:3])]
     padded = cupy.zeros((*stored.shape[:3], -(-Skv // 8) * 8), bias.dtype)
     padded[..., :Skv] = stored
     return cupy.broadcast_to(padded[..., :Skv], bias.shape)
 
 
 def _args(q, k, v, o, scale, causal, lens_q, lens_kv, bias) -> tuple:
-    """The parameters attn1 and attn2 share, by the names ATTN_PARAMS gives them."""
+    """The parameters attn1 and attn2 share, by the names ATTN_PARAMS gives them, each pointer as given."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     strides = {}
@@ -100,11 +111,16 @@ def _args(q, k, v, o, scale, causal, lens_q, lens_kv, bias) -> tuple:
 
 
 def _softmax_args(s, bias, lens_q, lens_kv, B: int, Hq: int, Sq: int, Skv: int, scale: float, causal) -> tuple:
-    """attn_softmax's parameters, by name."""
+    """attn_softmax's parameters, by name, each pointer as given."""
     b_sb, b_sh, b_si, b_sj = _kernel_strides(bias) if bias is not None else (0, 0, 0, 0)
     return _SOFTMAX.pack(s=s, bias=bias, lens_q=lens_q, lens_kv=lens_kv, B=B, Hq=Hq, Sq=Sq, Skv=Skv,
                          causal=_CAUSAL[causal], scale_log2=scale * math.log2(math.e), b_sb=b_sb, b_sh=b_sh,
                          b_si=b_si, b_sj=b_sj)
+
+
+def _placeholders(declared: contracts.Params, packed: tuple) -> tuple:
+    """`packed` with every pointer replaced by launch.ARRAY: a bound launch writes each call's there."""
+    return tuple(launch.ARRAY if p.kind == "ptr" else value for p, value in zip(declared.params, packed))
 
 
 def flash_launch(head_dim: int, has_bias: bool, warps: int = FLASH_WARPS) -> tuple[str, int, int, int]:
@@ -116,53 +132,82 @@ def flash_launch(head_dim: int, has_bias: bool, warps: int = FLASH_WARPS) -> tup
     return f"attn2_flash_{'bias_' if has_bias else ''}d{bucket}", 32 * warps, rows, smem
 
 
-def flash_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
-                    bias=None, version: str | None = None) -> None:
-    """o = softmax(scale · q kᵀ + bias, masked) v, fused; `version` forces a kernel of kernels/attention.cu
-    (attention.custom_versions lists those a problem can take; attn2_flash only where flash_version picks it)."""
+def _nothing(*arrays) -> None:
+    """The runner of a problem with no query row: no launch (a grid of no block is an error)."""
+
+
+def bind_flash(q, k, v, o, bias=None, *, scale: float, causal: str | None, version: str | None = None):
+    """run(q, k, v, o, bias, lens_q, lens_kv) -> None: o = softmax(scale · q kᵀ + bias, masked) v, fused,
+    for arrays of these shapes, strides, dtype and alignment (read here, not kept); `version` forces a
+    kernel of kernels/attention.cu (attention.custom_versions lists those a problem can take; attn2_flash
+    only where flash_version picks it). The kernel reads only pointers, so a call may pass the arrays
+    these views view instead of the views. Under attn2, a bias it cannot stage is copied at each call."""
     B, Hq, Sq, D = q.shape
     if B * Hq * Sq == 0:
-        return
+        return _nothing
     chosen = flash_version(q, k, v, o, bias, scale)
     if version not in (None, chosen, "attn1_naive"):
         raise ValueError(f"attention: kernel {version!r} does not take this problem (it would run {chosen}); "
                          f"choose from {_VERSIONS}")
-    version = version or chosen
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
-    if version == "attn1_naive":
-        kernel = kernels.function(_FILE, f"attn1_naive_{suffix}")
+    if (version or chosen) == "attn1_naive":
         blocks = -(-B * Hq * Sq // _ROWS_PER_ATTN1_BLOCK)
-        kernel((blocks,), (32 * _ROWS_PER_ATTN1_BLOCK,), _args(q, k, v, o, scale, causal, seq_lens_q, seq_lens_kv,
-                                                              bias))
-        return
-    if bias is not None:
-        bias = _bias_for_flash(bias)
+        return launch.bind(_FILE, f"attn1_naive_{suffix}", (blocks,), (32 * _ROWS_PER_ATTN1_BLOCK,),
+                           _placeholders(_ATTN, _args(q, k, v, o, scale, causal, None, None, bias)))
+    copies_bias = bias is not None and not _bias_staged(bias)
+    if copies_bias:  # the geometry of the copies the calls will pass
+        bias = _padded_bias(bias)
     name, threads, rows, smem = flash_launch(D, bias is not None)
-    kernel = kernels.function(_FILE, f"{name}_{suffix}", smem)
-    kernel((-(-Sq // rows) * B * Hq,), (threads,), _args(q, k, v, o, scale, causal, seq_lens_q, seq_lens_kv, bias),
-           shared_mem=smem)
+    kernel = launch.bind(_FILE, f"{name}_{suffix}", (-(-Sq // rows) * B * Hq,), (threads,),
+                         _placeholders(_ATTN, _args(q, k, v, o, scale, causal, None, None, bias)), shared_mem=smem)
+    if not copies_bias:
+        return kernel
+
+    def run(q, k, v, o, bias, lens_q, lens_kv):
+        kernel(q, k, v, o, _padded_bias(bias), lens_q, lens_kv)
+    return run
 
 
-def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
-                      bias=None) -> None:
-    """o = softmax(scale · q kᵀ + bias, masked) v in three steps with the fp32 scores in memory:
-    cuBLAS, attn_softmax, cuBLAS."""
+def flash_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
+                    bias=None, version: str | None = None) -> None:
+    """bind_flash's kernel bound for these arrays and run once on them."""
+    bind_flash(q, k, v, o, bias, scale=scale, causal=causal, version=version)(q, k, v, o, bias, seq_lens_q,
+                                                                              seq_lens_kv)
+
+
+def bind_unfused(q, k, v, o, bias=None, *, scale: float, causal: str | None):
+    """run(q, k, v, o, bias, lens_q, lens_kv) -> None: o = softmax(scale · q kᵀ + bias, masked) v in three
+    steps with the fp32 scores in memory (cuBLAS, attn_softmax, cuBLAS), for arrays of these shapes,
+    strides and dtype (read here, not kept). The call passes the (B, H, S, D) views themselves: the
+    matmuls read them."""
     import cupy
 
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     if B * Hq * Sq == 0:
-        return
+        return _nothing
     if Skv == 0:  # no keys: every row is empty
-        o[...] = 0
-        return
-    # fp32 copies, contiguous: q as (B, Hkv, g*Sq, D) puts the g query heads of a kv head in one GEMM
-    q32 = cupy.ascontiguousarray(q, dtype=cupy.float32).reshape(B, Hkv, Hq // Hkv * Sq, D)
-    k32 = cupy.ascontiguousarray(k, dtype=cupy.float32)
-    v32 = cupy.ascontiguousarray(v, dtype=cupy.float32)
-    s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
+        def zeros(q, k, v, o, bias, lens_q, lens_kv):
+            o[...] = 0
+        return zeros
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
-    kernel = kernels.function(_FILE, f"attn_softmax_{suffix}")
-    kernel((B * Hq * Sq,), (_SOFTMAX_THREADS,),
-           _softmax_args(s, bias, seq_lens_q, seq_lens_kv, B, Hq, Sq, Skv, scale, causal))
-    o[...] = cupy.matmul(s, v32).reshape(B, Hq, Sq, D)
+    softmax = launch.bind(_FILE, f"attn_softmax_{suffix}", (B * Hq * Sq,), (_SOFTMAX_THREADS,),
+                          _placeholders(_SOFTMAX, _softmax_args(None, bias, None, None, B, Hq, Sq, Skv, scale,
+                                                                causal)))
+    grouped = (B, Hkv, Hq // Hkv * Sq, D)  # the g query heads of a kv head in one GEMM
+
+    def run(q, k, v, o, bias, lens_q, lens_kv):
+        # fp32 copies, contiguous
+        q32 = cupy.ascontiguousarray(q, dtype=cupy.float32).reshape(grouped)
+        k32 = cupy.ascontiguousarray(k, dtype=cupy.float32)
+        v32 = cupy.ascontiguousarray(v, dtype=cupy.float32)
+        s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
+        softmax(s, bias, lens_q, lens_kv)
+        o[...] = cupy.matmul(s, v32).reshape(B, Hq, Sq, D)
+    return run
+
+
+def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_q=None, seq_lens_kv=None,
+                      bias=None) -> None:
+    """bind_unfused's passes bound for these arrays and run once on them."""
+    bind_unfused(q, k, v, o, bias, scale=scale, causal=causal)(q, k, v, o, bias, seq_lens_q, seq_lens_kv)
