@@ -1,10 +1,17 @@
 """The ops' front end on the CPU: a bound call per signature, whose key holds everything the checks
 read, so a changed shape, stride, dtype or option is checked again, and arrays are read at each call."""
 
+import importlib
+import math
+import sys
+import types
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 import libnn
+from libnn.runtime import launch
 from libnn.ops import attention, conv2d, layer_norm, linear, max_pool2d, softmax
 
 from conftest import random_normal
@@ -142,3 +149,174 @@ def test_softmax_options_are_checked_whatever_call_came_first(rng):
             softmax(x, 1, **kwargs)
     with pytest.raises(TypeError, match="dim must be an int, got bool True"):
         softmax(x, True)
+
+# --- attention's custom and unfused paths: what the bind keeps, what each call passes (no GPU) -------------
+def _aligned(rng, shape, dtype):
+    """random_normal's values in an array whose first element starts on 16 bytes, as CuPy's would."""
+    values = random_normal(rng, shape, dtype)
+    buffer = np.empty(values.nbytes + 16, np.uint8)
+    start = -buffer.ctypes.data % 16
+    a = buffer[start:start + values.nbytes].view(values.dtype).reshape(shape)
+    a[...] = values
+    return a
+
+
+def _attention_arrays(rng, case):
+    """(q, k, v, seq_lens_q, seq_lens_kv, bias) for one of the cases below, host arrays."""
+    B, Hq, Hkv, Sq, Skv, D = case["shape"]
+    bhsd = case["layout"] == "BHSD"
+    q = _aligned(rng, (B, Hq, Sq, D) if bhsd else (B, Sq, Hq, D), case["dtype"])
+    k, v = (_aligned(rng, (B, Hkv, Skv, D) if bhsd else (B, Skv, Hkv, D), case["dtype"]) for _ in range(2))
+    lens = ((rng.integers(0, Sq + 1, B).astype(np.int32), rng.integers(0, Skv + 1, B).astype(np.int32))
+            if case["lens"] else (None, None))
+    bias = None if case["bias"] is None else _aligned(rng, case["bias"], case["dtype"])
+    return (q, k, v, *lens, bias)
+
+
+def _attention_stubs(monkeypatch):
+    """launch.bind recorded (each bound launch records the arrays it is called with) and CuPy's array
+    functions stood in for by NumPy's: the binds and their runners run on host arrays."""
+    binds, launches = [], []
+
+    def bind(file, kernel, grid, block, args, *, shared_mem=0):
+        binds.append((file, kernel, grid, block, args, shared_mem))
+        return lambda *arrays: launches.append(arrays)
+
+    monkeypatch.setattr(launch, "bind", bind)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        empty=np.empty, zeros=np.zeros, broadcast_to=np.broadcast_to, ascontiguousarray=np.ascontiguousarray,
+        matmul=np.matmul, float32=np.float32))
+    return binds, launches
+
+
+def _shares(sent, a) -> bool:
+    """Whether a launch was passed `a` or a view of its memory (the kernels read only the pointer)."""
+    return sent is a or (sent is not None and a is not None and np.shares_memory(sent, a)
+                         and sent.__array_interface__["data"][0] == a.__array_interface__["data"][0])
+
+
+ATTENTION_BINDS = {  # (B, Hq, Hkv, Sq, Skv, D)
+    "attn2, BSHD, GQA, lengths": dict(shape=(2, 4, 2, 7, 13, 64), dtype="fp16", layout="BSHD", lens=True, bias=None,
+                                      causal="bottom_right", kernel="attn2_flash_d64_f16"),
+    "attn2, bias copied per call": dict(shape=(3, 2, 2, 5, 13, 40), dtype="bf16", layout="BHSD", lens=False,
+                                        bias=(3, 1, 1, 13), causal=None, kernel="attn2_flash_bias_d64_bf16"),
+    "attn1, fp32, bias": dict(shape=(2, 3, 1, 9, 6, 20), dtype="fp32", layout="BHSD", lens=True,
+                              bias=(1, 3, 9, 6), causal="top_left", kernel="attn1_naive_f32"),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION_BINDS))
+def test_attention_custom_binds_its_kernel_once_and_each_call_passes_that_calls_arrays(rng, monkeypatch, name):
+    """The bind finds the kernel, its grid and every scalar and stride once (the packed arguments hold
+    no array: launch.ARRAY in each pointer's place); every call passes its own q, k, v, a new o, its own
+    lengths as int32, and its own bias (a padded copy of that call's values where attn2 cannot stage the
+    rows as they are). The bound runner keeps none of the arrays it was bound with."""
+    import gc
+    import weakref
+
+    attn = importlib.import_module("libnn.ops.attention")
+    kernels = importlib.import_module("libnn.ops.attention_kernels")
+    case = ATTENTION_BINDS[name]
+    B, Hq, Hkv, Sq, Skv, D = case["shape"]
+    copied = case["kernel"].startswith("attn2") and case["bias"] is not None and case["bias"][3] % 8
+    binds, launches = _attention_stubs(monkeypatch)
+    first = _attention_arrays(rng, case)
+    problem = replace(attn.attention_problem(first[0], first[1], first[2], first[5], None, case["causal"],
+                                             case["layout"], case["lens"], case["lens"]), device="gpu:0")
+    run = attn.op.paths["custom"].bind(problem, first)
+    kept = [weakref.ref(a) for a in first if a is not None]
+    del first
+    gc.collect()
+    assert all(ref() is None for ref in kept), "the bound runner keeps an array it was bound with"
+
+    def check(q, k, v, lens_q, lens_kv, bias):
+        o = run(q, k, v, lens_q, lens_kv, bias)
+        sent = launches[-1]
+        assert o.shape == q.shape and o.dtype == q.dtype and _shares(sent[3], o)
+        assert all(_shares(s, a) for s, a in zip(sent[:3], (q, k, v)))
+        for s, lens in zip(sent[5:], (lens_q, lens_kv)):
+            assert (s is None) if lens is None else (s.dtype == np.int32 and np.array_equal(s, lens))
+        if bias is None:
+            assert sent[4] is None
+        elif copied:  # attn2 stages rows of 8: a padded copy of this call's bias
+            assert not np.shares_memory(sent[4], bias) and np.array_equal(sent[4][..., :Skv], np.broadcast_to(
+                bias, sent[4].shape))
+        else:
+            assert _shares(sent[4], bias)
+
+    second = _attention_arrays(rng, case)
+    check(*second)  # other arrays
+    for old, new in zip(second, _attention_arrays(rng, case)):
+        if old is not None:
+            old[...] = new
+    check(*second)  # the same arrays, holding other values
+    assert len({id(sent[3]) for sent in launches}) == 2  # a new o per call
+    ((file, kernel, grid, block, args, smem),) = binds
+    assert (file, kernel) == ("attention.cu", case["kernel"])
+    named = dict(zip(kernels._ATTN.names, args))
+    assert all(named[n] is launch.ARRAY for n in ("q", "k", "v", "o", "bias", "lens_q", "lens_kv"))
+    assert not any(isinstance(a, np.ndarray) for a in args)
+    assert [named[n] for n in ("B", "Hq", "Hkv", "Sq", "Skv", "D")] == [B, Hq, Hkv, Sq, Skv, D]
+    assert named["causal"] == {None: 0, "top_left": 1, "bottom_right": 2}[case["causal"]]
+    assert named["scale_log2"] == np.float32(math.log2(math.e) / math.sqrt(D))
+
+    def strides(H, S):  # (b, h, s) element strides of a contiguous array in the layout; 0 at size-1 dims
+        taken = (H * S * D, S * D, D) if case["layout"] == "BHSD" else (S * H * D, D, H * D)
+        return [0 if n == 1 else s for n, s in zip((B, H, S), taken)]
+    assert [named[f"q_s{d}"] for d in "bhs"] == [named[f"o_s{d}"] for d in "bhs"] == strides(Hq, Sq)
+    assert [named[f"k_s{d}"] for d in "bhs"] == [named[f"v_s{d}"] for d in "bhs"] == strides(Hkv, Skv)
+    if case["kernel"].startswith("attn1"):
+        assert (grid, block, smem) == ((-(-B * Hq * Sq // 8),), (256,), 0)
+    else:
+        _, threads, rows, flash_smem = kernels.flash_launch(D, case["bias"] is not None)
+        assert (grid, block, smem) == ((-(-Sq // rows) * B * Hq,), (threads,), flash_smem)
+    if case["bias"] is not None:  # broadcast dimensions at stride 0; a padded copy's rows of 16 elements
+        row = -(-Skv // 8) * 8 if copied else Skv
+        expected = [0 if n == 1 else s for n, s in zip(case["bias"][:3], (Hq * Sq * row, Sq * row, row))] + [1]
+        if case["bias"] == (3, 1, 1, 13):
+            expected[0] = row  # the copy keeps the size-1 dimensions: (B, 1, 1, 16)
+        assert [named[f"b_s{d}"] for d in "bhij"] == expected
+
+
+def test_attention_unfused_binds_its_softmax_once_and_each_call_runs_on_that_calls_arrays(rng, monkeypatch):
+    """The unfused path's bind packs the softmax kernel once; each call multiplies its own q and k (the
+    recorder sees the fp32 scores q·kᵀ of that call, GQA heads grouped), passes its own bias and
+    lengths, and writes s·v into a new o (the recorder leaves s unnormalised, so o = (q·kᵀ)·v)."""
+    attn = importlib.import_module("libnn.ops.attention")
+    kernels = importlib.import_module("libnn.ops.attention_kernels")
+    case = dict(shape=(2, 4, 2, 5, 7, 3), dtype="fp32", layout="BSHD", lens=True, bias=(2, 1, 1, 7))
+    B, Hq, Hkv, Sq, Skv, D = case["shape"]
+    binds, launches = _attention_stubs(monkeypatch)
+    required = []  # the temporaries' memory check, once per signature at the bind
+    monkeypatch.setattr(attn.memory, "require", lambda needed, device, *why: required.append((needed, device)))
+    first = _attention_arrays(rng, case)
+    problem = replace(attn.attention_problem(first[0], first[1], first[2], first[5], 0.5, "top_left", "BSHD",
+                                             True, True), device="gpu:0")
+    run = attn.op.paths["unfused"].bind(problem, first)
+
+    def check(q, k, v, lens_q, lens_kv, bias):
+        o = run(q, k, v, lens_q, lens_kv, bias)
+        s, sent_bias, sent_q, sent_kv = launches[-1]
+        q64, k64, v64 = (np.repeat(a.transpose(0, 2, 1, 3).astype(np.float64), Hq // len(a[0, 0]), axis=1)
+                         for a in (q, k, v))
+        scores = q64 @ k64.swapaxes(-1, -2)
+        np.testing.assert_allclose(s.reshape(B, Hq, Sq, Skv), scores, rtol=1e-5, atol=1e-5)
+        assert _shares(sent_bias, bias) and np.array_equal(sent_q, lens_q) and np.array_equal(sent_kv, lens_kv)
+        assert o.shape == (B, Sq, Hq, D) and o.flags.c_contiguous
+        np.testing.assert_allclose(o, (scores @ v64).transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-5)
+
+    check(*first)
+    second = _attention_arrays(rng, case)
+    check(*second)
+    for old, new in zip(second, _attention_arrays(rng, case)):
+        old[...] = new
+    check(*second)
+    asked = [needed for needed, device in required if device == "gpu"]  # (the host arrays' problem asks for "cpu")
+    assert asked == [4 * (B * Hq * Sq * (Skv + 2 * D) + 2 * B * Hkv * Skv * D)]
+    ((file, kernel, grid, block, args, smem),) = binds
+    named = dict(zip(kernels._SOFTMAX.names, args))
+    assert (file, kernel, grid, block, smem) == ("attention.cu", "attn_softmax_f32", (B * Hq * Sq,), (128,), 0)
+    assert all(named[n] is launch.ARRAY for n in ("s", "bias", "lens_q", "lens_kv"))
+    assert [named[n] for n in ("B", "Hq", "Sq", "Skv", "causal")] == [B, Hq, Sq, Skv, 1]
+    assert named["scale_log2"] == np.float32(0.5 * math.log2(math.e))
+    assert [named[f"b_s{d}"] for d in "bhij"] == [Skv, 0, 0, 1]
