@@ -78,6 +78,7 @@ class Op:
         self.paths: dict[str, Path] = {}
         self.last_decision: Decision | None = None
         self.calls = BoundCalls(f"{name} calls", max_calls)
+        self._lookup = self.calls.get  # read once: `call` runs it on every call
         _OPS[name] = self
 
     def path(self, name: str, *, kind: str, device: str, requires: tuple[str, ...] = (),
@@ -107,16 +108,21 @@ class Op:
     def call(self, key: Hashable, prepare: Callable[[], Any], path: str, *args: Any) -> Any:
         """Run the bound call of signature `key` on `args`. The first call with a signature binds it:
         `prepare()` checks the arguments and returns the problem, the paths are resolved and bound,
-        and the bound call is kept under `key`."""
+        and the bound call is kept under `key`. The cached case runs `Bound.__call__`'s body here,
+        without its frame: this is every op's per-call path."""
         try:
             try:
-                bound = self.calls.get(key)
+                bound = self._lookup(key)
             except TypeError:  # an unhashable option: the checks name it, or the call runs unbound
                 return self.bind(prepare(), path, args)(*args)
             if bound is None:
                 bound = self.bind(prepare(), path, args)
                 self.calls.add(key, bound)
-            return bound(*args)
+            self.last_decision = bound.decision
+            try:
+                return bound.run(*args)
+            except LibraryError as exc:
+                return bound.fall_back(exc, args)
         except MemoryError as exc:
             if type(exc) is MemoryError:  # libnn's own (memory.require): names the op and the bytes already
                 raise
@@ -197,11 +203,16 @@ class Bound:
         try:
             return self.run(*args)
         except LibraryError as exc:
-            if not self._pending:
-                raise
-            self._failed(self.decision.path, exc)
-            self._bind_next(args)
-            return self(*args)
+            return self.fall_back(exc, args)
+
+    def fall_back(self, exc: LibraryError, args: tuple) -> Any:
+        """After the runner raised `exc` on `args`: re-raise it if no path is left, else warn, bind the
+        next path for good and run it."""
+        if not self._pending:
+            raise exc
+        self._failed(self.decision.path, exc)
+        self._bind_next(args)
+        return self(*args)
 
     def _bind_next(self, args: tuple) -> None:
         while True:
@@ -250,16 +261,24 @@ class BoundCalls:
         self.stats.size = 0
 
 
+_BOOL_KEYS = {False: (bool, False), True: (bool, True)}
+
+
 def option_key(value: Any) -> Any:
     """An option as part of a bound call's key, with the type of each value: 1.0 and True equal 1 as
     keys, so stride=1.0 would otherwise find the bound call of stride=1 and skip the checks that
-    refuse it. A list (stride=[2, 2]) keys as the tuple it means; an int is its own key (the common
-    case, kept to one type test on the per-call path)."""
+    refuse it. A list (stride=[2, 2]) keys as the tuple it means, marked as a sequence so that
+    (2.0,) and 2.0 differ. The common cases cost one or two
+    type tests on the per-call path: an exact int, an exact str and None are their own keys (no
+    value of another type equals one of them, while every other type's key is a tuple), and a bool's
+    key is made once."""
     kind = type(value)
-    if kind is int:
+    if kind is int or kind is str or value is None:
         return value
+    if kind is bool:
+        return _BOOL_KEYS[value]
     if kind is tuple or kind is list:
-        return (*map(type, value), *value)
+        return (tuple, *map(type, value), *value)
     return (kind, value)
 
 

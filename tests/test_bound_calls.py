@@ -111,6 +111,7 @@ def test_the_stream_key_is_0_where_cupy_is_installed_but_there_is_no_gpu(monkeyp
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=no_stream))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(arrays, "gpu_missing", lambda: "no NVIDIA driver is installed")
+    monkeypatch.setattr(arrays, "_current_stream", None)  # a GPU machine's kept getter, forgotten here
     assert arrays.stream_key() == 0
     x, w = random_normal(rng, (3, 4), "fp64"), random_normal(rng, (2, 4), "fp64")
     np.testing.assert_allclose(linear(x, w), x @ w.T, rtol=1e-12)
@@ -129,6 +130,7 @@ def test_the_per_thread_default_stream_keys_bound_calls_by_thread(monkeypatch):
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(**handle)))
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
+    monkeypatch.setattr(arrays, "_current_stream", None)
     keys = [arrays.stream_key()]
     worker = threading.Thread(target=lambda: keys.append(arrays.stream_key()))
     worker.start()
@@ -149,6 +151,7 @@ def test_softmax_options_are_checked_whatever_call_came_first(rng):
             softmax(x, 1, **kwargs)
     with pytest.raises(TypeError, match="dim must be an int, got bool True"):
         softmax(x, True)
+
 
 # --- attention's custom and unfused paths: what the bind keeps, what each call passes (no GPU) -------------
 def _aligned(rng, shape, dtype):
@@ -320,3 +323,39 @@ def test_attention_unfused_binds_its_softmax_once_and_each_call_runs_on_that_cal
     assert [named[n] for n in ("B", "Hq", "Sq", "Skv", "causal")] == [B, Hq, Sq, Skv, 1]
     assert named["scale_log2"] == np.float32(0.5 * math.log2(math.e))
     assert [named[f"b_s{d}"] for d in "bhij"] == [Skv, 0, 0, 1]
+
+
+def test_option_keys_keep_every_type_apart():
+    """The cheap keys (an exact int, str or None is its own key, a bool's key is made once) never equal
+    the key of a value of another type, and a one-element sequence never keys as its element."""
+    from libnn.registry import option_key
+
+    class Name(str):
+        pass
+
+    distinct = [1, True, 1.0, np.int64(1), "relu", Name("relu"), np.str_("relu"), None, (1,), [1.0], (True,),
+                (np.int64(2),), np.int64(2), 0, False, ()]
+    keys = [option_key(v) for v in distinct]
+    for i, a in enumerate(keys):
+        for j, b in enumerate(keys):
+            assert (a == b) == (i == j), (distinct[i], distinct[j])
+    assert option_key([2, 3]) == option_key((2, 3))  # a list keys as the tuple it means
+    assert option_key(False) is option_key(False)
+
+
+def test_a_one_element_tuple_never_finds_the_bound_call_of_its_element(rng):
+    """kernel_size=np.int64(2) binds; (np.int64(2),) is refused by the checks, so it must not find it."""
+    image = random_normal(rng, (1, 4, 4, 3), "fp64")
+    assert max_pool2d(image, np.int64(2)).shape == (1, 2, 2, 3)
+    with pytest.raises(TypeError, match="kernel_size must be an int or a pair"):
+        max_pool2d(image, (np.int64(2),))
+
+
+def test_count_include_pad_is_keyed_with_its_type(rng):
+    """count_include_pad=1 is refused ("no" would mean yes); it must not find the bound call of True."""
+    from libnn.ops import avg_pool2d
+
+    image = random_normal(rng, (1, 4, 4, 3), "fp64")
+    avg_pool2d(image, 3, 1, 1, count_include_pad=True)
+    with pytest.raises(TypeError, match="count_include_pad must be True or False, got int 1"):
+        avg_pool2d(image, 3, 1, 1, count_include_pad=1)

@@ -98,8 +98,8 @@ def _reference_fits(p: PoolProblem) -> None:
 
 def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
     x = as_array(x, f"{mode}_pool2d", "x")
-    key = (mode, signature(x), option_key(kernel_size), option_key(stride), option_key(padding), count_include_pad,
-           layout, path, stream_key())
+    key = (mode, signature(x), option_key(kernel_size), option_key(stride), option_key(padding),
+           option_key(count_include_pad), layout, path, stream_key())
     return op.call(key, lambda: pool2d_problem(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
 
 

@@ -77,15 +77,18 @@ def signature(a: Any) -> tuple | None:
     argument): for a CuPy array its shape, strides, dtype, device and the low 8 bits of its pointer
     (libraries choose kernels by operand alignment, up to 256 bytes); for a host array its type,
     shape, strides and dtype."""
-    if a is None:
-        return None
-    if type(a) in _CUPY_TYPES:
+    if type(a) in _CUPY_TYPES:  # first: the per-call case of every GPU op
         data = a.data
         return a.shape, a.strides, a.dtype, data.device_id, data.ptr & 255
+    if a is None:
+        return None
     return type(a), a.shape, a.strides, a.dtype
 
 
 PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle that is a different stream in every thread
+
+
+_current_stream = None  # cupy.cuda.get_current_stream, once CuPy is loaded and a GPU is known to be there
 
 
 def stream_key() -> int | tuple[int, int]:
@@ -93,11 +96,16 @@ def stream_key() -> int | tuple[int, int]:
     installed on a machine without a driver, where asking for a stream raises): plans, handles and
     workspaces are per stream, so a bound call is too. The per-thread default stream
     (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) has one handle for a different stream in each thread, so
-    there the thread is part of the key."""
-    cupy = sys.modules.get("cupy")
-    if cupy is None or gpu_missing():
-        return 0
-    ptr = cupy.cuda.get_current_stream().ptr
+    there the thread is part of the key. Every op's call asks, so once the answer is "a GPU" (which
+    stays true: CuPy stays loaded, and `gpu_missing` is computed once) the stream getter is kept."""
+    global _current_stream
+    get = _current_stream
+    if get is None:
+        cupy = sys.modules.get("cupy")
+        if cupy is None or gpu_missing():
+            return 0
+        get = _current_stream = cupy.cuda.get_current_stream
+    ptr = get().ptr
     return (ptr, threading.get_ident()) if ptr == PER_THREAD_STREAM else ptr
 
 
