@@ -199,8 +199,17 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
     assert_matches(model(ids, holes, types), numpy_bert(state, config, ids, holes, types), 1e-5, holes)
 
 
+@pytest.fixture
+def pack_small_batches(monkeypatch):
+    """Small test batches packed as large ones are (PACK_FROM_POSITIONS keeps them padded)."""
+    from libnn.models import bert
+
+    monkeypatch.setattr(bert, "PACK_FROM_POSITIONS", 1)
+
+
 @pytest.mark.parametrize("B, S", [(1, 1), (1, 13), (5, 17), (3, 40)])
-def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng, checkpoint, B, S):
+def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng, checkpoint, B, S,
+                                                                          pack_small_batches):
     """unpad=True (packed tokens) gives unpad=False's values at every token, for right padding,
     holes, a row without tokens and a full row; zeros at the padding; pooled unchanged."""
     directory, _, _ = checkpoint
@@ -220,8 +229,10 @@ def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng,
 
 
 def test_bert_packs_only_when_it_saves_positions(rng, checkpoint, monkeypatch):
-    """The layers see packed rows (2-D) for a well-padded batch, and the padded (B, S, H) layout
-    for a nearly full one or with unpad=False."""
+    """The layers see packed rows (2-D) for a well-padded batch of PACK_FROM_POSITIONS positions or
+    more, and the padded (B, S, H) layout for a nearly full one, a smaller one, or with unpad=False."""
+    from libnn.models import bert
+
     directory, _, _ = checkpoint
     model = BertEncoder.from_pretrained(directory, path="reference")
     shapes = []
@@ -229,10 +240,12 @@ def test_bert_packs_only_when_it_saves_positions(rng, checkpoint, monkeypatch):
     monkeypatch.setattr(model.encoder.layer[0], "forward", lambda x, *a: shapes.append(x.shape) or real(x, *a))
     ids, types = inputs(rng, 4, 32)
     model(ids, right_padded([32, 3, 9, 1], 32), types)
+    monkeypatch.setattr(bert, "PACK_FROM_POSITIONS", 128)
+    model(ids, right_padded([32, 3, 9, 1], 32), types)
     model(ids, right_padded([32, 32, 32, 31], 32), types)
     model.unpad = False
     model(ids, right_padded([32, 3, 9, 1], 32), types)
-    assert shapes == [(48, 32), (4, 32, 32), (4, 32, 32)]
+    assert shapes == [(4, 32, 32), (48, 32), (4, 32, 32), (4, 32, 32)]
 
 
 def test_bert_max_tokens_below_the_count_is_refused(rng, checkpoint):
@@ -533,7 +546,7 @@ def test_uninitialised_ends_with_its_block_even_on_an_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_bert_graphed_unpadded_captures_per_token_bucket(rng, checkpoint, dtype):
+def test_bert_graphed_unpadded_captures_per_token_bucket(rng, checkpoint, dtype, pack_small_batches):
     """Unpadded graphs capture per token bucket (the mask's count read back per call), replay the
     eager result for each count, reuse a capture for a count in its bucket, and a capture whose
     caller-filled mask gains tokens is recorded again for them (same buffers)."""

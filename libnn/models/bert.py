@@ -60,6 +60,10 @@ SIZES = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 0, "num_attenti
 # attention's output back) cost about a quarter of a layer's memory traffic, so near-full batches run
 # padded.
 PACKED_AT_MOST = 0.875
+# ... and when the batch has at least this many positions (batch × sequence): a graphed call reads the
+# token count back (a synchronisation, and the GPU idles while the host picks the capture), which
+# small batches, their few kernels already short, do not win back (benchmarks/RESULTS.md, unpadding).
+PACK_FROM_POSITIONS = 16384
 TASK_HEADS = ("cls", "classifier", "qa_outputs")  # BertFor...'s heads: set aside at load
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # constant buffers some checkpoints hold
 
@@ -346,7 +350,7 @@ class BertEncoder(Module):
         slice back. pooled averages the unmasked tokens and pooler_output reads the first: padding
         changes neither. With `unpad`, graphs pass forward's `max_tokens`."""
         return SequenceInputs(mask="attention_mask", mask_position=1, outputs=("last_hidden_state",),
-                              tokens="max_tokens" if self.unpad else None)
+                              tokens="max_tokens" if self.unpad else None, pack_from=PACK_FROM_POSITIONS)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp32", device: str = "cpu",
@@ -440,16 +444,17 @@ class BertEncoder(Module):
 
     def _packing(self, valid: Any, tokens: int | None, max_tokens: Any) -> TokenPacking | None:
         """How this call packs its tokens, or None to run every position: without `unpad` or a mask,
-        when packing would save less than PACKED_AT_MOST of the positions, and while a graph is
-        captured without `max_tokens` (the count cannot be read back there)."""
+        below PACK_FROM_POSITIONS positions (unless `max_tokens` is given), when packing would save
+        less than PACKED_AT_MOST of the positions, and while a graph is captured without `max_tokens`
+        (the count cannot be read back there)."""
         if max_tokens is not None:
             max_tokens = checks.size("BertEncoder", "max_tokens", max_tokens)
             if tokens is not None and tokens > max_tokens:
                 raise ValueError(f"BertEncoder: attention_mask holds {tokens} tokens but max_tokens is {max_tokens}; "
                                  "pass at least the number of tokens, or None")
-        if not self.unpad or valid is None:
+        positions = 0 if valid is None else valid.shape[0] * valid.shape[1]
+        if not self.unpad or valid is None or (max_tokens is None and positions < PACK_FROM_POSITIONS):
             return None
-        positions = valid.shape[0] * valid.shape[1]
         capacity = max_tokens if max_tokens is not None else None if tokens is None else token_bucket(tokens, positions)
         if capacity is None or capacity > PACKED_AT_MOST * positions:
             return None

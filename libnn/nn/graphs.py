@@ -42,7 +42,8 @@ names are sliced back along dim 1. A sequence longer than the largest seq bucket
 
 **Packed tokens.** A model that computes only its tokens, packed without the padding (BertEncoder,
 `unpad=True`: its SequenceInputs names `tokens`), needs the number of rows to pack them into when it
-is captured. Every call therefore counts the mask's tokens on the host (one read-back of the mask,
+is captured. Every call of at least its `pack_from` positions therefore counts the mask's tokens on
+the host (one read-back of the mask,
 which waits for the work queued before it) and captures one graph per `token_bucket` of the count
 (steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. Caller-filled
 buffers (`g(*bufs)`, `g.replay()`) keep the capture they belong to, counted the same way: one whose
@@ -96,12 +97,14 @@ class SequenceInputs:
     ...); `mask` is the argument, at `mask_position` among forward's parameters, that marks tokens 1 and
     padding 0; `outputs` names the output fields with the sequence on dim 1 (the others are sliced on
     the batch only). A model that computes only the tokens, packed (BertEncoder), names in `tokens` the
-    keyword that takes how many rows to pack them into: every graphed call counts the mask's tokens
-    (one read-back) and passes token_bucket(count), which keys the capture like any other value."""
+    keyword that takes how many rows to pack them into: every graphed call of at least `pack_from`
+    positions counts the mask's tokens (one read-back) and passes token_bucket(count), which keys the
+    capture like any other value."""
     mask: str
     mask_position: int
     outputs: tuple[str, ...]
     tokens: str | None = None     # forward's keyword for the packed capacity, if the model packs its tokens
+    pack_from: int = 1            # the fewest positions (batch × seq) for which the model packs them
 
 
 @dataclass
@@ -237,6 +240,8 @@ class GraphedModule:
         rows, seq = mask.shape
         rows_bucket = rows if self.buckets is None else bucket_for(rows, self.buckets, "buckets", self._name)
         seq_bucket = seq if self.seq_buckets is None else bucket_for(seq, self.seq_buckets, "seq_buckets", self._name)
+        if rows_bucket * seq_bucket < spec.pack_from:
+            return args, kwargs, None
         tokens = self._count_tokens(mask, rows_bucket)
         capacity = token_bucket(tokens, rows_bucket * seq_bucket)
         owner = self._owners.get(id(_root(mask)))
