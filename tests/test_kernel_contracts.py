@@ -159,17 +159,18 @@ def test_every_launched_kernel_exists_and_takes_the_declared_parameters(site, de
     assert mismatches(declared, kernel) == [], site
 
 
-def test_every_exported_kernel_of_a_declared_list_takes_it():
+# one test per file, so that pytest-xdist workers compile the three files at once
+@pytest.mark.parametrize("file,key,starts", [("gemm.cu", "GEMM_PARAMS", ("gemm",)),
+                                             ("conv2d.cu", "CONV_PARAMS", ("conv",)),
+                                             ("attention.cu", "ATTN_PARAMS", ("attn1_", "attn2_"))])
+def test_every_exported_kernel_of_a_declared_list_takes_it(file, key, starts):
     """A kernel file's kernels that Python does not launch (other dtypes, tuning variants) still match the
     declared list when their name says they use it, so a launch added later starts from a checked list."""
-    prefixes = {("gemm.cu", "GEMM_PARAMS"): ("gemm",), ("conv2d.cu", "CONV_PARAMS"): ("conv",),
-                ("attention.cu", "ATTN_PARAMS"): ("attn1_", "attn2_")}
-    for (file, key), starts in prefixes.items():
-        declared = contracts.params(file, key)
-        names = [k for k in ptx_entries(file) if k.startswith(starts)]
-        assert names
-        for kernel in names:
-            assert mismatches(declared, kernel) == []
+    declared = contracts.params(file, key)
+    names = [k for k in ptx_entries(file) if k.startswith(starts)]
+    assert names
+    for kernel in names:
+        assert mismatches(declared, kernel) == []
 
 
 def test_the_checker_sees_a_swapped_width_and_a_missing_parameter():
