@@ -17,11 +17,13 @@ row sum and normalization it shares with kernels/layer_norm.cu); sm_80 or newer 
 One pass: the rows are gathered, summed and normalized in registers and y is written once, where
 take + add + add + layer_norm read and wrote the (M, H) activations four times more.
 
-Out-of-range indices. The kernel cannot report an error without the host synchronising, so it never
-reads outside a table: a token whose id is outside [0, rows), whose type id is outside
-[0, type_rows), or whose position row is outside [0, pos_rows) gets NaN in every element of its row of
-y (the launcher checks the positions on the host, so only the ids can cause it in practice). Callers
-that need an error check the ranges themselves, once per forward (nn.Embedding and BertEncoder do).
+Out-of-range indices. The kernel cannot raise an error, so it never reads outside a table: a token
+whose id is outside [0, rows), whose type id is outside [0, type_rows), or whose position row is
+outside [0, pos_rows) gets NaN in every element of its row of y (the launcher checks the positions on
+the host, so only the ids can cause it in practice), and where `bad` is not null, 1 + the token's index
+r is stored there (one plain 8-byte store per bad token: the last one stored stays, any of them names a
+bad token). `bad` is meant to be mapped pinned host memory (libnn/ops/embedding.py IdErrors), which the
+host reads whenever it likes without synchronising; the launcher never clears it.
 
 Numerics (the same as kernels/layer_norm.cu's, so that the two normalize alike): two passes over the
 token's sum e held in registers, the mean first, then the variance as the mean of (e - mean)^2, never
@@ -55,8 +57,8 @@ aligned. sca: the same groups element by element with a bounds check each (any H
 LAUNCH (every kernel takes the same parameters)
     (const void* ids, const void* type_ids, const T* word, const T* pos, const T* type, const T* w,
      const T* b, T* y, long long M, int S, int H, long long rows, long long pos_rows,
-     long long pos_offset, long long type_rows, int flags, float eps)
-    T = float (f32) or unsigned short (f16/bf16 bits); type_ids, pos, type, w and b may be null.
+     long long pos_offset, long long type_rows, int flags, float eps, unsigned long long* bad)
+    T = float (f32) or unsigned short (f16/bf16 bits); type_ids, pos, type, w, b and bad may be null.
     flags: bit 0 ids are int64 (else int32), bit 1 type_ids are int64, bit 2 normalize.
 
     kernel         block                                                   grid
@@ -118,8 +120,9 @@ __device__ __forceinline__ typename DT::T nan_value() {
     const void* __restrict__ ids, const void* __restrict__ type_ids, const T* __restrict__ word,        \
         const T* __restrict__ pos, const T* __restrict__ type, const T* __restrict__ w,                 \
         const T* __restrict__ b, T* __restrict__ y, long long M, int S, int H, long long rows,    \
-        long long pos_rows, long long pos_offset, long long type_rows, int flags, float eps
-#define EMB_ARGS ids, type_ids, word, pos, type, w, b, y, M, S, H, rows, pos_rows, pos_offset, type_rows, flags, eps
+        long long pos_rows, long long pos_offset, long long type_rows, int flags, float eps,            \
+        unsigned long long* __restrict__ bad
+#define EMB_ARGS ids, type_ids, word, pos, type, w, b, y, M, S, H, rows, pos_rows, pos_offset, type_rows, flags, eps, bad
 
 // ---------------------------------------------------------------------------------------------------
 // 1) and 2): the token's row in registers, VPT groups of V elements per thread
@@ -145,6 +148,7 @@ __device__ __forceinline__ void emb_registers(EMB_PARAMS(typename DT::T)) {
         if (!token_rows<DT>(ids, type_ids, word, pos, type, r, s_pos, H, rows, pos_rows, pos_offset, type_rows,
                             flags, wr, pr, tr)) {
             for (int c = t; c < H; c += threads) yr[c] = nan_value<DT>();
+            if (bad && t == 0) *bad = (unsigned long long)r + 1ull;
             continue;
         }
         const float pivot = normalize ? e_at<DT>(wr, pr, tr, 0) : 0.f;
@@ -208,6 +212,7 @@ __device__ __forceinline__ void emb_loop(EMB_PARAMS(typename DT::T)) {
         if (!token_rows<DT>(ids, type_ids, word, pos, type, r, s_pos, H, rows, pos_rows, pos_offset, type_rows,
                             flags, wr, pr, tr)) {
             for (i64 c = threadIdx.x; c < H; c += blockDim.x) yr[c] = nan_value<DT>();
+            if (bad && threadIdx.x == 0) *bad = (unsigned long long)r + 1ull;
             continue;
         }
         if (!normalize) {

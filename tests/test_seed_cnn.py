@@ -446,7 +446,7 @@ def test_embedding_on_the_gpu_gathers_and_checks_the_range(rng):
     import cupy
 
     host = Embedding(50, 8, seed=2)
-    layer = Embedding(50, 8, seed=2, device="gpu")
+    layer = Embedding(50, 8, seed=2, device="gpu", check_ids="sync")  # "lazy": tests/test_embedding_layer_gpu.py
     ids = rng.integers(0, 50, (4, 9))
     np.testing.assert_array_equal(layer(cupy.asarray(ids)).get(), host(ids))
     with pytest.raises(IndexError, match=r"Embedding: ids must be in \[0, 50\).*got 50"):

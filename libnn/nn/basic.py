@@ -14,8 +14,11 @@ from typing import Any
 import numpy as np
 
 from libnn.nn import checks
+from libnn import dtypes
 from libnn.nn.module import Module, init_normal
 from libnn.ops.conv2d import LAYOUTS
+from libnn.ops.embedding import GPU_DTYPES as EMBEDDING_DTYPES
+from libnn.ops.embedding import IdErrors, embedding
 from libnn.ops.softmax import softmax
 from libnn.runtime.arrays import array_module, as_array, describe, is_cupy, min_max
 
@@ -97,14 +100,20 @@ class Embedding(Module):
     `padding_idx` (if given; negative counts from the end) set to zeros. At inference the padding row
     is an ordinary row: it holds whatever the loaded checkpoint holds.
 
-    ids must be integers in [0, num_embeddings). They are checked before the gather, which would
-    otherwise wrap or clip silently on the GPU: on the host directly, on the GPU with one reduction
-    (a synchronisation; skipped while a CUDA graph is being captured, see libnn.nn.graphs).
+    ids must be integers in [0, num_embeddings); an id out of range is an IndexError, never a row of
+    the table it does not name. Host ids are checked before the gather. GPU ids, with
+    `check_ids="lazy"` (the default), are checked without a synchronisation: the gather
+    (libnn.ops.embedding's custom kernel) writes NaN rows for such tokens and records one in host
+    memory, and the layer raises at its next call (before running it) or at `raise_id_errors()`,
+    which synchronises. With `check_ids="sync"` the ids are checked before the gather with one
+    reduction and a synchronisation per call (skipped while a CUDA graph is being captured, see
+    libnn.nn.graphs), as for fp64 tables, which the kernel does not take.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
-                 dtype: Any = "fp32", device: str = "cpu", seed: int | None = None):
+                 dtype: Any = "fp32", device: str = "cpu", seed: int | None = None, check_ids: str = "lazy"):
         super().__init__()
+        checks.choice("Embedding", "check_ids", check_ids, CHECK_IDS)
         # empty tables are allowed, as in PyTorch: every lookup into one is refused, none is wrong
         num_embeddings = checks.size("Embedding", "num_embeddings", num_embeddings, minimum=0)
         embedding_dim = checks.size("Embedding", "embedding_dim", embedding_dim, minimum=0)
@@ -119,6 +128,8 @@ class Embedding(Module):
         checks.parameters_fit("Embedding", f"num_embeddings={num_embeddings}, embedding_dim={embedding_dim}",
                               num_embeddings * embedding_dim, parsed, device)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.check_ids = check_ids
+        self._id_errors: IdErrors | None = None  # made at the first lazily checked call
         weight = init_normal((num_embeddings, embedding_dim), parsed, "cpu", seed)
         if padding_idx is not None:
             weight[padding_idx] = 0
@@ -133,6 +144,14 @@ class Embedding(Module):
         if is_cupy(ids) != is_cupy(self.weight):
             raise TypeError(f"Embedding: ids is {describe(ids)} but the weight is {describe(self.weight)}; "
                             "move ids to the weight's device (cupy.asarray / cupy.asnumpy)")
+        if self.check_ids == "lazy" and is_cupy(ids) and self.weight.dtype in _KERNEL_DTYPES:
+            errors = self._id_errors
+            if errors is None:
+                errors = self._id_errors = IdErrors.allocate()
+            self._raise_recorded(errors)
+            if self.num_embeddings == 0 and ids.size:  # every id is out of range: the shapes tell, no sync
+                raise IndexError("Embedding: ids must be in [0, 0) (num_embeddings): the table is empty")
+            return embedding(ids, self.weight, id_errors=errors)
         xp = array_module(ids)
         ranges = min_max([ids]) if ids.size else None  # on the GPU: one synchronisation
         if ranges and (ranges[0][0] < 0 or ranges[0][1] >= self.num_embeddings):
@@ -144,9 +163,31 @@ class Embedding(Module):
                              f"({int(out_of_range.sum())} out of range; min {ranges[0][0]}, max {ranges[0][1]})")
         return xp.take(self.weight, ids, axis=0)
 
+    def raise_id_errors(self) -> None:
+        """Wait for this layer's launches on the current stream, then raise the IndexError of any id
+        out of range since the last check (check_ids="lazy"; nothing to do otherwise)."""
+        if self._id_errors is not None:
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+            self._raise_recorded(self._id_errors)
+
+    def _raise_recorded(self, errors: IdErrors) -> None:
+        if bad := errors.take():
+            raise IndexError(f"Embedding: ids must be in [0, {self.num_embeddings}) (num_embeddings); an earlier "
+                             f"call had an id out of range at token {bad - 1} of its ids (row-major), and gave NaN "
+                             "rows for such tokens. check_ids='lazy' finds this without a synchronisation, at the "
+                             "next call (this one, which did not run) or at raise_id_errors(); check_ids='sync' "
+                             "raises in the call itself, at one synchronisation per call")
+
     def __repr__(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
-        return f"Embedding({self.num_embeddings}, {self.embedding_dim}{pad})"
+        check = "" if self.check_ids == "lazy" else f", check_ids={self.check_ids!r}"
+        return f"Embedding({self.num_embeddings}, {self.embedding_dim}{pad}{check})"
+
+
+CHECK_IDS = ("lazy", "sync")
+# the tables libnn.ops.embedding's custom kernel gathers from (and so records bad ids for)
+_KERNEL_DTYPES = frozenset(dtypes.parse(d) for d in EMBEDDING_DTYPES)
 
 
 def _dim(dim: Any, ndim: int, where: str) -> int:

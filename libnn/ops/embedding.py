@@ -14,9 +14,12 @@ compute in fp32 on the GPU paths.
 Out-of-range indices. The positions are checked on the host before anything runs (the shapes tell:
 position_offset + S must not exceed position_weight's rows): a ValueError. The ids and type ids are
 values on the device, which a GPU path cannot read without a synchronisation, so: GPU paths write NaN
-rows for out-of-range ids (and type ids), and never read outside a table; callers that need an error
-check the ranges (nn.Embedding and BertEncoder do, once per forward). The reference path, on the host,
-raises an IndexError naming the argument.
+rows for out-of-range ids (and type ids), and never read outside a table. With `id_errors=` (an
+IdErrors) the custom path also records a bad token there, in host memory the kernel writes, so that
+the caller finds out without a synchronisation per call (nn.Embedding raises at its next call, or at
+`check_ids()`); callers that want the error in the call itself check the ranges first, with one
+synchronisation (nn.Embedding with check_ids="sync", and BertEncoder, once per forward). The
+reference path, on the host, raises an IndexError naming the argument.
 
 Paths, in `auto` order (custom first on the count of passes over the (tokens, hidden) activations,
 one against the cupy path's five or more; not yet timed: `libnn bench` has no embedding case):
@@ -24,6 +27,7 @@ one against the cupy path's five or more; not yet timed: `libnn bench` has no em
              (16 bytes at a time where hidden and the pointers allow), sums them and normalizes in
              fp32, and writes y once. Per call: y from cupy.empty and one packed launch (ids of a
              dtype other than int32/int64, or non-contiguous arrays, are converted or copied first).
+             The only path that records into `id_errors`.
 - cupy:      cupy.take, the adds in fp32, then libnn.ops.layer_norm: what BertEmbeddings did, kept to
              compare against (a pass per term and one more for the norm). Indices are clipped for the
              gather and the rows of out-of-range tokens set to NaN with cupy.where, so both GPU paths
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +74,9 @@ class EmbeddingProblem:
     has_norm_bias: bool
     eps: float
     device: str                 # "cpu" or "gpu:N"
+    # where the custom path records an out-of-range token (None: nowhere); not part of the problem's
+    # equality: it changes no result, only where the kernel reports
+    id_errors: "IdErrors | None" = field(default=None, compare=False, repr=False)
 
     @property
     def M(self) -> int:
@@ -103,8 +110,38 @@ class EmbeddingProblem:
         return 2 * self.output_bytes
 
 
+class IdErrors:
+    """Where the custom path records an out-of-range id (or type id) without a synchronisation: one
+    8-byte word of host memory into which kernels/embedding.cu stores 1 + the index of a bad token
+    (among ids' tokens, row-major) of any launch that was given it; 0 while none was. The host reads
+    it at any time: a launch's record is there once its kernel has run. `IdErrors.allocate()` puts the
+    word in pinned host memory, which a kernel writes through the host pointer itself (CUDA's unified
+    addressing, on every 64-bit platform CUDA supports)."""
+
+    def __init__(self, word: np.ndarray):
+        """`word`: a (1,) uint64 host array that the device can write (tests pass ordinary memory)."""
+        if not (isinstance(word, np.ndarray) and word.dtype == np.uint64 and word.shape == (1,)):
+            raise TypeError(f"IdErrors: word must be a (1,) uint64 numpy array, got {word!r}")
+        self.word = word
+        self.pointer = word.ctypes.data
+        word[0] = 0
+
+    @classmethod
+    def allocate(cls) -> "IdErrors":
+        """A word of pinned host memory (CuPy's pinned pool), cleared."""
+        import cupy
+        return cls(np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.uint64, 1))  # the array holds the memory
+
+    def take(self) -> int:
+        """1 + the index of a bad token recorded since the last take (0: none), and clear the word."""
+        bad = int(self.word[0])
+        if bad:
+            self.word[0] = 0
+        return bad
+
+
 def embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight, norm_bias, eps,
-           normalize) -> EmbeddingProblem:
+           normalize, id_errors: IdErrors | None = None) -> EmbeddingProblem:
     if ids.dtype.kind not in "iu":
         raise TypeError(f"embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
     if weight.ndim != 2:
@@ -167,6 +204,9 @@ def embedding_problem(ids, weight, position_weight, position_offset, type_ids, t
         raise TypeError(f"embedding: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
     if not eps > 0 or not math.isfinite(eps):
         raise ValueError(f"embedding: eps must be a finite number > 0, got {eps!r}")
+    if id_errors is not None and not isinstance(id_errors, IdErrors):
+        raise TypeError(f"embedding: id_errors must be None or a libnn.ops.embedding.IdErrors, got "
+                        f"{type(id_errors).__name__} {id_errors!r}")
     device = device_of({"ids": ids, "weight": weight, "position_weight": position_weight, "type_ids": type_ids,
                         "type_weight": type_weight, "norm_weight": norm_weight, "norm_bias": norm_bias},
                        "embedding")
@@ -175,18 +215,19 @@ def embedding_problem(ids, weight, position_weight, position_offset, type_ids, t
         position_rows=None if position_weight is None else position_weight.shape[0], position_offset=position_offset,
         type_rows=None if type_weight is None else type_weight.shape[0], has_type_ids=type_ids is not None,
         normalize=bool(normalize), has_norm_weight=norm_weight is not None, has_norm_bias=norm_bias is not None,
-        eps=float(eps), device=device)
+        eps=float(eps), device=device, id_errors=id_errors)
 
 
 def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_offset: int = 0, type_ids: Any = None,
               type_weight: Any = None, norm_weight: Any = None, norm_bias: Any = None, eps: float = 1e-5,
-              normalize: bool = False, path: str = "auto") -> Any:
+              normalize: bool = False, id_errors: IdErrors | None = None, path: str = "auto") -> Any:
     """weight[ids] + position_weight[position_offset + s] + type_weight[type_ids], then with
     normalize=True a LayerNorm over the hidden size (norm_weight, norm_bias, eps), for ids of any
     shape (s: the position along ids' last axis) and (rows, hidden) tables; returns ids.shape +
     (hidden,) in weight's dtype. position_weight and type_weight are optional; type_ids None with a
-    type table means type 0 everywhere. GPU paths write NaN rows for out-of-range ids; the reference
-    raises IndexError. `path` is "auto" or one of `libnn.paths("embedding")`."""
+    type table means type 0 everywhere. GPU paths write NaN rows for out-of-range ids, and the custom
+    path records one in `id_errors` (an IdErrors) where it is given; the reference raises IndexError.
+    `path` is "auto" or one of `libnn.paths("embedding")`."""
     ids = as_array(ids, "embedding", "ids")
     weight = as_array(weight, "embedding", "weight")
     position_weight = _optional(position_weight, "position_weight")
@@ -196,9 +237,9 @@ def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_of
     norm_bias = _optional(norm_bias, "norm_bias")
     key = (signature(ids), signature(weight), signature(position_weight), option_key(position_offset),
            signature(type_ids), signature(type_weight), signature(norm_weight), signature(norm_bias),
-           option_key(eps), option_key(normalize), path, stream_key())
+           option_key(eps), option_key(normalize), option_key(id_errors), path, stream_key())
     return op.call(key, lambda: embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight,
-                                       norm_weight, norm_bias, eps, normalize),
+                                       norm_weight, norm_bias, eps, normalize, id_errors),
                    path, ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
 
 
@@ -219,10 +260,12 @@ def _empty_result(problem: EmbeddingProblem, *arrays):
 
 
 def _nan_result(problem: EmbeddingProblem, *arrays):
-    """y when a table the tokens index has no rows: every token is out of range. (The kernel would
-    give the same for an empty word table, but an empty type table's pointer is null, which the kernel
-    reads as no type table.)"""
+    """y when a table the tokens index has no rows: every token is out of range, token 0 the one
+    recorded in `problem.id_errors`. (The kernel would give the same for an empty word table, but an
+    empty type table's pointer is null, which the kernel reads as no type table.)"""
     import cupy
+    if problem.id_errors is not None:
+        problem.id_errors.word[0] = 1
     return cupy.full(problem.out_shape, np.nan, np.float32).astype(dtypes.parse(problem.dtype))
 
 
@@ -240,6 +283,13 @@ IDS_I64, TYPES_I64, NORMALIZE = 1, 2, 4  # kernels/embedding.cu's flags
 # The versions that can run a problem (baseline first; `aligned`: `kernel_is_aligned` says), the one the custom
 # path runs, and a version's (kernel name without the dtype suffix, grid, block): the row-kernel scheme's
 custom_versions, custom_version, _launch = _VERSIONS.versions, _VERSIONS.version, _VERSIONS.launch
+
+
+def _records_no_id_errors(problem: EmbeddingProblem) -> str | None:
+    """The cupy path's support: it has no way to record a bad id without a pass of its own."""
+    if problem.id_errors is not None:
+        return "records no out-of-range ids (id_errors= is the custom path's)"
+    return _gpu_support(problem)
 
 
 def _custom_support(problem: EmbeddingProblem) -> str | None:
@@ -299,7 +349,8 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
                          _EMB.pack(ids=A, type_ids=A, word=A, pos=A, type=A, w=A, b=A, y=A, M=problem.M,
                                    S=problem.S, H=problem.H, rows=problem.rows, pos_rows=problem.position_rows or 0,
                                    pos_offset=problem.position_offset, type_rows=problem.type_rows or 0, flags=flags,
-                                   eps=problem.eps))
+                                   eps=problem.eps,
+                                   bad=None if problem.id_errors is None else np.uint64(problem.id_errors.pointer)))
     shape, dtype = problem.out_shape, weight.dtype
 
     def run(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
@@ -335,7 +386,7 @@ def _custom(problem: EmbeddingProblem, *arrays):
 
 
 # --- cupy path: take, adds, layer_norm ---------------------------------------------------------------
-@op.path("cupy", kind="library", device="gpu", supports=_gpu_support, binds=True)
+@op.path("cupy", kind="library", device="gpu", supports=_records_no_id_errors, binds=True)
 def _cupy(problem: EmbeddingProblem, *arrays):
     import cupy
 
