@@ -64,8 +64,17 @@ Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
    row: an online (m, l) pass over the allowed keys, a block reduction of (m, l), then a pass that
    writes the row.
 
-LAUNCH (libnn/ops/attention_kernels.py packs the parameters by the names of ATTN_PARAMS and attn_softmax's
-list, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN and SOFTMAX_THREADS from this file)
+After cuDNN's fused SDPA (the cudnn path, libnn/ops/attention.py), under key padding alone:
+
+   attn_zero_empty_batches
+   cuDNN writes NaN into the rows of a batch entry with no key (lens_kv[b] == 0); this sets o[b] to
+   +0.0 (all bits zero, in every float dtype) where lens_kv[b] <= 0, o C-contiguous, `words` 16-bit
+   words per batch entry. One block per batch entry, which returns unless its entry has no key (a
+   thread per element of o was far slower: a 64-bit division per element, benchmarks/RESULTS.md).
+
+LAUNCH (libnn/ops/attention_kernels.py packs the parameters by the names of ATTN_PARAMS, attn_softmax's
+and attn_zero_empty_batches' lists, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN, SOFTMAX_THREADS and
+ZERO_THREADS from this file)
     attn1, attn2 take the same parameters, in this order:
     (const T* q, const T* k, const T* v, T* o, const T* bias_or_null, const int* lens_q_or_null,
      const int* lens_kv_or_null, int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal,
@@ -81,6 +90,8 @@ list, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN and SOFTMAX_THREADS from th
     attn_softmax_*         (128, 1, 1)       B*Hq*Sq                 0
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
+    attn_zero_empty_batches (256, 1, 1)       B                       0
+        (const int* lens_kv, unsigned short* o, long long words)
 
     Every kernel needs exactly its grid (a missing block leaves rows unwritten). Grids are 1-D: the
     block count must stay below 2^31. Hq % Hkv == 0; o must not alias q, k, v or bias.
@@ -518,3 +529,12 @@ ATTN2_ALL(128)
 ATTN_SOFTMAX(f32, dt_f32)
 ATTN_SOFTMAX(f16, dt_f16)
 ATTN_SOFTMAX(bf16, dt_bf16)
+
+#define ZERO_THREADS 256  // attn_zero_empty_batches: threads per batch entry
+
+extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batches(
+    const int* __restrict__ lens_kv, unsigned short* __restrict__ o, long long words) {
+    if (lens_kv[blockIdx.x] > 0) return;
+    unsigned short* ob = o + (long long)blockIdx.x * words;
+    for (long long j = threadIdx.x; j < words; j += ZERO_THREADS) ob[j] = 0;
+}

@@ -158,3 +158,61 @@ def test_attention_graph_is_built_once_per_problem(rng):
     for _ in range(3):
         attention(q, q, q, path="cudnn")
     assert graphs.builds == builds
+
+
+BOUND_SHAPES = [(3, 4, 2, 37, 53, 40), (2, 3, 1, 1, 29, 20)]  # (B, Hq, Hkv, Sq, Skv, D): attn2 and attn1 in fp16/bf16
+
+
+def _bound_case(rng, shape, dtype, layout, masks):
+    """Host q, k, v in `layout` and the keyword arguments: lengths (a batch entry with no key) or a
+    bias with a row that masks every key."""
+    B, Hq, Hkv, Sq, Skv, D = shape
+    q, k, v = (random_normal(rng, (B, H, S, D) if layout == "BHSD" else (B, S, H, D), dtype)
+               for H, S in ((Hq, Sq), (Hkv, Skv), (Hkv, Skv)))
+    if masks == "lengths":
+        lens_kv = rng.integers(1, Skv + 1, B).astype(np.int32)
+        lens_kv[-1] = 0
+        kwargs = {"seq_lens_q": rng.integers(0, Sq + 1, B).astype(np.int32), "seq_lens_kv": lens_kv,
+                  "causal": "bottom_right"}
+    else:
+        bias = random_normal(rng, (1, Hq, Sq, Skv), dtype)
+        bias[0, rng.integers(Hq), rng.integers(Sq)] = -np.inf
+        kwargs = {"attn_bias": bias, "causal": "top_left"}
+    return q, k, v, {"layout": layout, **kwargs}
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("masks", ["lengths", "bias"])
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+@pytest.mark.parametrize("shape", BOUND_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_bound_call_equals_a_fresh_one_on_new_values(rng, path, dtype, masks, layout, shape):
+    """A path's bound call reads every array at each call: given other arrays, then other values in
+    those same arrays (q, k, v, the lengths, the bias), it returns what a newly bound call returns, bit
+    for bit (the same kernels on the same inputs), and the reference's result."""
+    import cupy
+
+    from libnn.ops.attention import attention_problem
+
+    first, second, third = (_bound_case(rng, shape, dtype, layout, masks) for _ in range(3))
+    q, k, v, kwargs = first
+    if reason := op.paths[path].supports(attention_problem(q, k, v, kwargs.get("attn_bias"), None, kwargs["causal"],
+                                                           layout, masks == "lengths", masks == "lengths")):
+        pytest.skip(reason)
+    run_or_skip(path, *on_gpu(*first))  # binds (or finds the bound call of an earlier test)
+    builds = op.calls.stats.builds
+    q, k, v, kwargs = on_gpu(*second)
+    other_arrays = run_or_skip(path, q, k, v, kwargs)
+    nq, nk, nv, nkwargs = on_gpu(*third)
+    arrays = [n for n in ("seq_lens_q", "seq_lens_kv", "attn_bias") if n in kwargs]
+    for old, new in zip((q, k, v, *(kwargs[n] for n in arrays)), (nq, nk, nv, *(nkwargs[n] for n in arrays))):
+        old[...] = new
+    other_values = run_or_skip(path, q, k, v, kwargs)
+    assert op.calls.stats.builds == builds  # one signature: the bound call ran both times
+    op.calls.clear()
+    fresh = run_or_skip(path, q, k, v, kwargs)
+    assert op.calls.stats.builds == builds + 1
+    assert cupy.array_equal(other_values, fresh)  # poisoned memory: an unwritten output is NaN, never equal
+    for got, (hq, hk, hv, hkwargs) in ((other_arrays, second), (other_values, third)):
+        assert rel_error(got, attention(hq, hk, hv, path="reference", **hkwargs)) <= dtypes.TOLERANCE[dtype]

@@ -324,6 +324,44 @@ def test_attention_unfused_binds_its_softmax_once_and_each_call_runs_on_that_cal
     assert named["scale_log2"] == np.float32(0.5 * math.log2(math.e))
     assert [named[f"b_s{d}"] for d in "bhij"] == [Skv, 0, 0, 1]
 
+def test_attention_cudnn_zeroes_batches_without_keys_in_one_packed_launch(rng, monkeypatch):
+    """Under key padding alone (seq_lens_kv, with or without a KeyPaddingBias) only whole batch entries
+    can be empty: the cudnn path's bind packs attn_zero_empty_batches once (a block per entry, the
+    entry's size in 16-bit words) and each call passes its lengths and its o. Masks that can empty a
+    single row keep the closed forms on the device; masks that empty nothing bind no zeroing."""
+    attn = importlib.import_module("libnn.ops.attention")
+    binds, launches = _attention_stubs(monkeypatch)
+    B, Hq, Sq, Skv, D = 3, 2, 5, 7, 8
+    q, kv = random_normal(rng, (B, Sq, Hq, D), "fp16"), random_normal(rng, (B, Skv, Hq, D), "fp16")
+
+    def zeroing(bias=None, causal=None, lens_q=False, lens_kv=False, keeps_a_key=False):
+        problem = attn.attention_problem(q, kv, kv, bias, None, causal, "BSHD", lens_q, lens_kv)
+        return attn._bind_zero_rows(replace(problem, device="gpu:0", bias_keeps_a_key=keeps_a_key))
+
+    key_padding = random_normal(rng, (B, 1, 1, Skv), "fp16")
+    for zero in (zeroing(lens_kv=True), zeroing(key_padding, lens_kv=True, keeps_a_key=True)):
+        o, lens = np.empty((B, Sq, Hq, D), np.float16), np.array([3, 0, 7], np.int32)
+        zero(o, None, lens, key_padding)
+        assert launches[-1][0] is lens and launches[-1][1] is o
+    assert binds == [("attention.cu", "attn_zero_empty_batches", (B,), (256,),
+                      (launch.ARRAY, launch.ARRAY, Sq * Hq * D), 0)] * 2
+    assert isinstance(binds[0][4][2], np.int64)
+    assert zeroing() is None and zeroing(causal="top_left") is None
+    for masks in ({"lens_q": True}, {"lens_kv": True, "causal": "bottom_right"}, {"bias": key_padding}):
+        assert zeroing(**masks).func is attn._zero_rows_without_keys  # rows, not only batch entries
+    assert len(binds) == 2
+
+
+def test_attention_zero_kernel_takes_what_its_launch_packs():
+    """attn_zero_empty_batches's compiled parameters and __launch_bounds__ are those the bind packs
+    and launches with (compiled with NVRTC, no GPU)."""
+    from test_kernel_contracts import assert_packed, max_threads
+
+    kernels = importlib.import_module("libnn.ops.attention_kernels")
+    args = kernels._ZERO.pack(lens_kv=None, o=None, words=np.int64(40))
+    assert_packed(args, kernels._ZERO, "attn_zero_empty_batches")
+    assert max_threads("attention.cu", "attn_zero_empty_batches") == kernels._ZERO_THREADS == 256
+
 
 def test_option_keys_keep_every_type_apart():
     """The cheap keys (an exact int, str or None is its own key, a bool's key is made once) never equal

@@ -39,7 +39,8 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
-from libnn.ops.attention_kernels import _pointer, bind_flash, bind_unfused, flash_fits, flash_supports
+from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, flash_fits,
+                                        flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
@@ -347,19 +348,29 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides
 
 
-def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias) -> None:
-    """Zero the rows of o that attend to no key: rows past the query length, rows of a
-    batch entry with no keys, rows above a bottom-right diagonal, rows whose bias is -inf on every key
-    the masks allow. cuDNN leaves rows past Lq undefined and writes NaN into rows with no key; libnn
-    promises zeros. All on the device (no synchronisation), and only for the masks that can empty a
-    row; with a bias, a boolean temporary of the bias's shape (with a causal mask too, (B, H, Sq, Skv))."""
+def _bind_zero_rows(problem: AttentionProblem):
+    """zero(o, lens_q, lens_kv, bias), which zeroes the rows of o that attend to no key: rows past the
+    query length, rows of a batch entry with no keys, rows above a bottom-right diagonal, rows whose bias
+    is -inf on every key the masks allow; or None where the masks cannot empty a row. cuDNN leaves rows
+    past Lq undefined and writes NaN into rows with no key; libnn promises zeros. Under key padding
+    alone only whole batch entries can be empty: one packed launch. All on the device (no
+    synchronisation)."""
+    p = problem
+    if not _can_empty_rows(p):
+        return None
+    if (p.bias_shape is None or p.bias_keeps_a_key) and not p.has_seq_lens_q and p.causal != "bottom_right":
+        kernel = bind_zero_empty_batches(p.B, p.output_bytes // p.B)  # (the cudnn path takes no empty problem)
+        return lambda o, lens_q, lens_kv, bias: kernel(lens_kv, o)
+    return functools.partial(_zero_rows_without_keys, p)
+
+
+def _zero_rows_without_keys(problem: AttentionProblem, o, lens_q, lens_kv, bias) -> None:
+    """_bind_zero_rows's zeroing where a row, not only a batch entry, can be empty: a closed form per
+    row from the masks, or a pass over the bias; with a bias, a boolean temporary of the bias's shape
+    (with a causal mask too, (B, H, Sq, Skv))."""
     import cupy
 
     p = problem
-    if (bias is None or p.bias_keeps_a_key) and lens_q is None and p.causal != "bottom_right":
-        if lens_kv is not None:  # rows empty only where a whole batch entry has no key
-            _zero_batches_without_keys(o, lens_kv)
-        return
     if bias is None or p.bias_keeps_a_key:  # the masks alone: a closed form per row
         i = cupy.arange(p.Sq, dtype=cupy.int32)[None, None, :, None]
         Lq = p.Sq if lens_q is None else lens_q[:, None, None, None]
@@ -382,31 +393,6 @@ def _zero_rows_without_keys(o, problem: AttentionProblem, lens_q, lens_kv, bias)
         cupy.copyto(_bhsd(o, p.layout), 0, where=~has_key)
 
 
-ZERO_THREADS_PER_BATCH = 256
-
-
-@functools.cache
-def _zero_batches_kernel():
-    """o[b] = 0 (all bits) where lens[b] <= 0, over o as raw words of its item size. One element of
-    the launch per (batch entry, thread): each reads its entry's length and returns, or zeroes a
-    strided share of the row (a thread per element of o was measured far slower: RESULTS.md)."""
-    import cupy
-
-    return cupy.ElementwiseKernel(
-        "raw int32 lens, int64 per_batch, int32 threads", "raw T o",
-        "const long long b = i / threads; "
-        "if (lens[b] <= 0) for (long long j = i % threads; j < per_batch; j += threads) o[b * per_batch + j] = T(0);",
-        "libnn_zero_batches_without_keys")
-
-
-def _zero_batches_without_keys(o, lens_kv) -> None:
-    """Zero o[b] (o C-contiguous, batch first) for the batch entries b with no key."""
-    if o.size:
-        words = o.view(f"u{o.dtype.itemsize}")  # all-zero bits are +0.0 in every float format, bf16 included
-        B = o.shape[0]
-        _zero_batches_kernel()(lens_kv, o.size // B, ZERO_THREADS_PER_BATCH, words, size=B * ZERO_THREADS_PER_BATCH)
-
-
 def _can_empty_rows(problem: AttentionProblem) -> bool:
     p = problem
     return (p.has_seq_lens_q or p.has_seq_lens_kv or (p.bias_shape is not None and not p.bias_keeps_a_key)
@@ -425,7 +411,7 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
-    empties_rows = _can_empty_rows(p)
+    zero_rows = _bind_zero_rows(p)
     shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
@@ -437,8 +423,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
         if padded:
             extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
         execute(q, k, v, o, *extra)
-        if empties_rows:
-            _zero_rows_without_keys(o, p, lens_q, lens_kv, bias)
+        if zero_rows:
+            zero_rows(o, lens_q, lens_kv, bias)
         return o
     return run
 

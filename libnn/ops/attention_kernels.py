@@ -31,11 +31,13 @@ MAX_HEAD_DIM = 256            # attn1: 8 elements per lane
 FLASH_BUCKETS = (32, 64, 96, 128)
 _ATTN = contracts.params(_FILE, "ATTN_PARAMS")  # attn1's and attn2's parameters
 _SOFTMAX = contracts.params(_FILE, "attn_softmax_##SUFFIX")
+_ZERO = contracts.params(_FILE, "attn_zero_empty_batches")
 _K = contracts.constants(_FILE)
 FLASH_WARPS = _K["ATTN2_WARPS"]
 _BN = _K["ATTN2_BN"]          # keys per attn2 tile
 _ROWS_PER_ATTN1_BLOCK = _K["ATTN1_THREADS"] // 32  # a warp per query row
 _SOFTMAX_THREADS = _K["SOFTMAX_THREADS"]
+_ZERO_THREADS = _K["ZERO_THREADS"]
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -211,3 +213,10 @@ def unfused_attention(q, k, v, o, *, scale: float, causal: str | None, seq_lens_
                       bias=None) -> None:
     """bind_unfused's passes bound for these arrays and run once on them."""
     bind_unfused(q, k, v, o, bias, scale=scale, causal=causal)(q, k, v, o, bias, seq_lens_q, seq_lens_kv)
+
+
+def bind_zero_empty_batches(B: int, batch_bytes: int):
+    """run(lens_kv, o) -> None: o[b] = 0 (every bit) where lens_kv[b] <= 0, for a C-contiguous o of B batch
+    entries of batch_bytes each (an even number: 16-bit words) and int32 (B,) lengths on the device."""
+    return launch.bind(_FILE, "attn_zero_empty_batches", (B,), (_ZERO_THREADS,),
+                       _ZERO.pack(lens_kv=launch.ARRAY, o=launch.ARRAY, words=batch_bytes // 2))
