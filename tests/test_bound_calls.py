@@ -362,6 +362,15 @@ def test_attention_zero_kernel_takes_what_its_launch_packs():
     assert_packed(args, kernels._ZERO, "attn_zero_empty_batches")
     assert max_threads("attention.cu", "attn_zero_empty_batches") == kernels._ZERO_THREADS == 256
 
+def test_attention_causal_is_keyed_with_its_type(rng):
+    """causal=1 or 0 never finds the bound call of True or False (equal as keys) and skips the check
+    that refuses them."""
+    q = random_normal(rng, (1, 2, 3, 4), "fp64")
+    for good, bad in ((True, 1), (False, 0)):
+        attention(q, q, q, causal=good)
+        with pytest.raises(ValueError, match=f"causal must be False, True, 'top_left' or 'bottom_right', got {bad}"):
+            attention(q, q, q, causal=bad)
+
 
 def test_option_keys_keep_every_type_apart():
     """The cheap keys (an exact int, str or None is its own key, a bool's key is made once) never equal

@@ -244,12 +244,12 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
               attn_bias: Any = None, layout: str = "BHSD", path: str = "auto") -> Any:
     """Scaled dot-product attention; see the module docstring for shapes, masks and paths. `scale`
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
-    q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = as_array(q, "attention", "q"), as_array(k, "attention", "k"), as_array(v, "attention", "v")
     keeps_a_key = isinstance(attn_bias, KeyPaddingBias)
     attn_bias = attn_bias.bias if keeps_a_key else attn_bias
     bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (signature(q), signature(k), signature(v), signature(bias), keeps_a_key, option_key(scale), causal,
-           layout, seq_lens_q is None, seq_lens_kv is None, path, stream_key())
+    key = (signature(q), signature(k), signature(v), signature(bias), keeps_a_key, option_key(scale),
+           option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, path, stream_key())
 
     def prepare():
         for name, a in (("q", q), ("k", k), ("v", v)):
