@@ -37,6 +37,7 @@ one against the cupy path's five or more; not yet timed: `libnn bench` has no em
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from dataclasses import dataclass, field
@@ -118,19 +119,23 @@ class IdErrors:
     word in pinned host memory, which a kernel writes through the host pointer itself (CUDA's unified
     addressing, on every 64-bit platform CUDA supports)."""
 
-    def __init__(self, word: np.ndarray):
-        """`word`: a (1,) uint64 host array that the device can write (tests pass ordinary memory)."""
+    def __init__(self, word: np.ndarray, owner: Any = None):
+        """`word`: a (1,) uint64 host array that the device can write (tests pass ordinary memory);
+        `owner`: what keeps its memory allocated, held as long as this is."""
         if not (isinstance(word, np.ndarray) and word.dtype == np.uint64 and word.shape == (1,)):
             raise TypeError(f"IdErrors: word must be a (1,) uint64 numpy array, got {word!r}")
-        self.word = word
-        self.pointer = word.ctypes.data
+        self.word, self.pointer, self._owner = word, word.ctypes.data, owner
         word[0] = 0
 
     @classmethod
     def allocate(cls) -> "IdErrors":
-        """A word of pinned host memory (CuPy's pinned pool), cleared."""
+        """A cleared word of pinned host memory, mapped into the device's address space (where unified
+        addressing gives the kernel the host pointer itself) and portable to every device's context."""
         import cupy
-        return cls(np.frombuffer(cupy.cuda.alloc_pinned_memory(8), np.uint64, 1))  # the array holds the memory
+
+        runtime = cupy.cuda.runtime
+        memory = cupy.cuda.PinnedMemory(8, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        return cls(np.ctypeslib.as_array((ctypes.c_uint64 * 1).from_address(memory.ptr)), owner=memory)
 
     def take(self) -> int:
         """1 + the index of a bad token recorded since the last take (0: none), and clear the word."""
