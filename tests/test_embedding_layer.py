@@ -137,3 +137,18 @@ def test_sync_and_host_ids_raise_in_the_call_itself(rng):
     assert repr(nn.Embedding(10, 4, check_ids="sync")) == "Embedding(10, 4, check_ids='sync')"
     with pytest.raises(ValueError, match=r"Embedding: check_ids must be one of \('lazy', 'sync'\), got 'never'"):
         nn.Embedding(10, 4, check_ids="never")
+
+
+def test_each_optional_array_is_keyed_in_its_own_place(rng):
+    """The five optional arrays key as one tuple (or None when all are absent): a table given as
+    another argument, or a changed one, is a new signature, checked again."""
+    weight, ids = rng.standard_normal((6, 4)), np.array([1, 2])
+    table = rng.standard_normal((6, 4))
+    plain = embedding(ids, weight)
+    with_positions = embedding(ids, weight, position_weight=table)
+    np.testing.assert_allclose(with_positions, plain + table[:2], rtol=1e-12)
+    with pytest.raises(ValueError, match="type_ids is given but type_weight is None"):
+        embedding(ids, weight, type_ids=ids)
+    np.testing.assert_allclose(embedding(ids, weight, type_weight=table), plain + table[0], rtol=1e-12)
+    with pytest.raises(ValueError, match="norm_weight is given but normalize is False"):
+        embedding(ids, weight, norm_weight=table[0])

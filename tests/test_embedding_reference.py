@@ -299,10 +299,11 @@ def test_a_bound_call_reads_new_data_and_every_option_keys_its_own(rng):
 
 
 def test_the_key_names_every_array_and_option():
-    """Every argument of `embedding` reaches the key: a new test of a new argument has to add it here."""
+    """Every argument of `embedding` reaches the key (the optional arrays through `optional_key`, the
+    tuple of their signatures): a new test of a new argument has to add it here."""
     import inspect
     source = inspect.getsource(embedding)
-    key = source[source.index("key = ("):source.index("return op.call")]
+    key = source[source.index("if (position_weight is None"):source.index("return op.call")]
     for name in inspect.signature(embedding).parameters:
         assert name in key, name
 

@@ -141,17 +141,18 @@ class Embedding(Module):
         ids = as_array(ids, "Embedding", "ids")
         if ids.dtype.kind not in "iu":
             raise TypeError(f"Embedding: ids must be an integer array (int32, int64, ...), got dtype {ids.dtype}")
-        if is_cupy(ids) != is_cupy(self.weight):
-            raise TypeError(f"Embedding: ids is {describe(ids)} but the weight is {describe(self.weight)}; "
+        weight, on_gpu = self.weight, is_cupy(ids)
+        if on_gpu != is_cupy(weight):
+            raise TypeError(f"Embedding: ids is {describe(ids)} but the weight is {describe(weight)}; "
                             "move ids to the weight's device (cupy.asarray / cupy.asnumpy)")
-        if self.check_ids == "lazy" and is_cupy(ids) and self.weight.dtype in _KERNEL_DTYPES:
+        if on_gpu and self.check_ids == "lazy" and weight.dtype in _KERNEL_DTYPES:
             errors = self._id_errors
             if errors is None:
                 errors = self._id_errors = IdErrors.allocate()
             self._raise_recorded(errors)
             if self.num_embeddings == 0 and ids.size:  # every id is out of range: the shapes tell, no sync
                 raise IndexError("Embedding: ids must be in [0, 0) (num_embeddings): the table is empty")
-            return embedding(ids, self.weight, id_errors=errors)
+            return embedding(ids, weight, id_errors=errors)
         xp = array_module(ids)
         ranges = min_max([ids]) if ids.size else None  # on the GPU: one synchronisation
         if ranges and (ranges[0][0] < 0 or ranges[0][1] >= self.num_embeddings):

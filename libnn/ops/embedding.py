@@ -125,6 +125,7 @@ class IdErrors:
         if not (isinstance(word, np.ndarray) and word.dtype == np.uint64 and word.shape == (1,)):
             raise TypeError(f"IdErrors: word must be a (1,) uint64 numpy array, got {word!r}")
         self.word, self.pointer, self._owner = word, word.ctypes.data, owner
+        self._cell = ctypes.c_uint64.from_buffer(word)  # `take` reads through it: a third of NumPy's indexing
         word[0] = 0
 
     @classmethod
@@ -139,9 +140,10 @@ class IdErrors:
 
     def take(self) -> int:
         """1 + the index of a bad token recorded since the last take (0: none), and clear the word."""
-        bad = int(self.word[0])
+        cell = self._cell
+        bad = cell.value
         if bad:
-            self.word[0] = 0
+            cell.value = 0
         return bad
 
 
@@ -235,21 +237,22 @@ def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_of
     `path` is "auto" or one of `libnn.paths("embedding")`."""
     ids = as_array(ids, "embedding", "ids")
     weight = as_array(weight, "embedding", "weight")
-    position_weight = _optional(position_weight, "position_weight")
-    type_ids = _optional(type_ids, "type_ids")
-    type_weight = _optional(type_weight, "type_weight")
-    norm_weight = _optional(norm_weight, "norm_weight")
-    norm_bias = _optional(norm_bias, "norm_bias")
-    key = (signature(ids), signature(weight), signature(position_weight), option_key(position_offset),
-           signature(type_ids), signature(type_weight), signature(norm_weight), signature(norm_bias),
-           option_key(eps), option_key(normalize), option_key(id_errors), path, stream_key())
+    if (position_weight is None and type_ids is None and type_weight is None and norm_weight is None
+            and norm_bias is None):  # a plain lookup (nn.Embedding's): no call per absent array
+        optional_key = None
+    else:
+        position_weight, type_ids, type_weight, norm_weight, norm_bias = optional = tuple(
+            None if a is None else as_array(a, "embedding", name)
+            for a, name in zip((position_weight, type_ids, type_weight, norm_weight, norm_bias), _OPTIONAL_NAMES))
+        optional_key = tuple(map(signature, optional))
+    key = (signature(ids), signature(weight), optional_key, option_key(position_offset), option_key(eps),
+           option_key(normalize), option_key(id_errors), path, stream_key())
     return op.call(key, lambda: embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight,
                                        norm_weight, norm_bias, eps, normalize, id_errors),
                    path, ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
 
 
-def _optional(a: Any, name: str) -> Any:
-    return None if a is None else as_array(a, "embedding", name)
+_OPTIONAL_NAMES = ("position_weight", "type_ids", "type_weight", "norm_weight", "norm_bias")
 
 
 def _gpu_support(problem: EmbeddingProblem) -> str | None:
