@@ -104,8 +104,9 @@ class Embedding(Module):
     the table it does not name. Host ids are checked before the gather. GPU ids, with
     `check_ids="lazy"` (the default), are checked without a synchronisation: the gather
     (libnn.ops.embedding's custom kernel) writes NaN rows for such tokens and records one in host
-    memory, and the layer raises at its next call (before running it) or at `raise_id_errors()`,
-    which synchronises. With `check_ids="sync"` the ids are checked before the gather with one
+    memory, and the layer raises at the first later call that finds the record (before running it;
+    the record is there once the bad call's kernel has run) or at `raise_id_errors()`, which
+    synchronises. With `check_ids="sync"` the ids are checked before the gather with one
     reduction and a synchronisation per call (skipped while a CUDA graph is being captured, see
     libnn.nn.graphs), as for fp64 tables, which the kernel does not take.
     """
@@ -177,8 +178,8 @@ class Embedding(Module):
             raise IndexError(f"Embedding: ids must be in [0, {self.num_embeddings}) (num_embeddings); an earlier "
                              f"call had an id out of range at token {bad - 1} of its ids (row-major), and gave NaN "
                              "rows for such tokens. check_ids='lazy' finds this without a synchronisation, at the "
-                             "next call (this one, which did not run) or at raise_id_errors(); check_ids='sync' "
-                             "raises in the call itself, at one synchronisation per call")
+                             "first call after that kernel ran (this one, which did not run) or at raise_id_errors(); "
+                             "check_ids='sync' raises in the call itself, at one synchronisation per call")
 
     def __repr__(self) -> str:
         pad = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"

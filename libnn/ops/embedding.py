@@ -16,8 +16,8 @@ position_offset + S must not exceed position_weight's rows): a ValueError. The i
 values on the device, which a GPU path cannot read without a synchronisation, so: GPU paths write NaN
 rows for out-of-range ids (and type ids), and never read outside a table. With `id_errors=` (an
 IdErrors) the custom path also records a bad token there, in host memory the kernel writes, so that
-the caller finds out without a synchronisation per call (nn.Embedding raises at its next call, or at
-`check_ids()`); callers that want the error in the call itself check the ranges first, with one
+the caller finds out without a synchronisation per call (nn.Embedding raises at a later call, or at
+`raise_id_errors()`); callers that want the error in the call itself check the ranges first, with one
 synchronisation (nn.Embedding with check_ids="sync", and BertEncoder, once per forward). The
 reference path, on the host, raises an IndexError naming the argument.
 
