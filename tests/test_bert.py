@@ -207,11 +207,15 @@ def pack_small_batches(monkeypatch):
     monkeypatch.setattr(bert, "PACK_FROM_POSITIONS", 1)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("B, S", [(1, 1), (1, 13), (5, 17), (3, 40)])
-def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng, checkpoint, B, S,
-                                                                          pack_small_batches):
+def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng, checkpoint, B, S, ragged,
+                                                                          pack_small_batches, monkeypatch):
     """unpad=True (packed tokens) gives unpad=False's values at every token, for right padding,
-    holes, a row without tokens and a full row; zeros at the padding; pooled unchanged."""
+    holes, a row without tokens and a full row; zeros at the padding; pooled unchanged. The attention
+    on the packed sequences (ragged: layout THD, the GPU's choice for fp16/bf16) or on q, k and v
+    unpacked for it."""
+    monkeypatch.setattr(BertEncoder, "_ragged_attention", lambda self: ragged)
     directory, _, _ = checkpoint
     packed = BertEncoder.from_pretrained(directory, dtype="fp64", path="reference")
     padded = BertEncoder.from_pretrained(directory, dtype="fp64", path="reference", unpad=False)
@@ -453,7 +457,9 @@ GPU_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}
 @pytest.mark.gpu
 @pytest.mark.parametrize("unpad", [True, False])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_bert_gpu_matches_reference(rng, tmp_path, dtype, unpad):
+def test_bert_gpu_matches_reference(rng, tmp_path, dtype, unpad, pack_small_batches):
+    """unpad=True packs these small batches (pack_small_batches): fp16/bf16 with the attention on the
+    packed sequences (layout THD), fp32 with q, k and v unpacked for it."""
     import cupy
 
     config = TINY | {"max_position_embeddings": 80}
@@ -574,3 +580,21 @@ def test_bert_graphed_unpadded_captures_per_token_bucket(rng, checkpoint, dtype,
     bufs[1][...] = cupy.asarray(right_padded([32, 1, 30, 1, 1, 17, 1, 2], 32))
     check(graphed.replay(), bufs[1])  # more tokens than the capture packed: recorded again
     assert sum(s.captures for s in graphed.stats().values()) == before + 1
+
+
+@pytest.mark.gpu
+def test_bert_unpadded_attention_ragged_or_unpacked_agree(rng, checkpoint, pack_small_batches):
+    """fp16 with the attention on the packed sequences (cuDNN, layout THD) and with q, k and v
+    unpacked for it (the custom path, which takes no THD): the same tokens within fp16's tolerance."""
+    import cupy
+
+    directory, _, _ = checkpoint
+    ragged = BertEncoder.from_pretrained(directory, dtype="fp16", device="gpu")
+    unpacked = BertEncoder.from_pretrained(directory, dtype="fp16", device="gpu", path={"attention": "custom"})
+    assert ragged._ragged_attention() and not unpacked._ragged_attention()
+    ids, types = (cupy.asarray(a) for a in inputs(rng, 6, 37))
+    mask = cupy.asarray(right_padded([37, 1, 20, 0, 5, 36], 37))
+    a, b = ragged(ids, mask, types), unpacked(ids, mask, types)
+    tokens = mask.astype(bool)
+    assert rel_error(a.last_hidden_state[tokens], b.last_hidden_state[tokens].get()) <= dtypes.TOLERANCE["fp16"]
+    assert not a.last_hidden_state[~tokens].any() and not b.last_hidden_state[~tokens].any()

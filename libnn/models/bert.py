@@ -458,7 +458,18 @@ class BertEncoder(Module):
         capacity = max_tokens if max_tokens is not None else None if tokens is None else token_bucket(tokens, positions)
         if capacity is None or capacity > PACKED_AT_MOST * positions:
             return None
-        return TokenPacking(valid, capacity)
+        return TokenPacking(valid, capacity, ragged=self._ragged_attention())
+
+    def _ragged_attention(self) -> bool:
+        """Whether the packed tokens' attention runs packed (layout THD, on cuDNN: fp16/bf16, a head
+        dimension that is a multiple of 8, the attention path auto or cudnn, cuDNN present); else q, k
+        and v are unpacked for it."""
+        like = self.embeddings.word_embeddings.weight
+        c = self.config
+        return (is_cupy(like) and dtypes.short_name(like.dtype) in ("fp16", "bf16")
+                and (c.hidden_size // c.num_attention_heads) % 8 == 0
+                and op_path(self.path, "attention") in ("auto", "cudnn")
+                and get_op("attention").paths["cudnn"].missing() is None)
 
     @staticmethod
     def _ids(a: Any, name: str, like: Any, shape: tuple[int, int] | None = None) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from libnn.ops.attention import CheckedLengths, KeyPaddingBias, attention
+from libnn.ops.attention import CheckedLengths, KeyPaddingBias, PackedSequences, attention
 from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module, as_array, contiguous, is_cupy
 from libnn.runtime.stream import capturing
@@ -78,11 +78,15 @@ class TokenPacking:
     (B·S, F) rows to (capacity, F), the rows past the last token zeros; `unpack` gives them back as
     (B, S, F), zeros at the padding. Both are one gather kernel; the maps are built on the device
     (a scan and a scatter: no synchronisation, so a CUDA graph captures them). Tokens past
-    `capacity` would be dropped: the caller sizes it from the count (key_padding_and_tokens)."""
+    `capacity` would be dropped: the caller sizes it from the count (key_padding_and_tokens).
 
-    def __init__(self, valid: Any, capacity: int):
+    `ragged`: the attention runs on the packed rows too (layout THD, `sequences`: each row's tokens,
+    holes left out, one sequence after another), so nothing is gathered out to the padded layout and
+    back, and no mask is needed; otherwise q, k and v are unpacked for it and its output packed."""
+
+    def __init__(self, valid: Any, capacity: int, ragged: bool = False):
         xp = array_module(valid)
-        self.shape, self.capacity = tuple(valid.shape), capacity
+        self.shape, self.capacity, self.ragged = tuple(valid.shape), capacity, ragged
         flat = valid.reshape(-1)
         slot = xp.cumsum(flat, dtype=xp.int32) - 1  # each token's packed row
         self.packed_row = xp.where(flat, slot, -1).astype(xp.int32)  # per position; -1 at padding
@@ -93,6 +97,10 @@ class TokenPacking:
             self.position = np.full(capacity, -1, np.int32)  # per packed row; -1 past the last token
             tokens = np.flatnonzero(flat)
             self.position[slot[tokens]] = tokens
+        if ragged:  # in the order of the slots: row b's tokens from the number before it
+            counts = valid.sum(axis=1, dtype=xp.int32)
+            offsets = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(counts, dtype=xp.int32)])
+            self.sequences = PackedSequences(counts, offsets, valid.shape[1], checked=True)
 
     def pack(self, x: Any) -> Any:
         return gather_rows(x.reshape(self.packed_row.shape[0], -1), self.position)
@@ -131,10 +139,16 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
                           packing: TokenPacking | None = None) -> Any:
     """Attention of x (B, S, E) to itself before the output projection: ONE GEMM with the packed
     (3E, E) weight, then the attention op on q, k, v as strided BSHD views of its output. Returns
-    (B, S, E). With `packing`, x is the packed tokens (capacity, E): the GEMM runs on them, its output
-    is unpacked to (B, S, 3E) for the attention (zeros at the padding, which the lengths and bias
-    mask) and the result packed again (capacity, E)."""
+    (B, S, E). With `packing`, x is the packed tokens (capacity, E): the GEMM runs on them, and the
+    attention on the packed sequences (layout THD: `packing.ragged`), or on its output unpacked to
+    (B, S, 3E) (zeros at the padding, which the lengths and bias mask) with the result packed again;
+    either way (capacity, E)."""
     qkv = linear(x, w_qkv, b_qkv, path=op_path(path, "linear"))
+    if packing is not None and packing.ragged:
+        T, E = qkv.shape[0], qkv.shape[-1] // 3
+        qkv = qkv.reshape(T, 3, num_heads, E // num_heads)
+        return attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], causal=causal, layout="THD", packed=packing.sequences,
+                         path=op_path(path, "attention")).reshape(T, E)
     if packing is not None:
         qkv = packing.unpack(qkv)
     B, S, E = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3

@@ -25,6 +25,13 @@ Paths, in `auto` order:
 - unfused:    the textbook three passes: Q·Kᵀ on cuBLAS, our masked softmax kernel, P·V on cuBLAS;
               S×S scores in memory. Kept as the benchmark's middle rung.
 - reference:  NumPy in float64.
+
+Packed sequences (layout="THD"): q (T, Hq, D), k and v (T, Hkv, D) hold B sequences one after another
+along the tokens, as `packed=PackedSequences(lengths, offsets, max_len)` says: sequence b is rows
+offsets[b] .. offsets[b] + lengths[b] - 1 of each (self-attention over variable-length sequences with
+no padding between them: what an unpadded encoder computes). Each sequence attends to itself only,
+under the same causal options; no attn_bias (leave a masked token out of the packing). o is (T, Hq,
+D), zeros in rows no sequence covers. Paths: cudnn (its SDPA with ragged offsets) and reference.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
                                   stream_key)
 
-LAYOUTS = ("BHSD", "BSHD")
+LAYOUTS = ("BHSD", "BSHD", "THD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
 CUDNN_DTYPES = ("fp16", "bf16")
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -76,6 +83,7 @@ class AttentionProblem:
     aligned: bool                           # every pointer and row stride a multiple of 16 bytes
     device: str
     bias_keeps_a_key: bool = False          # a KeyPaddingBias: it never empties a row the lengths leave
+    tokens: int = 0                         # layout THD: the rows of q (and o); Sq = Skv = the longest sequence
 
     def describe(self) -> str:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
@@ -93,13 +101,13 @@ class AttentionProblem:
 
     @property
     def output_bytes(self) -> int:
-        return memory.array_bytes((self.B, self.Hq, self.Sq, self.D), dtypes.parse(self.dtype))
+        return memory.array_bytes(_output_shape(self), dtypes.parse(self.dtype))
 
     @property
     def o_strides(self) -> tuple[int, int, int, int]:
         """o is contiguous in `layout`; its element strides in (B, H, S, D) order."""
         H, S, D = self.Hq, self.Sq, self.D
-        return (H * S * D, S * D, D, 1) if self.layout == "BHSD" else (S * H * D, D, H * D, 1)
+        return (H * S * D, S * D, D, 1) if self.layout == "BHSD" else (S * H * D, D, H * D, 1)  # BSHD, THD
 
 
 def _bhsd(a, layout: str):
@@ -116,6 +124,28 @@ def _problem_strides(a) -> tuple[int, ...]:
         if a.shape[i] == 1:
             strides[i] = strides[i + 1] * a.shape[i + 1]
     return tuple(strides)
+
+
+class PackedSequences:
+    """Sequences packed one after another along the token dimension, for attention(layout="THD"):
+    sequence b is rows offsets[b] .. offsets[b] + lengths[b] - 1, and no sequence is longer than
+    `max_len`. `lengths` (B,) and `offsets` (B + 1,) are integer arrays on the host or on q's device;
+    device arrays are checked with one reduction per call (as seq_lens are; skipped while a CUDA graph
+    is captured) unless `checked=True`, the caller's word that they are in range (offsets counted from
+    a mask, say)."""
+
+    def __init__(self, lengths: Any, offsets: Any, max_len: int, *, checked: bool = False):
+        self.lengths, self.offsets, self.max_len, self.checked = lengths, offsets, max_len, checked
+        self._element_offsets: dict[int, Any] = {}
+
+    def element_offsets(self, stride: int) -> Any:
+        """offsets × `stride` (a tensor's token stride) as int32 on the offsets' device: cuDNN's ragged
+        offsets count elements, not tokens. Made once per stride, so a layer stack pays it once."""
+        found = self._element_offsets.get(stride)
+        if found is None:
+            xp = array_module(self.offsets)
+            found = self._element_offsets[stride] = (xp.asarray(self.offsets, xp.int64) * stride).astype(xp.int32)
+        return found
 
 
 class CheckedLengths:
@@ -241,9 +271,13 @@ def _reference_fits(p: AttentionProblem) -> None:
 
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool | str = False,
               seq_lens_q: Sequence[int] | Any = None, seq_lens_kv: Sequence[int] | Any = None,
-              attn_bias: Any = None, layout: str = "BHSD", path: str = "auto") -> Any:
+              attn_bias: Any = None, layout: str = "BHSD", packed: PackedSequences | None = None,
+              path: str = "auto") -> Any:
     """Scaled dot-product attention; see the module docstring for shapes, masks and paths. `scale`
-    defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`."""
+    defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`. Layout "THD"
+    takes `packed` (PackedSequences) in place of seq_lens_q and seq_lens_kv."""
+    if layout == "THD" or packed is not None:
+        return _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, path)
     q, k, v = as_array(q, "attention", "q"), as_array(k, "attention", "k"), as_array(v, "attention", "v")
     keeps_a_key = isinstance(attn_bias, KeyPaddingBias)
     attn_bias = attn_bias.bias if keeps_a_key else attn_bias
@@ -264,6 +298,68 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
 
 
+def _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, path):
+    """attention() for layout THD. The runners take the PackedSequences where the others take
+    seq_lens_q (a THD problem has no other lengths)."""
+    q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    if not isinstance(packed, PackedSequences) or layout != "THD":
+        raise TypeError(f"attention: layout 'THD' and packed=PackedSequences(lengths, offsets, max_len) go together; "
+                        f"got layout {layout!r} and packed of type {type(packed).__name__}")
+    for name, given in (("seq_lens_q", seq_lens_q), ("seq_lens_kv", seq_lens_kv), ("attn_bias", attn_bias)):
+        if given is not None:
+            raise ValueError(f"attention: layout THD takes no {name}: the sequences' lengths are packed's, and a "
+                             "masked token is one left out of the packing")
+    lengths, offsets = (as_array(np.asarray(a) if isinstance(a, (list, tuple)) else a, "attention", f"packed.{name}")
+                        for a, name in ((packed.lengths, "lengths"), (packed.offsets, "offsets")))
+    key = (signature(q), signature(k), signature(v), option_key(scale), option_key(causal), "THD", signature(lengths),
+           signature(offsets), option_key(packed.max_len), packed.checked, path, stream_key())
+
+    def prepare():
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            if a.ndim != 3:
+                raise ValueError(f"attention: {name} must be 3-D (T, H, D) for layout THD, got shape {tuple(a.shape)}")
+        if not (k.shape[0] == v.shape[0] == q.shape[0]):
+            raise ValueError(f"attention: q, k and v must hold the same tokens (T) for layout THD; got q "
+                             f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        max_len = packed.max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+            raise ValueError(f"attention: packed.max_len must be a positive int, got {max_len!r}")
+        if lengths.ndim != 1 or offsets.shape != (lengths.shape[0] + 1,):
+            raise ValueError(f"attention: packed.lengths must be (B,) and packed.offsets (B + 1,), got "
+                             f"{tuple(lengths.shape)} and {tuple(offsets.shape)}")
+        for name, a in (("packed.lengths", lengths), ("packed.offsets", offsets)):
+            if a.dtype.kind not in "iu":
+                raise TypeError(f"attention: {name} must hold integers, got dtype {a.dtype}")
+            if is_cupy(a) != is_cupy(q):
+                raise TypeError(f"attention: {name} and q must be on one device (host or GPU)")
+        # the checks of the dense layouts on the (1, T, H, D) view, then the packed geometry
+        flat = attention_problem(q[None], k[None], v[None], None, scale, causal, "BSHD", True, True)
+        B, (tq, tk, tv) = lengths.shape[0], (a.strides[0] // a.itemsize for a in (q, k, v))
+        if q.shape[0] * max(tq, tk, tv, flat.Hq * flat.D) >= 2**31:
+            raise ValueError(f"attention: layout THD counts offsets in int32 elements: {q.shape[0]} tokens of "
+                             f"stride up to {max(tq, tk, tv, flat.Hq * flat.D)} is too many")
+        return replace(flat, B=B, Sq=max_len, Skv=max_len, layout="THD", tokens=q.shape[0],
+                       q_strides=(max_len * tq, flat.q_strides[1], tq, 1),
+                       k_strides=(max_len * tk, flat.k_strides[1], tk, 1),
+                       v_strides=(max_len * tv, flat.v_strides[1], tv, 1))
+    return op.call(key, prepare, path, q, k, v, packed, None, None)
+
+
+def _packed_arrays(problem: AttentionProblem, packed: PackedSequences, like) -> tuple[Any, Any]:
+    """packed's lengths and offsets as int32 arrays on q's device, checked (one reduction for device
+    arrays, none while a graph is captured or for checked=True): 0 <= lengths <= max_len, each sequence
+    within the T rows."""
+    p, xp = problem, array_module(like)
+    lengths, offsets = (xp.asarray(packed.lengths, xp.int32), xp.asarray(packed.offsets, xp.int32))
+    if not packed.checked and (ranges := min_max([lengths, offsets, offsets[1:] - offsets[:-1] - lengths])):
+        (lo_len, hi_len), (lo_off, hi_off), (lo_gap, _) = ranges
+        if lo_len < 0 or hi_len > p.Sq or lo_off < 0 or hi_off > p.tokens or lo_gap < 0:
+            raise ValueError(f"attention: packed sequences must lie within the {p.tokens} rows, one after another "
+                             f"(offsets[b] + lengths[b] <= offsets[b + 1]), with 0 <= lengths <= max_len {p.Sq}; "
+                             f"got lengths {lo_len}..{hi_len}, offsets {lo_off}..{hi_off}")
+    return lengths, offsets
+
+
 def _check_key_padding_bias(problem: AttentionProblem) -> None:
     p = problem
     if p.bias_shape is None or p.bias_shape[1:3] != (1, 1):
@@ -277,9 +373,11 @@ def _lengths(problem: AttentionProblem, q, seq_lens_q, seq_lens_kv):
             _seq_lens(seq_lens_kv, "seq_lens_kv", problem.B, problem.Skv, q))
 
 
-def _output_shape(problem: AttentionProblem) -> tuple[int, int, int, int]:
+def _output_shape(problem: AttentionProblem) -> tuple[int, ...]:
     """o's shape in `layout` (o is new and contiguous)."""
     p = problem
+    if p.layout == "THD":
+        return (p.tokens, p.Hq, p.D)
     return (p.B, p.Hq, p.Sq, p.D) if p.layout == "BHSD" else (p.B, p.Sq, p.Hq, p.D)
 
 
@@ -305,6 +403,7 @@ def _cudnn_support(problem: AttentionProblem) -> str | None:
 # The uids of the tensors in attention_graph_builder's graph, for a variant pack (bias and the sequence
 # lengths only when the problem has them).
 UID_Q, UID_K, UID_V, UID_BIAS, UID_LENS_Q, UID_LENS_KV, UID_O = range(1, 8)
+UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V, UID_RAGGED_O = range(8, 12)  # layout THD's element offsets
 
 
 def attention_graph_builder(problem: AttentionProblem):
@@ -333,9 +432,18 @@ def attention_graph_builder(problem: AttentionProblem):
             masks = {"diagonal_band_right_bound": 0,
                          "diagonal_alignment": (cudnn.diagonal_alignment.TOP_LEFT if p.causal == "top_left"
                                              else cudnn.diagonal_alignment.BOTTOM_RIGHT)}
+        ragged = {}
+        if p.layout == "THD":  # each tensor's sequences start at its own element offsets
+            for t, uid in ((q, UID_RAGGED_Q), (k, UID_RAGGED_K), (v, UID_RAGGED_V), ("o", UID_RAGGED_O)):
+                ragged[uid] = g.tensor(dim=[p.B + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
+                                       uid=uid)
+                if t != "o":
+                    t.set_ragged_offset(ragged[uid])
         o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
                       seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks)
         o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(UID_O)
+        if ragged:
+            o.set_ragged_offset(ragged[UID_RAGGED_O])
         return g
     return build
 
@@ -404,6 +512,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     import cupy
 
     p = problem
+    if p.layout == "THD":
+        return _bind_cudnn_packed(p)
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
         + ([UID_LENS_Q, UID_LENS_KV] if padded else [])
@@ -429,8 +539,31 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     return run
 
 
+def _bind_cudnn_packed(problem: AttentionProblem):
+    """The runner of a THD problem: cuDNN's SDPA over the packed sequences (their lengths as the
+    padding mask's, ragged offsets scaled by each tensor's token stride); o starts as zeros, so rows
+    no sequence covers are zeros, and every row a sequence covers has a key."""
+    import cupy
+
+    p = problem
+    uids = [UID_Q, UID_K, UID_V, UID_O, UID_LENS_Q, UID_LENS_KV, UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V,
+            UID_RAGGED_O]
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
+    strides = (p.q_strides[2], p.k_strides[2], p.v_strides[2], p.o_strides[2])
+    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+
+    def run(q, k, v, packed, _, __):
+        lengths, _offsets = _packed_arrays(p, packed, q)
+        o = cupy.zeros(shape, dtype)
+        execute(q, k, v, o, lengths, lengths, *(packed.element_offsets(s) for s in strides))
+        return o
+    return run
+
+
 # --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
 def _custom_support(problem: AttentionProblem) -> str | None:
+    if problem.layout == "THD":
+        return "layout THD (packed sequences) runs on cudnn and reference"
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
 
 
@@ -510,6 +643,8 @@ def allowed_keys(Sq: int, Skv: int, causal: str | None, lens_q, lens_kv, B: int,
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
+    if p.layout == "THD":
+        return _reference_packed(p, q, k, v, seq_lens_q)
     lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
     group = p.Hq // p.Hkv
     q64 = _bhsd(q, p.layout).astype(np.float64)
@@ -527,3 +662,16 @@ def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias
     if p.layout == "BSHD":
         o = o.transpose(0, 2, 1, 3)
     return np.ascontiguousarray(o).astype(q.dtype)
+
+
+def _reference_packed(problem: AttentionProblem, q, k, v, packed: PackedSequences):
+    """Layout THD on the reference path: each sequence alone, as a dense (1, L, H, D) problem."""
+    p = problem
+    lengths, offsets = _packed_arrays(p, packed, q)
+    o = np.zeros(_output_shape(p), q.dtype)
+    for start, length in zip(offsets[:-1].tolist(), lengths.tolist()):
+        rows = slice(start, start + length)
+        if length:
+            o[rows] = attention(q[None, rows], k[None, rows], v[None, rows], scale=p.scale, causal=p.causal or False,
+                                layout="BSHD", path="reference")[0]
+    return o
