@@ -133,6 +133,19 @@ def outputs_of(children: list[subprocess.Popen]) -> list[str]:
     return outputs
 
 
+def compile_kernel_files(arch: str) -> None:
+    """Put every kernels/*.cu, compiled for `arch` with its resource report, into the run's cache, one
+    process per file at once: a test that then compiles them all in one process (`libnn check-kernels`,
+    `kernels.compile_report`) reads them instead of compiling them in turn, which took minutes (gemm.cu
+    alone takes tens of seconds, and NVRTC uses one core)."""
+    from libnn.runtime import kernels
+
+    script = "import sys; from libnn.runtime import kernels; kernels.compile_file(sys.argv[1], sys.argv[2]).resources()"
+    children = [subprocess.Popen([sys.executable, "-c", script, str(path), arch], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for path in kernels.kernel_files()]
+    outputs_of(children)
+
+
 @pytest.fixture
 def poisoned_gpu_memory():
     """Every GPU allocation made during the test (ours and nvmath's, through CuPy's allocator) is

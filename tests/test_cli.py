@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import compile_kernel_files
 
 from libnn.runtime.device import gpu_missing
 
@@ -54,6 +55,7 @@ def test_gpu_commands_explain_that_they_need_a_gpu(args):
 
 def test_check_kernels_reports_resources():
     pytest.importorskip("cuda.bindings.nvrtc")
+    compile_kernel_files("sm_90")
     rows = json.loads(libnn("check-kernels", "--arch", "sm_90", "--json").stdout)
     assert rows and {"kernel", "registers", "spill_bytes"} <= set(rows[0])
 

@@ -4,7 +4,7 @@ loader's cache and error messages behave. Runs in CI: there NVRTC must be presen
 import os
 
 import pytest
-from conftest import outputs_of, start_together
+from conftest import compile_kernel_files, outputs_of, start_together
 
 from libnn.errors import KernelCompileError
 from libnn.runtime import kernels
@@ -102,6 +102,7 @@ def test_a_cached_log_without_the_ptxas_report_is_a_miss_for_resources(tmp_path,
 
 
 def test_check_kernels_rows_come_with_one_progress_line_per_file():
+    compile_kernel_files("sm_90")
     lines = []
     rows = kernels.compile_report(["sm_90"], progress=lines.append)
     assert len(lines) == len(kernels.kernel_files()) and lines[0].startswith(f"[1/{len(lines)}] ")
