@@ -123,11 +123,12 @@ def start_together(tmp_path, script: str, processes: int, env: dict | None = Non
     return children
 
 
-def outputs_of(children: list[subprocess.Popen]) -> list[str]:
-    """Each child's stdout, once all have exited; a child that failed fails the test with its stderr."""
+def outputs_of(children: list[subprocess.Popen], timeout: float = 120) -> list[str]:
+    """Each child's stdout, once all have exited (each allowed `timeout` seconds more); a child that
+    failed fails the test with its stderr."""
     outputs = []
     for child in children:
-        out, err = child.communicate(timeout=120)
+        out, err = child.communicate(timeout=timeout)
         assert child.returncode == 0, err
         outputs.append(out)
     return outputs
@@ -143,7 +144,7 @@ def compile_kernel_files(arch: str) -> None:
     script = "import sys; from libnn.runtime import kernels; kernels.compile_file(sys.argv[1], sys.argv[2]).resources()"
     children = [subprocess.Popen([sys.executable, "-c", script, str(path), arch], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for path in kernels.kernel_files()]
-    outputs_of(children)
+    outputs_of(children, timeout=600)  # as long as test_cli gives a command: a busy machine compiles slowly
 
 
 @pytest.fixture

@@ -150,5 +150,5 @@ def test_processes_compiling_one_file_at_once_compile_it_once(tmp_path):
     """, processes=4, env={**os.environ, "LIBNN_CACHE_DIR": str(cache)})
     rows = [line.split(" ", 2) for line in outputs_of(children)]
     assert sum(int(builds) for builds, _, _ in rows) == 1
-    assert len({cubin for _, cubin, _ in rows}) == 1 and {kernels for _, _, kernels in rows} == {"['k']\n"}
+    assert len({cubin for _, cubin, _ in rows}) == 1 and {names for _, _, names in rows} == {"['k']\n"}
     assert sorted(p.suffix for p in (cache / "kernels").iterdir()) == [".bin", ".lock", ".log"]  # no temporary left
