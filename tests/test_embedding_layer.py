@@ -152,3 +152,26 @@ def test_each_optional_array_is_keyed_in_its_own_place(rng):
     np.testing.assert_allclose(embedding(ids, weight, type_weight=table), plain + table[0], rtol=1e-12)
     with pytest.raises(ValueError, match="norm_weight is given but normalize is False"):
         embedding(ids, weight, norm_weight=table[0])
+
+
+def test_absent_arrays_are_null_pointers_packed_once_and_launches_pass_the_rest(monkeypatch, rng):
+    """The custom path packs a null pointer for each optional array the signature leaves out, and each
+    launch passes the arrays there are, in the kernel's order (ids, type_ids, word, pos, type, w, b, y)."""
+    binds = _stub_gpu(monkeypatch)
+    launches = []
+    monkeypatch.setattr(launch, "bind", lambda *a, **k: binds.append(dict(zip(emb._EMB.names, a[4]))) or
+                        (lambda *arrays: launches.append(arrays)))
+    ids, weight = np.array([[1, 2]]), rng.standard_normal((4, 8)).astype(np.float32)
+    positions, types_, norm = (rng.standard_normal(s).astype(np.float32) for s in ((3, 8), (2, 8), (8,)))
+    type_ids = np.array([[0, 1]])
+    cases = [((ids, weight, None, None, None, None, None), (ids, weight)),
+             ((ids, weight, positions, type_ids, types_, norm, None), (ids, type_ids, weight, positions, types_, norm)),
+             ((ids, weight, None, None, types_, None, norm), (ids, weight, types_, norm))]
+    for arrays, launched in cases:
+        problem = emb.embedding_problem(arrays[0], weight, arrays[2], 0, arrays[3], arrays[4], arrays[5], arrays[6],
+                                        1e-5, arrays[5] is not None or arrays[6] is not None)
+        emb.bind_custom(problem, *arrays)(*arrays)
+        sent = launches[-1]
+        assert len(sent) == len(launched) + 1 and all(s is a for s, a in zip(sent, launched)), launched
+        for name, a in zip(("type_ids", "pos", "type", "w", "b"), (arrays[3], arrays[2], arrays[4], arrays[5], arrays[6])):
+            assert (binds[-1][name] is launch.ARRAY) == (a is not None), name

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,18 +353,25 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
     flags = (IDS_I64 if kids.dtype == np.int64 else 0) | \
         (TYPES_I64 if ktype_ids is not None and ktype_ids.dtype == np.int64 else 0) | \
         (NORMALIZE if problem.normalize else 0)
+    # An array the signature leaves out is a null pointer packed once (the kernel reads null as "no such
+    # term"), so each launch writes only the pointers of the arrays there are: `pick` takes those from the
+    # runner's arguments (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias) in
+    # the kernel's order (ids, type_ids, word, pos, type, w, b).
     A = launch.ARRAY
+    slot = [None if a is None else A for a in kernel_inputs]
+    pick = operator.itemgetter(*(i for i in (0, 3, 1, 2, 4, 5, 6) if kernel_inputs[i] is not None))
     kernel = launch.bind("embedding.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         _EMB.pack(ids=A, type_ids=A, word=A, pos=A, type=A, w=A, b=A, y=A, M=problem.M,
+                         _EMB.pack(ids=A, type_ids=slot[3], word=A, pos=slot[2], type=slot[4], w=slot[5], b=slot[6],
+                                   y=A, M=problem.M,
                                    S=problem.S, H=problem.H, rows=problem.rows, pos_rows=problem.position_rows or 0,
                                    pos_offset=problem.position_offset, type_rows=problem.type_rows or 0, flags=flags,
                                    eps=problem.eps,
                                    bad=None if problem.id_errors is None else np.uint64(problem.id_errors.pointer)))
     shape, dtype = problem.out_shape, weight.dtype
 
-    def run(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
+    def run(*arrays):
         y = cupy.empty(shape, dtype)
-        kernel(ids, type_ids, weight, position_weight, type_weight, norm_weight, norm_bias, y)
+        kernel(*pick(arrays), y)  # ids and weight are always there: `pick` gives a tuple
         return y
     if as_given:
         return run
