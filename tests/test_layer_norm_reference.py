@@ -287,35 +287,3 @@ def test_layer_norm_and_embedding_run_a_row_width_with_the_same_version_and_laun
                 assert (name.replace("ln", "emb", 1), grid, block) == \
                     emb._launch(v.replace("ln", "emb", 1), p_emb, aligned)
 
-
-@pytest.mark.parametrize("present", [(), ("weight",), ("weight", "bias"), ("bias", "residual"),
-                                     ("weight", "bias", "residual")])
-def test_the_custom_bind_packs_absent_arrays_as_null_and_launches_the_rest(monkeypatch, rng, present):
-    """Each launch passes only the arrays the signature has, in the kernel's order (x, res, w, b, y[, s]);
-    the others are null pointers packed once."""
-    import importlib
-    import sys
-    import types
-
-    from libnn.runtime import contracts, launch
-
-    ln = importlib.import_module("libnn.ops.layer_norm")
-    binds, launches = [], []
-    monkeypatch.setattr(launch, "bind", lambda *a, **k: binds.append(dict(zip(ln._LN.names, a[4]))) or
-                        (lambda *arrays: launches.append(arrays)))
-    monkeypatch.setattr(ln, "_aligned", lambda problem, *arrays: False)  # host arrays have no .data.ptr
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
-    x = rng.standard_normal((3, 8)).astype(np.float32)
-    given = {name: (rng.standard_normal(x.shape if name == "residual" else (8,)).astype(np.float32)
-                    if name in present else None) for name in ("weight", "bias", "residual")}
-    for return_sum in (False, True) if given["residual"] is not None else (False,):
-        problem = ln.layer_norm_problem(x, given["weight"], given["bias"], given["residual"], 1e-5, return_sum)
-        args = (x, given["weight"], given["bias"], given["residual"])
-        ln.bind_custom(problem, *args)(*args)
-        kernel_order = [a for a in (x, given["residual"], given["weight"], given["bias"]) if a is not None]
-        sent = launches[-1]
-        assert len(sent) == len(kernel_order) + 1 + return_sum
-        assert all(s is a for s, a in zip(sent, kernel_order))
-        for name, key in (("res", "residual"), ("w", "weight"), ("b", "bias")):
-            assert (binds[-1][name] is launch.ARRAY) == (given[key] is not None), name
-        assert binds[-1]["s"] is (launch.ARRAY if return_sum else contracts.NULL)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,29 +270,20 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
                          f"{custom_versions(problem, aligned)}")
     name, grid, block = _launch(version, problem, aligned)
-    # A null residual or sum: plain layer norm, no sum; a null weight or bias: 1 or 0. An array the
-    # signature leaves out is a null pointer packed once, so each launch writes only the pointers of the
-    # arrays there are: `pick` takes those from the runner's arguments (x, weight, bias, residual) in the
-    # kernel's order (x, res, w, b).
+    # a null residual or sum: plain layer norm, no sum
     A = launch.ARRAY
-    given = (x, weight, bias, residual)
-    slot = [None if a is None else A for a in given]
-    positions = [i for i in (0, 3, 1, 2) if given[i] is not None]
-    # itemgetter of several positions gives a tuple, of one the item itself: x alone is the first argument
-    pick = operator.itemgetter(*positions) if len(positions) > 1 else (lambda arrays: arrays[:1])
     kernel = launch.bind("layer_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         _LN.pack(x=A, res=slot[3], w=slot[1], b=slot[2], y=A, s=A if problem.return_sum else None,
-                                  M=problem.M, N=problem.N, eps=problem.eps))
+                         _LN.pack(x=A, res=A, w=A, b=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
     shape, dtype = (problem.M, problem.N), x.dtype
 
-    def run(*arrays):
+    def run(x, weight, bias, residual):
         y = cupy.empty(shape, dtype)
-        kernel(*pick(arrays), y)
+        kernel(x, residual, weight, bias, y, None)
         return y
 
-    def run_sum(*arrays):
+    def run_sum(x, weight, bias, residual):
         y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
-        kernel(*pick(arrays), y, h)
+        kernel(x, residual, weight, bias, y, h)
         return y, h
     return run_sum if problem.return_sum else run
 
