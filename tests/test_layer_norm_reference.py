@@ -286,4 +286,3 @@ def test_layer_norm_and_embedding_run_a_row_width_with_the_same_version_and_laun
                 name, grid, block = ln._launch(v, p_ln, aligned)
                 assert (name.replace("ln", "emb", 1), grid, block) == \
                     emb._launch(v.replace("ln", "emb", 1), p_emb, aligned)
-
