@@ -133,5 +133,6 @@ def test_packed_layout_is_refused_by_the_kernels_paths_by_name(rng, path):
 
     qkv, packed = packed_case(rng, [3, 5], 2, 8, "fp16")
     g = cupy.asarray(qkv)
+    packed = PackedSequences(cupy.asarray(packed.lengths), cupy.asarray(packed.offsets), packed.max_len)
     with pytest.raises(PathUnavailableError, match="layout THD .packed sequences. runs on cudnn and reference"):
         attention(g[:, 0], g[:, 1], g[:, 2], layout="THD", packed=packed, path=path)
