@@ -201,10 +201,10 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
 
 @pytest.fixture
 def pack_small_batches(monkeypatch):
-    """Small test batches packed as large ones are (PACK_FROM_POSITIONS keeps them padded)."""
+    """Small test batches packed as large ones are (PACK_FROM_FLOPS keeps them padded)."""
     from libnn.models import bert
 
-    monkeypatch.setattr(bert, "PACK_FROM_POSITIONS", 1)
+    monkeypatch.setattr(bert, "PACK_FROM_FLOPS", 1)
 
 
 @pytest.mark.parametrize("ragged", [False, True])
@@ -233,8 +233,8 @@ def test_bert_unpadded_equals_padded_at_the_tokens_and_zeros_at_the_padding(rng,
 
 
 def test_bert_packs_only_when_it_saves_positions(rng, checkpoint, monkeypatch):
-    """The layers see packed rows (2-D) for a well-padded batch of PACK_FROM_POSITIONS positions or
-    more, and the padded (B, S, H) layout for a nearly full one, a smaller one, or with unpad=False."""
+    """The layers see packed rows (2-D) for a well-padded batch whose padded pass takes PACK_FROM_FLOPS
+    or more, and the padded (B, S, H) layout for a nearly full one, a smaller one, or with unpad=False."""
     from libnn.models import bert
 
     directory, _, _ = checkpoint
@@ -244,7 +244,8 @@ def test_bert_packs_only_when_it_saves_positions(rng, checkpoint, monkeypatch):
     monkeypatch.setattr(model.encoder.layer[0], "forward", lambda x, *a: shapes.append(x.shape) or real(x, *a))
     ids, types = inputs(rng, 4, 32)
     model(ids, right_padded([32, 3, 9, 1], 32), types)
-    monkeypatch.setattr(bert, "PACK_FROM_POSITIONS", 128)
+    flops = BertConfig.from_dict(TINY).flops_per_token
+    monkeypatch.setattr(bert, "PACK_FROM_FLOPS", 128 * flops)
     model(ids, right_padded([32, 3, 9, 1], 32), types)
     model(ids, right_padded([32, 32, 32, 31], 32), types)
     model.unpad = False
@@ -598,3 +599,18 @@ def test_bert_unpadded_attention_ragged_or_unpacked_agree(rng, checkpoint, pack_
     tokens = mask.astype(bool)
     assert rel_error(a.last_hidden_state[tokens], b.last_hidden_state[tokens].get()) <= dtypes.TOLERANCE["fp16"]
     assert not a.last_hidden_state[~tokens].any() and not b.last_hidden_state[~tokens].any()
+
+
+def test_packing_starts_at_a_batch_size_that_follows_the_models_work():
+    """PACK_FROM_FLOPS in positions: MiniLM (6 x 384, FFN 1536) packs from about 110 sequences of
+    128, BERT-base (12 x 768, FFN 3072) from about 14."""
+    from libnn.models import bert
+
+    mini = BertConfig(vocab_size=2, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                      intermediate_size=1536)
+    base = BertConfig(vocab_size=2, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      intermediate_size=3072)
+    assert (mini.flops_per_token, base.flops_per_token) == (21233664, 169869312)
+    model = BertEncoder(mini, path="reference")
+    assert 100 * 128 < model._pack_from() < 128 * 128 and model.graph_sequence_inputs.pack_from == model._pack_from()
+    assert math.ceil(bert.PACK_FROM_FLOPS / base.flops_per_token) < 32 * 128

@@ -26,6 +26,7 @@ no token at all gives zeros (Hugging Face averages every position there).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,12 @@ SIZES = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 0, "num_attenti
 # attention's output back) cost about a quarter of a layer's memory traffic, so near-full batches run
 # padded.
 PACKED_AT_MOST = 0.875
-# ... and when the batch has at least this many positions (batch × sequence): a graphed call reads the
-# token count back (a synchronisation, and the GPU idles while the host picks the capture), which
-# small batches, their few kernels already short, do not win back (benchmarks/RESULTS.md, unpadding).
-PACK_FROM_POSITIONS = 16384
+# ... and when the padded batch's forward pass would take at least this many FLOPs: a graphed call
+# reads the token count back (a synchronisation, and the GPU idles while the host picks the capture),
+# and a small batch's short, latency-bound GEMMs gain little from fewer rows, so below this the
+# padded pass is faster (benchmarks/RESULTS.md, unpadding: MiniLM at batch 32 is below, BERT-base at
+# batch 32 above).
+PACK_FROM_FLOPS = 3e11
 TASK_HEADS = ("cls", "classifier", "qa_outputs")  # BertFor...'s heads: set aside at load
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # constant buffers some checkpoints hold
 
@@ -130,6 +133,13 @@ class BertConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"{where}: hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
                              f"{self.num_attention_heads}")
+
+    @property
+    def flops_per_token(self) -> int:
+        """The FLOPs of the encoder layers' GEMMs per position (q, k, v and output projections, the two
+        feed-forward GEMMs; 2 per multiply-add): what packing saves for each padding position."""
+        H, I = self.hidden_size, self.intermediate_size
+        return 2 * self.num_hidden_layers * (4 * H * H + 2 * H * I)
 
     def parameter_count(self, pooler: bool) -> int:
         """The number of values in the model's parameters."""
@@ -350,7 +360,7 @@ class BertEncoder(Module):
         slice back. pooled averages the unmasked tokens and pooler_output reads the first: padding
         changes neither. With `unpad`, graphs pass forward's `max_tokens`."""
         return SequenceInputs(mask="attention_mask", mask_position=1, outputs=("last_hidden_state",),
-                              tokens="max_tokens" if self.unpad else None, pack_from=PACK_FROM_POSITIONS)
+                              tokens="max_tokens" if self.unpad else None, pack_from=self._pack_from())
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp32", device: str = "cpu",
@@ -444,7 +454,7 @@ class BertEncoder(Module):
 
     def _packing(self, valid: Any, tokens: int | None, max_tokens: Any) -> TokenPacking | None:
         """How this call packs its tokens, or None to run every position: without `unpad` or a mask,
-        below PACK_FROM_POSITIONS positions (unless `max_tokens` is given), when packing would save
+        below _pack_from() positions (unless `max_tokens` is given), when packing would save
         less than PACKED_AT_MOST of the positions, and while a graph is captured without `max_tokens`
         (the count cannot be read back there)."""
         if max_tokens is not None:
@@ -453,12 +463,16 @@ class BertEncoder(Module):
                 raise ValueError(f"BertEncoder: attention_mask holds {tokens} tokens but max_tokens is {max_tokens}; "
                                  "pass at least the number of tokens, or None")
         positions = 0 if valid is None else valid.shape[0] * valid.shape[1]
-        if not self.unpad or valid is None or (max_tokens is None and positions < PACK_FROM_POSITIONS):
+        if not self.unpad or valid is None or (max_tokens is None and positions < self._pack_from()):
             return None
         capacity = max_tokens if max_tokens is not None else None if tokens is None else token_bucket(tokens, positions)
         if capacity is None or capacity > PACKED_AT_MOST * positions:
             return None
         return TokenPacking(valid, capacity, ragged=self._ragged_attention())
+
+    def _pack_from(self) -> int:
+        """The fewest positions (batch × sequence) whose padded forward pass takes PACK_FROM_FLOPS."""
+        return max(1, math.ceil(PACK_FROM_FLOPS / self.config.flops_per_token))
 
     def _ragged_attention(self) -> bool:
         """Whether the packed tokens' attention runs packed (layout THD, on cuDNN: fp16/bf16, a head
