@@ -614,3 +614,21 @@ def test_packing_starts_at_a_batch_size_that_follows_the_models_work():
     model = BertEncoder(mini, path="reference")
     assert 100 * 128 < model._pack_from() < 128 * 128 and model.graph_sequence_inputs.pack_from == model._pack_from()
     assert math.ceil(bert.PACK_FROM_FLOPS / base.flops_per_token) < 32 * 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("B, S, F", [(1, 1, 1), (3, 13, 7), (5, 128, 384)])
+def test_masked_mean_matches_the_host_mean(rng, dtype, B, S, F):
+    """BERT's pooled embedding: one kernel per dtype, accumulated in fp32 (fp64 for fp64); a row with
+    no token gives zeros."""
+    import cupy
+
+    x = random_normal(rng, (B, S, F), dtype)
+    valid = rng.random((B, S)) < 0.6
+    valid[0] = False
+    got = functional.masked_mean(cupy.asarray(x), cupy.asarray(valid))
+    expected = functional.masked_mean(x, valid)
+    assert got.dtype == x.dtype and got.shape == (B, F)
+    assert not bool(got[0].any())
+    assert rel_error(got, expected) <= dtypes.TOLERANCE[dtype] / 10

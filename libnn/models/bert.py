@@ -37,7 +37,7 @@ from libnn import dtypes
 from libnn.nn import checks, weights
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import (TokenPacking, key_padding_and_tokens, on_device_of, op_path,
-                                 packed_self_attention, zero_padding)
+                                 masked_mean, packed_self_attention, zero_padding)
 from libnn.nn.graphs import SequenceInputs, token_bucket
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
@@ -576,21 +576,12 @@ def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
 
 
 def _mean_pool(x: Any, valid: Any) -> Any:
-    """The mean of each sequence's unmasked tokens, accumulated in float32 (float64 on the host)."""
+    """The mean of each sequence's unmasked tokens (of every position without a mask), accumulated in
+    float32 (float64 on the host); a row with no token gives zeros, not NaN."""
+    if valid is not None:
+        return masked_mean(x, valid)
     xp = array_module(x)
-    if is_cupy(x) and valid is not None and x.dtype.kind == "f":
-        # fp16/fp32: x · 0/1 is exact in x's own dtype, and the sum accumulates in fp32 as it reads, so
-        # x is read twice at its width instead of widened first (three fp32 passes); bf16, which CuPy's
-        # arithmetic may not take, widens as before
-        kept = valid.astype(x.dtype)
-        counts = xp.maximum(kept.sum(axis=1, keepdims=True, dtype=xp.float32), 1)
-        return ((x * kept[:, :, None]).sum(axis=1, dtype=xp.float32) / counts).astype(x.dtype)
-    acc = x.astype(xp.float32 if is_cupy(x) else np.float64)
-    if valid is None:
-        return acc.mean(axis=1).astype(x.dtype)
-    kept = valid.astype(acc.dtype)
-    counts = xp.maximum(kept.sum(axis=1, keepdims=True), 1)  # a row with no token: zeros, not NaN
-    return ((acc * kept[:, :, None]).sum(axis=1) / counts).astype(x.dtype)
+    return x.astype(xp.float32 if is_cupy(x) else np.float64).mean(axis=1).astype(x.dtype)
 
 
 def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]:

@@ -109,6 +109,24 @@ class TokenPacking:
         return gather_rows(x, self.packed_row).reshape(*self.shape, -1)
 
 
+def masked_mean(x: Any, valid: Any) -> Any:
+    """The mean over dim 1 of x (B, S, F) at the positions `valid` (B, S) marks, in x's dtype,
+    accumulated in fp32 (fp64 for fp64): zeros for a row with none. One kernel on the GPU (a thread per
+    output value, reading down its column), float64 on the host."""
+    xp = array_module(x)
+    if not is_cupy(x):
+        kept = valid.astype(np.float64)
+        return ((x.astype(np.float64) * kept[:, :, None]).sum(axis=1)
+                / np.maximum(kept.sum(axis=1, keepdims=True), 1)).astype(x.dtype)
+    x, valid = contiguous(x), contiguous(valid.astype(bool, copy=False))
+    B, S, F = x.shape
+    bits = x.dtype.itemsize == 2 and x.dtype != np.float16  # bf16, read and written as its bits
+    out = xp.empty((B, F), x.dtype)
+    _masked_mean_kernel(bits, x.dtype == np.float64)(x.view(xp.uint16) if bits else x, valid, S, F,
+                                                     out.view(xp.uint16) if bits else out)
+    return out
+
+
 def zero_padding(x: Any, valid: Any) -> Any:
     """x (B, S, F) with zeros where `valid` (B, S) is False: what TokenPacking.unpack gives there."""
     xp = array_module(valid)
@@ -166,6 +184,24 @@ def _gather_rows_kernel():
     return cupy.ElementwiseKernel("raw T x, raw int32 rows, int64 width", "T out",
                                   "const int r = rows[i / width]; out = r < 0 ? T(0) : x[r * width + i % width];",
                                   "libnn_gather_rows")
+
+
+@functools.cache
+def _masked_mean_kernel(bits: bool, wide: bool):
+    """out[b, f] = mean of x[b, s, f] over the s with valid[b, s], in fp32 (`wide`: fp64); `bits`: T is
+    bf16's uint16 bits (CuPy's arithmetic takes no bf16), widened exactly and rounded to nearest even."""
+    import cupy
+
+    acc = "double" if wide else "float"
+    load = "__uint_as_float((unsigned int)x[k] << 16)" if bits else f"({acc})x[k]"
+    store = ("unsigned int u = __float_as_uint(m); out = (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);" if bits
+             else "out = (T)m;")
+    return cupy.ElementwiseKernel(
+        "raw T x, raw bool valid, int32 S, int32 F", "T out",
+        f"const long long b = i / F, f = i % F; {acc} sum = 0; int n = 0; "
+        "for (int s = 0; s < S; ++s) { if (valid[b * S + s]) { const long long k = (b * S + s) * F + f; "
+        f"sum += {load}; ++n; }} }} const {acc} m = sum / (n > 0 ? n : 1); {store}",
+        f"libnn_masked_mean{'_bits' if bits else ''}{'_wide' if wide else ''}")
 
 
 @functools.cache
