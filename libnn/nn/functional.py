@@ -198,9 +198,12 @@ def _masked_mean_kernel(bits: bool, wide: bool):
              else "out = (T)m;")
     return cupy.ElementwiseKernel(
         "raw T x, raw bool valid, int32 S, int32 F", "T out",
+        # branch-free and unrolled, so that a thread has several loads in flight: at batch 1 there are
+        # only F threads, each reading its column down S positions
         f"const long long b = i / F, f = i % F; {acc} sum = 0; int n = 0; "
-        "for (int s = 0; s < S; ++s) { if (valid[b * S + s]) { const long long k = (b * S + s) * F + f; "
-        f"sum += {load}; ++n; }} }} const {acc} m = sum / (n > 0 ? n : 1); {store}",
+        "_Pragma(\"unroll 8\") for (int s = 0; s < S; ++s) { const bool t = valid[b * S + s]; "
+        f"const long long k = (b * S + s) * F + f; const {acc} v = {load}; sum += t ? v : ({acc})0; n += t; }} "
+        f"const {acc} m = sum / (n > 0 ? n : 1); {store}",
         f"libnn_masked_mean{'_bits' if bits else ''}{'_wide' if wide else ''}")
 
 
