@@ -37,7 +37,7 @@ from libnn import dtypes
 from libnn.nn import checks, weights
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import (TokenPacking, key_padding_and_tokens, on_device_of, op_path,
-                                 masked_mean, packed_self_attention, zero_padding)
+                                 masked_mean, packed_self_attention)
 from libnn.nn.graphs import SequenceInputs, token_bucket
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
@@ -333,12 +333,14 @@ class BertEncoder(Module):
     `unpad=True` (the default) computes only the tokens: with an attention_mask, the embeddings' rows
     of the tokens are packed together, every GEMM, LayerNorm and activation runs on those rows alone,
     and only the attention sees the padded (B, S) layout (q, k, v gathered out to it, its output
-    gathered back). A batch padded to twice its tokens then costs about half. last_hidden_state is
-    zeros at the padding (as PyTorch's nested-tensor encoders give; Hugging Face computes values
-    there that no token reads; zeros also when a nearly full batch runs padded, so the result never
-    depends on that choice). pooled is unchanged, and so is pooler_output, which reads each row's
-    first position, wherever that is a token (left padding puts padding there). `unpad=False` runs
-    every position, as Hugging Face does."""
+    gathered back). A batch padded to twice its tokens then costs about half. Only batches large
+    enough to win it back are packed (PACK_FROM_FLOPS) and only when packing saves at least an eighth
+    of the rows (PACKED_AT_MOST); the others run every position. last_hidden_state at the padding is
+    then no defined value: zeros where the batch was packed (as PyTorch's nested-tensor encoders
+    give), what Hugging Face computes there where it ran padded (values no token reads; zeroing them
+    would cost small batches a pass). Every token's value, pooled, and pooler_output, which reads each
+    row's first position, wherever that is a token (left padding puts padding there), are the same
+    either way. `unpad=False` runs every position, as Hugging Face does."""
 
     def __init__(self, config: BertConfig, *, pooler: bool = True, dtype: Any = "fp32", device: str = "cpu",
                  path: str | dict[str, str] = "auto", unpad: bool = True):
@@ -444,12 +446,7 @@ class BertEncoder(Module):
         h = x if packing is None else packing.pack(x)
         for layer in self.encoder.layer:
             h = layer(h, lens, bias, packing)
-        if packing is not None:
-            x = packing.unpack(h)
-        elif self.unpad and valid is not None:  # zeros at the padding however the batch ran
-            x = zero_padding(h, valid)
-        else:
-            x = h
+        x = h if packing is None else packing.unpack(h)
         return BertOutput(x, _mean_pool(x, valid), None if self.pooler is None else self.pooler(x))
 
     def _packing(self, valid: Any, tokens: int | None, max_tokens: Any) -> TokenPacking | None:

@@ -127,14 +127,6 @@ def masked_mean(x: Any, valid: Any) -> Any:
     return out
 
 
-def zero_padding(x: Any, valid: Any) -> Any:
-    """x (B, S, F) with zeros where `valid` (B, S) is False: what TokenPacking.unpack gives there."""
-    xp = array_module(valid)
-    flat = valid.reshape(-1)
-    rows = xp.where(flat, xp.arange(flat.shape[0], dtype=xp.int32), -1).astype(xp.int32)
-    return gather_rows(x.reshape(flat.shape[0], -1), rows).reshape(x.shape)
-
-
 def gather_rows(x: Any, rows: Any) -> Any:
     """out[i] = x[rows[i]] for the rows of a 2-D `x`, zeros where rows[i] is -1."""
     xp = array_module(x)
