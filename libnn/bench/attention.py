@@ -20,7 +20,8 @@ from libnn import dtypes
 from libnn.backends.cudnn import graph_for
 from libnn.bench import harness
 from libnn.errors import LibnnError
-from libnn.ops.attention import UID_K, UID_O, UID_Q, UID_V, attention, attention_graph_builder, attention_problem
+from libnn.ops.attention import (UID_K, UID_O, UID_Q, UID_V, attention, attention_flops, attention_graph_builder,
+                                attention_problem)
 from libnn.runtime.handles import cudnn_handle, workspace
 
 
@@ -40,8 +41,7 @@ class Case:
 
     @property
     def flops(self) -> int:
-        full = 4 * self.B * self.H * self.Sq * self.Skv * self.D
-        return full // 2 if self.causal else full
+        return attention_flops(self.B, self.H, self.Sq, self.Skv, self.D, self.causal)
 
     @property
     def kv_bytes(self) -> int:

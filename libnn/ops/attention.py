@@ -95,9 +95,7 @@ class AttentionProblem:
 
     @property
     def flops(self) -> int:
-        """4·B·Hq·Sq·Skv·D, halved under a causal mask (the two GEMMs, as FlashAttention counts them)."""
-        full = 4 * self.B * self.Hq * self.Sq * self.Skv * self.D
-        return full // 2 if self.causal else full
+        return attention_flops(self.B, self.Hq, self.Sq, self.Skv, self.D, self.causal)
 
     @property
     def output_bytes(self) -> int:
@@ -108,6 +106,12 @@ class AttentionProblem:
         """o is contiguous in `layout`; its element strides in (B, H, S, D) order."""
         H, S, D = self.Hq, self.Sq, self.D
         return (H * S * D, S * D, D, 1) if self.layout == "BHSD" else (S * H * D, D, H * D, 1)  # BSHD, THD
+
+
+def attention_flops(B: int, Hq: int, Sq: int, Skv: int, D: int, causal: Any) -> int:
+    """4·B·Hq·Sq·Skv·D, halved under a causal mask (the two GEMMs, as FlashAttention counts them)."""
+    full = 4 * B * Hq * Sq * Skv * D
+    return full // 2 if causal else full
 
 
 def _bhsd(a, layout: str):

@@ -48,7 +48,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.ops import row_kernels
-from libnn.ops.layer_norm import layer_norm
+from libnn.ops.layer_norm import check_affine, check_eps, layer_norm
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
@@ -202,16 +202,8 @@ def embedding_problem(ids, weight, position_weight, position_offset, type_ids, t
         if not normalize:
             raise ValueError(f"embedding: {name} is given but normalize is False; pass normalize=True to "
                              "apply the LayerNorm")
-        if tuple(vector.shape) != (H,):
-            raise ValueError(f"embedding: {name} must have shape ({H},) to match weight's hidden size "
-                             f"(weight is {tuple(weight.shape)}), got {tuple(vector.shape)}")
-        if vector.dtype != weight.dtype:
-            raise TypeError(f"embedding: {name} has dtype {dtypes.short_name(vector.dtype)} but weight has "
-                            f"{dtype}; cast them to one dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"embedding: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
-    if not eps > 0 or not math.isfinite(eps):
-        raise ValueError(f"embedding: eps must be a finite number > 0, got {eps!r}")
+        check_affine("embedding", name, vector, weight, "weight", "hidden size")
+    check_eps("embedding", eps)
     if id_errors is not None and not isinstance(id_errors, IdErrors):
         raise TypeError(f"embedding: id_errors must be None or a libnn.ops.embedding.IdErrors, got "
                         f"{type(id_errors).__name__} {id_errors!r}")
