@@ -337,10 +337,7 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
     kids, ktype_ids = kernel_inputs[0], kernel_inputs[3]
     aligned = _aligned(problem, kernel_inputs)
     version = version or custom_version(problem, aligned)
-    if version not in custom_versions(problem, aligned):
-        raise ValueError(f"embedding: kernels/embedding.cu version {version!r} cannot run {problem.describe()} "
-                         f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
-                         f"{custom_versions(problem, aligned)}")
+    row_kernels.require_version("embedding", version, problem, aligned, custom_versions(problem, aligned))
     name, grid, block = _launch(version, problem, aligned)
     flags = (IDS_I64 if kids.dtype == np.int64 else 0) | \
         (TYPES_I64 if ktype_ids is not None and ktype_ids.dtype == np.int64 else 0) | \

@@ -276,10 +276,7 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
 
     aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
-    if version not in custom_versions(problem, aligned):
-        raise ValueError(f"layer_norm: kernels/layer_norm.cu version {version!r} cannot run {problem.describe()} "
-                         f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run "
-                         f"{custom_versions(problem, aligned)}")
+    row_kernels.require_version("layer_norm", version, problem, aligned, custom_versions(problem, aligned))
     name, grid, block = _launch(version, problem, aligned)
     # a null residual or sum: plain layer norm, no sum
     A = launch.ARRAY

@@ -11,6 +11,7 @@ one its custom path runs, and with what grid and block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -88,3 +89,10 @@ class RowKernels:
             threads = 32 * ceil_div(ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
             return f"{self.block}_vec{vpt}", min(problem.M, MAX_BLOCKS), threads
         return self.loop, min(problem.M, MAX_BLOCKS), BLOCK_MAX_THREADS
+
+
+def require_version(op: str, version: str, problem: Any, aligned: bool, versions: tuple[str, ...]) -> None:
+    """Refuse a version of kernels/<op>.cu that cannot run `problem` (`versions`: those that can)."""
+    if version not in versions:
+        raise ValueError(f"{op}: kernels/{op}.cu version {version!r} cannot run {problem.describe()} "
+                         f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run {versions}")
