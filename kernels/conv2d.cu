@@ -23,9 +23,10 @@ v/(1+expf(-v)) (the division is div.full.f32, <= 2 ulp: IEEE '/' would be a call
 makes the callers spill); any other value: none. fp16/bf16 are passed as raw 16-bit storage (unsigned
 short).
 
-It includes no CUDA toolkit header (only libnn's kernels/common.cuh and kernels/mma_pipeline.cuh) so that
-NVRTC from any pip wheel compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are
-inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with
+It includes no CUDA toolkit header (only libnn's kernels/common.cuh, kernels/ffma_tile.cuh and
+kernels/mma_pipeline.cuh) so that NVRTC from any pip wheel compiles it without a CUDA toolkit;
+conversions, cp.async, ldmatrix and mma are inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32,
+cp.async, bf16 mma). Compiled by libnn with
 -Xptxas=-v -I kernels/ -arch=sm_80 or sm_90.
 
 Versions:
@@ -85,6 +86,8 @@ Versions:
    multiples of 4, x and w 16-byte aligned (checked in-kernel), guarded scalar loads otherwise (any
    strides). groups must be 1 (returns without writing otherwise); grouped fp32 convs go to conv1 (or
    conv2 when depthwise).
+   The main loop (thread layout, double buffer, FFMAs) is kernels/ffma_tile.cuh's, shared with gemm.cu's
+   gemm2; this file has conv4's im2col loader (gload, sstore) and epilogue.
 
 LAUNCH (all kernels take the same parameters, in this order, no extra ones). libnn/ops/conv2d.py packs them by
 the names of CONV_PARAMS below and computes this table from CONV1/CONV2/C4_THREADS, CONV2_CHUNK, CONV3_*
@@ -120,6 +123,7 @@ and C4_BM/BN (libnn/runtime/contracts.py reads them; tests/test_kernel_contracts
 */
 
 #include "common.cuh"
+#include "ffma_tile.cuh"
 #include "mma_pipeline.cuh"
 
 namespace ck {
@@ -573,19 +577,15 @@ __device__ __forceinline__ void conv3_entry(const u16* __restrict__ x, const u16
 #define C4_BK 8
 #define C4_LD (128 + 4)   // pad: the transposing stores of a warp (16 rows x 2 k-quads) hit 32 banks
 
-struct alignas(16) c4_smem {
-    float A[2][C4_BK][C4_LD];
-    float B[2][C4_BK][C4_LD];
-};
+typedef FfmaSmem<C4_BK, C4_LD> c4_smem;
 
 template <bool AL>
 __device__ __forceinline__ void conv4_body(const float* __restrict__ x, const float* __restrict__ w,
                                            const float* __restrict__ scale, const float* __restrict__ shift,
                                            float* __restrict__ y, const Shape& s, c4_smem& sm) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // a warp covers 4 (rows) x 8 (cols) threads: per k it reads 8 distinct A float4s and 16 B float4s
-    const int ty = (warp >> 1) * 4 + (lane >> 3);   // 0..15
-    const int tx = (warp & 1) * 8 + (lane & 7);     // 0..15
+    int ty, tx;
+    ffma_thread(warp, lane, ty, tx);
     const int M = s.N * s.P * s.Q, PQ = s.P * s.Q, K = s.K;
     const int KG = s.R * s.S * s.C;
     const int m0 = blockIdx.x * C4_BM, n0 = blockIdx.y * C4_BN;
@@ -660,45 +660,17 @@ __device__ __forceinline__ void conv4_body(const float* __restrict__ x, const fl
     };
 
     float acc[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
-
-    const int KT = (KG + C4_BK - 1) / C4_BK;
-    gload(0);
-    sstore(0);
-    __syncthreads();
-    for (int kt = 0; kt < KT; kt++) {
-        const int buf = kt & 1;
-        if (kt + 1 < KT) gload((kt + 1) * C4_BK);   // in flight while we compute
-#pragma unroll
-        for (int k = 0; k < C4_BK; k++) {
-            const f32x4 a0 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][ty * 4]);
-            const f32x4 a1 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][64 + ty * 4]);
-            const f32x4 b0 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][tx * 4]);
-            const f32x4 b1 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][64 + tx * 4]);
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) acc[i][j] += a[i] * b[j];
-        }
-        // the other buffer was last read in iteration kt-1, which ended with a barrier
-        if (kt + 1 < KT) sstore(buf ^ 1);
-        __syncthreads();
-    }
+    ffma_mainloop(acc, sm, KG, ty, tx, gload, sstore);
 
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int m = m0 + (i >> 2) * 64 + ty * 4 + (i & 3);
+        const int m = m0 + ffma_row(i, ty);
         if (m >= M) continue;
         const int n = m / PQ, pq = m - n * PQ, p = pq / s.Q, q = pq - p * s.Q;
         float* yp = y + ((i64)n * s.syn + (i64)p * s.syh + (i64)q * s.syw);
 #pragma unroll
         for (int j = 0; j < 8; j += 4) {
-            const int k = n0 + (j >> 2) * 64 + tx * 4;
+            const int k = n0 + ffma_col(j, tx);
             if (k >= K) continue;
             float sc[4], sh[4];
             load_ss<4>(scale, shift, k, K - k, sc, sh);

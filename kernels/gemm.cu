@@ -19,9 +19,10 @@ compile is the identity.
 M, N, K may be any positive ints: all edges are bounds-checked or zero-filled, nothing outside the tensors
 is read or written. fp16/bf16 are passed as raw 16-bit storage (unsigned short).
 
-It includes no CUDA toolkit header (only libnn's kernels/common.cuh and kernels/mma_pipeline.cuh) so that
-NVRTC from any pip wheel compiles it without a CUDA toolkit; conversions, cp.async, ldmatrix and mma are
-inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32, cp.async, bf16 mma). Compiled by libnn with
+It includes no CUDA toolkit header (only libnn's kernels/common.cuh, kernels/ffma_tile.cuh and
+kernels/mma_pipeline.cuh) so that NVRTC from any pip wheel compiles it without a CUDA toolkit;
+conversions, cp.async, ldmatrix and mma are inline PTX. It needs sm_80 or newer (cvt.rn.bf16.f32,
+cp.async, bf16 mma). Compiled by libnn with
 -Xptxas=-v -I kernels/ -arch=sm_XX.
 
 Versions (their speeds on the H100 against cuBLAS: benchmarks/RESULTS.md, linear):
@@ -39,6 +40,8 @@ Versions (their speeds on the H100 against cuBLAS: benchmarks/RESULTS.md, linear
    barrier per k-tile; 2 blocks/SM on sm_90, 1 on sm_80 (GEMM2_MINB). Global loads are float4 when K%4==0 and
    x,w are 16-byte aligned, otherwise guarded scalar loads (slower) -- the kernel checks this itself
    (uniform branch), the launcher does nothing.
+   The main loop (thread layout, double buffer, FFMAs) is kernels/ffma_tile.cuh's, shared with conv2d.cu's
+   conv4; this file has gemm2's loader (gload, sstore) and epilogue.
 
 3) gemm3_mma_{f16,bf16}
    Tensor cores through mma.sync.m16n8k16 (fp32 accumulate), fed by ldmatrix.x4 from shared memory.
@@ -91,6 +94,7 @@ GEMM_PARAMS below and computes this table from the constants GEMM1_BX/BY, G2_THR
 */
 
 #include "common.cuh"
+#include "ffma_tile.cuh"
 #include "mma_pipeline.cuh"
 
 namespace gk {
@@ -176,10 +180,7 @@ __device__ __forceinline__ void gemm1_body(const typename DT::T* __restrict__ x,
 #define G2_BK GEMM2_BK
 #define G2_LD (128 + 4)   // pad: a warp's transposing stores (rows x k-quads) spread over the banks
 
-struct alignas(16) g2_smem {
-    float A[2][G2_BK][G2_LD];
-    float B[2][G2_BK][G2_LD];
-};
+typedef FfmaSmem<G2_BK, G2_LD> g2_smem;
 
 template <bool AL>
 __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const float* __restrict__ w,
@@ -187,9 +188,8 @@ __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const fl
                                            float* __restrict__ y, int M, int N, int K, int act, g2_smem& sm) {
     static_assert(G2_BK == 8 || G2_BK == 16, "GEMM2_BK must be 8 or 16");
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // a warp covers 4 (rows) x 8 (cols) threads: per k it reads 8 distinct A float4s and 16 B float4s
-    const int ty = (warp >> 1) * 4 + (lane >> 3);   // 0..15
-    const int tx = (warp & 1) * 8 + (lane & 7);     // 0..15
+    int ty, tx;
+    ffma_thread(warp, lane, ty, tx);
     const int m0 = blockIdx.y * G2_BM, n0 = blockIdx.x * G2_BN;
 
     // loader: LPR threads share a tile row, each takes 4 consecutive k; NP passes cover the 128 rows
@@ -237,42 +237,14 @@ __device__ __forceinline__ void gemm2_body(const float* __restrict__ x, const fl
     };
 
     float acc[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
-
-    const int KT = (K + G2_BK - 1) / G2_BK;
-    gload(0);
-    sstore(0);
-    __syncthreads();
-    for (int kt = 0; kt < KT; kt++) {
-        const int buf = kt & 1;
-        if (kt + 1 < KT) gload((kt + 1) * G2_BK);   // in flight while we compute
-#pragma unroll
-        for (int k = 0; k < G2_BK; k++) {
-            const f32x4 a0 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][ty * 4]);
-            const f32x4 a1 = *reinterpret_cast<const f32x4*>(&sm.A[buf][k][64 + ty * 4]);
-            const f32x4 b0 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][tx * 4]);
-            const f32x4 b1 = *reinterpret_cast<const f32x4*>(&sm.B[buf][k][64 + tx * 4]);
-            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-            const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) acc[i][j] += a[i] * b[j];
-        }
-        // the other buffer was last read in iteration kt-1, which ended with a barrier
-        if (kt + 1 < KT) sstore(buf ^ 1);
-        __syncthreads();
-    }
+    ffma_mainloop(acc, sm, K, ty, tx, gload, sstore);
 
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int m = m0 + (i >> 2) * 64 + ty * 4 + (i & 3);
+        const int m = m0 + ffma_row(i, ty);
 #pragma unroll
         for (int j = 0; j < 8; j += 2) {
-            const int n = n0 + (j >> 2) * 64 + tx * 4 + (j & 3);
+            const int n = n0 + ffma_col(j, tx);
             epilogue<dt_f32, ACTS_FUSED>(y, bias, res, M, N, m, n, acc[i][j], acc[i][j + 1], true, act);
         }
     }
