@@ -288,7 +288,7 @@ class BertLayer(Module):
 
     def forward(self, x: Any, seq_lens_kv: Any, bias: Any, packing: TokenPacking | None = None) -> Any:
         """x (B, S, H), or with `packing` the packed tokens (capacity, H): every layer but the attention
-        works row by row, so only the attention sees the padded layout."""
+        works row by row, and the attention takes the packing (packed_self_attention)."""
         x = self.attention(x, seq_lens_kv, bias, packing)
         return self.output(self.intermediate(x), x)
 
@@ -332,8 +332,9 @@ class BertEncoder(Module):
 
     `unpad=True` (the default) computes only the tokens: with an attention_mask, the embeddings' rows
     of the tokens are packed together, every GEMM, LayerNorm and activation runs on those rows alone,
-    and only the attention sees the padded (B, S) layout (q, k, v gathered out to it, its output
-    gathered back). A batch padded to twice its tokens then costs about half. Only batches large
+    and the attention runs on the packed sequences (attention layout "THD", on cuDNN, for fp16/bf16;
+    otherwise q, k and v are gathered out to the padded (B, S) layout for it and its output gathered
+    back). A batch padded to twice its tokens then costs about half. Only batches large
     enough to win it back are packed (PACK_FROM_FLOPS) and only when packing saves at least an eighth
     of the rows (PACKED_AT_MOST); the others run every position. last_hidden_state at the padding is
     then no defined value: zeros where the batch was packed (as PyTorch's nested-tensor encoders
