@@ -43,8 +43,8 @@ names are sliced back along dim 1. A sequence longer than the largest seq bucket
 **Packed tokens.** A model that computes only its tokens, packed without the padding (BertEncoder,
 `unpad=True`: its SequenceInputs names `tokens`), needs the number of rows to pack them into when it
 is captured. Every call of at least its `pack_from` positions therefore counts the mask's tokens on
-the host (one read-back of the mask,
-which waits for the work queued before it) and captures one graph per `token_bucket` of the count
+the host (one read-back of the mask, which waits for the work queued before it) and captures one
+graph per `token_bucket` of the count
 (steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. Caller-filled
 buffers (`g(*bufs)`, `g.replay()`) keep the capture they belong to, counted the same way: one whose
 mask now holds more tokens than it packs is recorded again for the larger count (same buffers, new
@@ -438,11 +438,11 @@ class GraphedModule:
         """Record `entry` again to pack `tokens` tokens: its buffers (filled by the caller with a mask
         of more tokens than it was captured for) stay, the graph and the outputs are new."""
         args, kwargs = entry.call
-        limit = entry.buffers[entry.mask_index].size
-        kwargs = {**kwargs, self.module.graph_sequence_inputs.tokens: token_bucket(tokens, limit)}
+        capacity = token_bucket(tokens, entry.buffers[entry.mask_index].size)
+        kwargs = {**kwargs, self.module.graph_sequence_inputs.tokens: capacity}
         start = time.perf_counter()
         warmed, captured = self._record(entry, args, kwargs, self._memory_pool())
-        entry.call, entry.tokens = (args, kwargs), token_bucket(tokens, limit)
+        entry.call, entry.tokens = (args, kwargs), capacity
         for where, region in entry.regions.items():
             region.output = self._output(entry, *where)
         entry.stats.captures += 1
