@@ -44,11 +44,10 @@ names are sliced back along dim 1. A sequence longer than the largest seq bucket
 `unpad=True`: its SequenceInputs names `tokens`), needs the number of rows to pack them into when it
 is captured. Every call of at least its `pack_from` positions therefore counts the mask's tokens on
 the host (one read-back of the mask, which waits for the work queued before it) and captures one
-graph per `token_bucket` of the count
-(steps of 1/16 to 1/8 of it): batches with similar token counts share a capture. Caller-filled
-buffers (`g(*bufs)`, `g.replay()`) keep the capture they belong to, counted the same way: one whose
-mask now holds more tokens than it packs is recorded again for the larger count (same buffers, new
-outputs; `stats()` counts it as a capture).
+graph per `token_bucket` of the count (steps of 1/16 to 1/8 of it): batches with similar token
+counts share a capture. Caller-filled buffers (`g(*bufs)`, `g.replay()`) keep the capture they belong
+to, counted the same way: one whose mask now holds more tokens than it packs is recorded again for
+the larger count (same buffers, new outputs; `stats()` counts it as a capture).
 
 `g.stats()` gives, per signature (per bucket with buckets: `(8,)`, or `(8, 128)` with seq_buckets), the
 number of captures, the last one's warm-up and capture time, the replays, and the pad waste: the share
