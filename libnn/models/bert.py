@@ -463,8 +463,13 @@ class BertEncoder(Module):
         positions = 0 if valid is None else valid.shape[0] * valid.shape[1]
         if not self.unpad or valid is None or (max_tokens is None and positions < self._pack_from()):
             return None
-        capacity = max_tokens if max_tokens is not None else None if tokens is None else token_bucket(tokens, positions)
-        if capacity is None or capacity > PACKED_AT_MOST * positions:
+        if max_tokens is not None:
+            capacity = max_tokens
+        elif tokens is not None:
+            capacity = token_bucket(tokens, positions)
+        else:  # captured without max_tokens: the count cannot be read back
+            return None
+        if capacity > PACKED_AT_MOST * positions:
             return None
         return TokenPacking(valid, capacity, ragged=self._ragged_attention())
 
@@ -513,8 +518,9 @@ class BertEncoder(Module):
                  "encoder.layer.*.attention.output.dense: bias and the residual in the GEMM epilogue; LayerNorm",
                  f"encoder.layer.*.intermediate.dense: bias in the GEMM epilogue; {act} ({c.hidden_act!r}) {act_where}",
                  "encoder.layer.*.output.dense: bias and the residual in the GEMM epilogue; LayerNorm",
-                 ("unpadded: the layers compute the tokens alone, packed; the attention reads them in the padded "
-                  "layout" if self.unpad else "padded: every position is computed")]
+                 ("unpadded (large, well-padded batches): the layers compute the tokens alone, packed; the "
+                  "attention runs on the packed sequences (THD) on cuDNN, else on them gathered to the padded layout"
+                  if self.unpad else "padded: every position is computed")]
         if self.pooler is not None:
             lines.append("pooler.dense: bias in the GEMM epilogue, tanh after")
         if self.load_report is not None:
