@@ -56,10 +56,10 @@ POSITION_EMBEDDING_TYPES = ("absolute",)
 # The config's sizes and the least each may be (no encoder layers leaves the embeddings, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1, "intermediate_size": 1,
          "max_position_embeddings": 1, "type_vocab_size": 1}
-# Unpadding packs the tokens when their rows are at most this share of the padded positions: the
-# gathers it adds (the hidden state in and out, and per layer q, k, v out to the padded layout and the
-# attention's output back) cost about a quarter of a layer's memory traffic, so near-full batches run
-# padded.
+# Unpadding packs the tokens when their rows are at most this share of the padded positions: it adds
+# gathers (the hidden state in and out; without THD attention also, per layer, q, k, v out to the
+# padded layout and the attention's output back, about a quarter of a layer's memory traffic), so
+# near-full batches run padded.
 PACKED_AT_MOST = 0.875
 # ... and when the padded batch's forward pass would take at least this many FLOPs: a graphed call
 # reads the token count back (a synchronisation, and the GPU idles while the host picks the capture),
