@@ -10,19 +10,23 @@ and one write of y; the per-channel vectors stay in L1/L2.
    LAUNCH: block 256, grid min(ceil(total / 256), 524280), any total; parameters
        (T* y, const float* scale, const float* shift, long long total, int K, long long inner, int act)
 
-2) bias_act_rows_{f32,f16,bf16}: y = act(y + bias[n]) over a row-major (rows, N) y, after a GEMM whose
-   epilogue has no such activation (linear's exact erf GELU on cuBLASLt, and on gemm.cu's fp32 kernel).
-   bias is in y's dtype, or null. Math in fp32 (erff for gelu_erf), rounded once. Where N is a multiple
-   of 16 bytes' worth of elements (8 halves, 4 floats) and y and bias are 16-byte aligned, each thread
-   moves 16 bytes per load and store and keeps its column in a register, advanced by the grid stride
-   mod N (no division in the loop); else a scalar grid-stride loop with a division per element. The
-   kernel picks the path itself. Linear used to run channel_epilogue here: one 2-byte element per
-   thread and step and a 64-bit division for its channel ran the BERT FFN's GELU far below copy
-   bandwidth on the H100 (benchmarks/RESULTS.md, linear).
+2) bias_act_rows_{none,relu,gelu,gelu_erf}_{f32,f16,bf16}: y = act(y + bias[n]) over a row-major (rows, N)
+   y, after a GEMM whose epilogue has no such activation (linear's exact erf GELU on cuBLASLt, and on
+   gemm.cu's fp32 kernel). bias is in y's dtype, or null. Math in fp32 (gelu_erf: v·normal_cdf(v), see
+   kernels/common.cuh), rounded once. Where N is a multiple of 16 bytes' worth of elements (8 halves, 4
+   floats) and y and bias are 16-byte aligned, each thread moves 16 bytes per load and store and keeps
+   its column in a register, advanced by the grid stride mod N (no division in the loop); else a scalar
+   grid-stride loop with a division per element. The kernel picks the path itself. The activation is
+   compiled in, one kernel per activation: with the code as a run-time argument (versions up to the
+   sixth session) the chain of tests on it ran per element, and the pass over the MiniLM FFN's
+   32768 x 1536 fp16 reached 79% of copy bandwidth on the H100 against 85% compiled in; 4096 x 3072,
+   56% against 68% (benchmarks/RESULTS.md, seventh session). Linear used to run channel_epilogue here:
+   one 2-byte element per thread and step and a 64-bit division for its channel ran the BERT FFN's GELU
+   far below copy bandwidth.
 
    LAUNCH: block 256, grid min(ceil(total / (256 * 16 / sizeof(T))), 32 * SMs) (grid-stride: enough
    blocks to fill every SM whatever the registers allow), any rows and N; parameters
-       (T* y, const T* bias, long long total, int N, int act)     total = rows * N
+       (T* y, const T* bias, long long total, int N)     total = rows * N
 */
 #include "common.cuh"
 
@@ -50,15 +54,16 @@ CHANNEL_EPILOGUE(f32, dt_f32)
 CHANNEL_EPILOGUE(f16, dt_f16)
 CHANNEL_EPILOGUE(bf16, dt_bf16)
 
-// 2) bias + activation over rows, 16 bytes per access
+// 2) bias + activation over rows, 16 bytes per access; the activation ACT compiled in
 __device__ __forceinline__ u32 f32_as_u32(float f) {
     u32 u; asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f)); return u;
 }
 
-template <class DT>
+template <class DT, int ACT>
 __device__ __forceinline__ void bias_act_rows(typename DT::T* __restrict__ y, const typename DT::T* __restrict__ bias,
-                                              i64 total, int N, int act) {
+                                              i64 total, int N) {
     typedef typename DT::T T;
+    const auto act = [](float v) { return apply_act<1u << ACT>(v, ACT); };
     constexpr int V = DT::V;   // elements per 16 bytes
     const i64 first = blockIdx.x * (i64)blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
     if (N % V == 0 && (((u64)y | (u64)bias) & 15) == 0) {
@@ -75,11 +80,11 @@ __device__ __forceinline__ void bias_act_rows(typename DT::T* __restrict__ y, co
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 if constexpr (V == 4) {   // fp32: one element per word
-                    w[j] = f32_as_u32(apply_act(u32_as_f32(w[j]) + u32_as_f32(bw[j]), act));
+                    w[j] = f32_as_u32(act(u32_as_f32(w[j]) + u32_as_f32(bw[j])));
                 } else {                  // fp16/bf16: two per word, low half first
                     const float lo = DT::ld((T)(w[j] & 0xffffu)) + DT::ld((T)(bw[j] & 0xffffu));
                     const float hi = DT::ld((T)(w[j] >> 16)) + DT::ld((T)(bw[j] >> 16));
-                    w[j] = pack_f32x2<DT::bf16 != 0>(apply_act(lo, act), apply_act(hi, act));
+                    w[j] = pack_f32x2<DT::bf16 != 0>(act(lo), act(hi));
                 }
             }
             u32x4 o;
@@ -93,15 +98,20 @@ __device__ __forceinline__ void bias_act_rows(typename DT::T* __restrict__ y, co
     for (i64 i = first; i < total; i += stride) {
         float v = DT::ld(y[i]);
         if (bias) v += DT::ld(bias[(int)(i % N)]);
-        y[i] = DT::st(apply_act(v, act));
+        y[i] = DT::st(act(v));
     }
 }
 
-#define BIAS_ACT_ROWS(SUFFIX, DT)                                                                      \
-    extern "C" __global__ void bias_act_rows_##SUFFIX(DT::T* __restrict__ y, const DT::T* __restrict__ bias, \
-                                                       i64 total, int N, int act) {                     \
-        bias_act_rows<DT>(y, bias, total, N, act);                                                     \
+#define BIAS_ACT_ROWS(ACT_NAME, ACT, SUFFIX, DT)                                                        \
+    extern "C" __global__ void bias_act_rows_##ACT_NAME##_##SUFFIX(DT::T* __restrict__ y,                 \
+                                                                   const DT::T* __restrict__ bias, i64 total, int N) { \
+        bias_act_rows<DT, ACT>(y, bias, total, N);                                                     \
     }
-BIAS_ACT_ROWS(f32, dt_f32)
-BIAS_ACT_ROWS(f16, dt_f16)
-BIAS_ACT_ROWS(bf16, dt_bf16)
+#define BIAS_ACT_ROWS_ALL(SUFFIX, DT)                                                                  \
+    BIAS_ACT_ROWS(none, ACT_NONE, SUFFIX, DT)                                                          \
+    BIAS_ACT_ROWS(relu, ACT_RELU, SUFFIX, DT)                                                          \
+    BIAS_ACT_ROWS(gelu, ACT_GELU, SUFFIX, DT)                                                          \
+    BIAS_ACT_ROWS(gelu_erf, ACT_GELU_ERF, SUFFIX, DT)
+BIAS_ACT_ROWS_ALL(f32, dt_f32)
+BIAS_ACT_ROWS_ALL(f16, dt_f16)
+BIAS_ACT_ROWS_ALL(bf16, dt_bf16)

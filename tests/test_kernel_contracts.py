@@ -106,8 +106,8 @@ def launched() -> list[tuple[str, contracts.Params, str]]:
             for act in linear.ACTIVATIONS:
                 if (kernel := linear._kernel(version, act)) is not None:
                     rows.append(("linear.bind_custom", linear._GEMM, f"{kernel}_{dtypes.KERNEL_SUFFIX[dtype]}"))
-        rows.append(("linear.bind_epilogue_pass", linear._BIAS_ACT_ROWS,
-                     f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}"))
+        for act in linear.ACTIVATIONS:
+            rows.append(("linear.bind_epilogue_pass", linear._BIAS_ACT_ROWS, linear.epilogue_pass_kernel(dtype, act)))
     for dtype in dtypes.KERNEL_SUFFIX:
         problems = (_conv_problem(dtype, 8, 8, 8), _conv_problem(dtype, 8, 16, 1), _conv_problem(dtype, 8, 16, 2))
         for version in sorted({v for p in problems for v in conv2d.custom_versions(p)}):
@@ -226,7 +226,7 @@ def pack_calls() -> list[tuple[str, str, contracts.Params, set[str] | None]]:
 
 def test_the_launch_sites_pack_by_declared_lists():
     sites = {(m, p.key) for m, _, p, _ in pack_calls()}
-    assert {("linear.py", "GEMM_PARAMS"), ("linear.py", "bias_act_rows_##SUFFIX"), ("conv2d.py", "CONV_PARAMS"),
+    assert {("linear.py", "GEMM_PARAMS"), ("linear.py", "bias_act_rows_##ACT_NAME##_##SUFFIX"), ("conv2d.py", "CONV_PARAMS"),
             ("conv2d.py", "channel_epilogue_##SUFFIX"), ("attention_kernels.py", "ATTN_PARAMS"),
             ("attention_kernels.py", "attn_softmax_##SUFFIX"), ("embedding.py", "EMB_PARAMS"),
             ("layer_norm.py", "LN_PARAMS"), ("pool2d.py", "POOL_PARAMS"), ("softmax.py", "SM_PARAMS"),

@@ -202,9 +202,13 @@ def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
     runtime = cupy.cuda.runtime
     sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, runtime.getDevice())
     blocks = max(1, min(-(-total // (256 * vector)), 32 * sms))
-    return launch.bind("epilogue.cu", f"bias_act_rows_{dtypes.KERNEL_SUFFIX[dtype]}", (blocks,), (256,),
-                       _BIAS_ACT_ROWS.pack(y=launch.ARRAY, bias=launch.ARRAY, total=total, N=N,
-                                           act=activations.KERNEL_CODES[activation]))
+    return launch.bind("epilogue.cu", epilogue_pass_kernel(dtype, activation), (blocks,), (256,),
+                       _BIAS_ACT_ROWS.pack(y=launch.ARRAY, bias=launch.ARRAY, total=total, N=N))
+
+
+def epilogue_pass_kernel(dtype: str, activation: str | None) -> str:
+    """The bias_act_rows kernel of `dtype` with `activation` compiled in."""
+    return f"bias_act_rows_{activation or 'none'}_{dtypes.KERNEL_SUFFIX[dtype]}"
 
 
 # --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
@@ -352,7 +356,7 @@ _VERSIONS = {"fp32": ("v1", "v2"), "fp16": ("v1", "v3"), "bf16": ("v1", "v3")}
 
 
 _GEMM = contracts.params("gemm.cu", "GEMM_PARAMS")  # every gemm kernel's parameters
-_BIAS_ACT_ROWS = contracts.params("epilogue.cu", "bias_act_rows_##SUFFIX")
+_BIAS_ACT_ROWS = contracts.params("epilogue.cu", "bias_act_rows_##ACT_NAME##_##SUFFIX")
 _G = contracts.constants("gemm.cu")
 
 
