@@ -48,9 +48,17 @@ run() {  # run NAME CMD...: append the output to $OUT/NAME.txt and remember a fa
 }
 run info python3 -m libnn info
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
-  # pytest-xdist (on the device image) runs the suite in ${JOBS:-6} processes; JOBS=0 runs it serially
-  xdist=(); [ "${JOBS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null && xdist=(-n "${JOBS:-6}")
-  run pytest python3 -m pytest -q -p no:cacheprovider --durations=15 "${xdist[@]}" "$@"
+  # pytest-xdist (on the device image) runs the suite in ${JOBS:-6} processes; JOBS=0 runs it serially.
+  # worksteal: an idle worker takes tests queued on a busy one, so the long tests do not end the run on
+  # one worker while the rest wait. Each worker's NumPy/PyTorch CPU threads are capped at its share of
+  # the cores: every float64 reference then no longer runs one thread per core in six processes at once.
+  xdist=(); threads=()
+  if [ "${JOBS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    xdist=(-n "${JOBS:-6}" --dist worksteal)
+    share=$(( $(nproc) / ${JOBS:-6} )); [ "$share" -ge 1 ] || share=1
+    threads=(env OMP_NUM_THREADS=$share OPENBLAS_NUM_THREADS=$share MKL_NUM_THREADS=$share)
+  fi
+  run pytest "${threads[@]}" python3 -m pytest -q -p no:cacheprovider --durations=15 "${xdist[@]}" "$@"
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then

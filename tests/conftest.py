@@ -23,6 +23,7 @@ from libnn.runtime.device import gpu_missing
 BASE_SEED = pytest.StashKey[int]()
 CACHE_DIR = pytest.StashKey[str]()
 CACHE_DIR_KEY = "libnn_cache_dir"  # of xdist's workerinput
+PRECOMPILES = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser):
@@ -40,6 +41,8 @@ def pytest_configure(config):
         os.environ["LIBNN_CACHE_DIR"] = config.workerinput[CACHE_DIR_KEY]
     else:
         os.environ["LIBNN_CACHE_DIR"] = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="libnn-test-cache-")
+        if config.getoption("numprocesses", None):
+            config.stash[PRECOMPILES] = precompile_kernels()
     value = os.environ.get("LIBNN_TEST_SEED", "0")
     if config.getoption("--random-seed") or value == "random":
         config.stash[BASE_SEED] = int(np.random.SeedSequence().entropy % 2**32)
@@ -56,8 +59,37 @@ def pytest_configure_node(node):
 
 
 def pytest_unconfigure(config):
+    for child in config.stash.get(PRECOMPILES, []):  # all done long before, unless the run was cut short
+        child.kill()
+        child.wait()
     if CACHE_DIR in config.stash:  # the controller, after every worker has finished
         shutil.rmtree(config.stash[CACHE_DIR], ignore_errors=True)
+
+
+def precompile_kernels() -> list[subprocess.Popen]:
+    """Under pytest-xdist: start compiling every kernels/*.cu for sm_80, sm_90 (test_kernels_compile's
+    targets) and this GPU's architecture into the run's cache, one background process per file and
+    architecture, before the workers start. NVRTC compiles on one core and takes tens of seconds for
+    some files (gemm.cu for sm_80: about a minute on the H100 host under load); without this the first
+    test to need a file compiled it while every other worker needing it waited on the cache entry's
+    lock, file after file, and the compile tests compiled in turn on a single worker. A worker that
+    reaches an entry before its compile has finished waits on the same lock and then reads it. Nothing
+    is started without NVRTC, and a compile that fails here fails again, with its message, in the test
+    that needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings.nvrtc") is None:
+        return []
+    from libnn.runtime import kernels
+
+    archs = {"sm_80", "sm_90"}
+    if not gpu_missing():
+        archs.add(kernels.target_arch(0))
+    script = "import sys; from libnn.runtime import kernels; kernels.compile_file(sys.argv[1], sys.argv[2]).resources()"
+    # the largest files first: they finish last
+    files = sorted(kernels.kernel_files(), key=lambda path: -path.stat().st_size)
+    return [subprocess.Popen([sys.executable, "-c", script, str(path), arch], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for path in files for arch in sorted(archs)]
 
 
 def pytest_report_header(config):

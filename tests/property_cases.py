@@ -415,12 +415,40 @@ def _build_embedding(p, rng) -> Case:
                 magnitude=None if p["normalize"] else magnitude)
 
 
+# --- rope ---------------------------------------------------------------------------------------------
+@st.composite
+def rope_specs(draw, dtypes_=GPU_DTYPES):
+    D = draw(st.sampled_from([2, 8, 32, 64, 80, 96, 128, 256]))
+    packed = draw(st.booleans())
+    p = dict(B=1 if packed else draw(TINY), S=draw(SMALL), H=draw(TINY), D=D, packed=packed,
+             rotary_dim=draw(st.one_of(st.none(), st.integers(1, D // 2).map(lambda half: 2 * half))),
+             style=draw(st.sampled_from(["half", "interleaved"])), dtype=draw(st.sampled_from(dtypes_)),
+             position_dtype=draw(st.sampled_from(["int32", "int64"])),
+             max_position=draw(st.sampled_from([16, 5000, 100000])), x_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("rope", p)
+
+
+def _build_rope(p, rng) -> Case:
+    from libnn.ops import rope, rope_frequencies
+
+    shape = (p["S"], p["H"], p["D"]) if p["packed"] else (p["B"], p["S"], p["H"], p["D"])
+    positions = rng.integers(0, p["max_position"], shape[:1] if p["packed"] else shape[:2]).astype(p["position_dtype"])
+    arrays = {"x": normal(rng, shape, p["dtype"]), "positions": positions,
+              "inv_freq": rope_frequencies(p["rotary_dim"] or p["D"])}
+
+    def call(a, path):
+        return rope(a["x"], a["positions"], a["inv_freq"], style=p["style"], rotary_dim=p["rotary_dim"], path=path)
+
+    return Case("rope", call, arrays, p["dtype"], tolerance(p["dtype"]), views={"x": p["x_view"]})
+
+
 STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
-              "fft_conv": fft_conv_specs, "embedding": embedding_specs}
+              "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs}
 _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
-             "fft_conv": _build_fft_conv, "embedding": _build_embedding}
+             "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope}
 
 
 def build(spec: Spec, base_seed: int) -> Case:

@@ -4,9 +4,9 @@ and fp32, strided, offset and padded-row inputs, masks and options, and the tole
 
 The GPU paths are read from the registry when the tests are collected, so a path registered later
 (softmax's, say) is covered with no change here. Each op and path runs LIBNN_HYPOTHESIS_EXAMPLES
-supported examples (default 200). Hypothesis is derandomized: every run draws the same shapes and
-options, and the values come from the run's base seed (LIBNN_TEST_SEED, or --random-seed) and each
-example's own seed, so a failure reproduces by running the test again; hypothesis prints the
+supported examples (default 200), split over SHARDS tests with seeds of their own. Hypothesis is
+derandomized: every run draws the same shapes and options, and the values come from the run's base
+seed (LIBNN_TEST_SEED, or --random-seed) and each example's own seed, so a failure reproduces by running the test again; hypothesis prints the
 failing Spec.
 
 A problem a path does not take (PathUnavailableError: dtype, head dim, alignment...) or a library
@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import HealthCheck, assume, event, given, note, seed, settings
 from hypothesis import strategies as st
 
 from conftest import BASE_SEED, rel_error
@@ -105,14 +105,33 @@ def check_close(case, path: str, got, expected) -> None:
     pytest.fail(f"{case.op} path {path!r}: " + "; ".join(found))
 
 
-@pytest.mark.usefixtures("path_available", "poisoned_gpu_memory")
-@pytest.mark.parametrize("op, path", CASES, ids=[f"{op}-{path}" for op, path in CASES])
-@SETTINGS
-@given(data=st.data())
-def test_gpu_path_matches_reference(op, path, base_seed, data):
+def check_one_example(op: str, path: str, base_seed: int, data) -> None:
     spec = data.draw(STRATEGIES[op](), label="spec")
     case = build(spec, base_seed)
     note(f"LIBNN_TEST_SEED={base_seed}")
     got = run_gpu(case, path)
     event(f"{case.dtype}")
     check_close(case, path, got, case.call(case.arrays, "reference"))
+
+
+def sharded(shard: int):
+    """The property test of shard `shard`: EXAMPLES / SHARDS examples per op and path, drawn from the
+    shard's own hypothesis seed (derandomized draws come from the test function, one sequence for every
+    shard otherwise)."""
+    @pytest.mark.usefixtures("path_available", "poisoned_gpu_memory")
+    @pytest.mark.parametrize("op, path", CASES, ids=[f"{op}-{path}" for op, path in CASES])
+    @seed(shard)
+    @settings(SETTINGS, max_examples=-(-EXAMPLES // SHARDS))
+    @given(data=st.data())
+    def test(op, path, base_seed, data):
+        check_one_example(op, path, base_seed, data)
+    return test
+
+
+# An op and path's examples are split over SHARDS tests, so that pytest-xdist runs them at once: as one
+# test, cuDNN's paths (a graph built per drawn shape) took up to a minute each and ended the GPU suite.
+SHARDS = 4
+test_gpu_path_matches_reference_shard0 = sharded(0)
+test_gpu_path_matches_reference_shard1 = sharded(1)
+test_gpu_path_matches_reference_shard2 = sharded(2)
+test_gpu_path_matches_reference_shard3 = sharded(3)

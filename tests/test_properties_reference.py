@@ -20,7 +20,7 @@ from conftest import BASE_SEED, rel_error
 from libnn.ops import activations, conv2d
 from libnn.registry import ops
 from property_cases import (STRATEGIES, attention_specs, build, conv2d_specs, embedding_specs, fft_conv_specs,
-                            layer_norm_specs, linear_specs, pool2d_specs, softmax_specs)
+                            layer_norm_specs, linear_specs, pool2d_specs, rope_specs, softmax_specs)
 
 DTYPES = ("fp16", "bf16", "fp32")
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -246,6 +246,25 @@ def test_embedding_reference_is_the_sum_of_the_rows(base_seed, spec):
         exact = exact * (1 if a["norm_weight"] is None else f64(a["norm_weight"])) \
             + (0 if a["norm_bias"] is None else f64(a["norm_bias"]))
     assert_rounded_from(case.call(a, "reference"), exact, case.dtype)
+
+
+@SETTINGS
+@given(spec=rope_specs(DTYPES))
+def test_rope_reference_rotates_each_pair_by_its_angle(base_seed, spec):
+    """Each pair (j0, j1) is (a, b) turned by angle = fp32(position) * inv_freq[i]: a cos - b sin,
+    b cos + a sin, written with complex numbers here; the elements past rotary_dim are x's."""
+    case = build(spec, base_seed)
+    a, p = case.arrays, spec.params
+    x, R = f64(a["x"]), p["rotary_dim"] or p["D"]
+    angle = (a["positions"].astype(np.float32)[..., None] * a["inv_freq"]).astype(np.float64)[..., None, :]
+    j0, j1 = (np.arange(R // 2), np.arange(R // 2) + R // 2) if p["style"] == "half" else \
+        (np.arange(0, R, 2), np.arange(1, R, 2))
+    turned = (x[..., j0] + 1j * x[..., j1]) * np.exp(1j * angle)
+    exact = x.copy()
+    exact[..., j0], exact[..., j1] = turned.real, turned.imag
+    got = case.call(a, "reference")
+    assert_rounded_from(got, exact, case.dtype)
+    np.testing.assert_array_equal(f64(got)[..., R:], x[..., R:])
 
 
 def test_every_registered_op_has_a_property_strategy():
