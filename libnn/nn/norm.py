@@ -1,6 +1,8 @@
 """Normalization layers, with parameters by PyTorch's names so that a PyTorch state_dict loads as it is:
 - LayerNorm: y = (x − mean) / sqrt(var + eps) · weight + bias over the last dimension, through
   libnn.ops.layer_norm (weight, bias).
+- RMSNorm: y = x / sqrt(mean(x²) + eps) · weight over the last dimension (LLaMA's, and Hugging Face's
+  LlamaRMSNorm's `weight`), through libnn.ops.rms_norm.
 - BatchNorm2d: batch norm in inference, the per-channel affine map of its running statistics (weight,
   bias, running_mean, running_var); Sequential folds it into the Conv2d before it (nn/conv.py)."""
 
@@ -12,6 +14,7 @@ from libnn.nn import checks
 from libnn.nn.module import Module, full
 from libnn.ops.conv2d import LAYOUTS, fold_batchnorm
 from libnn.ops.layer_norm import layer_norm
+from libnn.ops.rms_norm import rms_norm
 
 
 def _features(normalized_shape: Any) -> tuple[int]:
@@ -50,6 +53,32 @@ class LayerNorm(Module):
     def __repr__(self) -> str:
         return (f"LayerNorm({self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
                 f"bias={self.bias is not None}, path={self.path!r})")
+
+
+class RMSNorm(Module):
+    """RMS normalization over the last dimension, of size `dim` (torch.nn.RMSNorm over (dim,), Hugging
+    Face's LlamaRMSNorm). weight starts as ones; elementwise_affine=False has none."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = True, *, dtype: Any = "fp32",
+                 device: str = "cpu", path: str = "auto"):
+        super().__init__()
+        dim = checks.size("RMSNorm", "dim", dim)
+        eps = checks.positive_float("RMSNorm", "eps", eps)
+        elementwise_affine = checks.flag("RMSNorm", "elementwise_affine", elementwise_affine)
+        checks.path("RMSNorm", path, ("rms_norm",))
+        checks.parameters_fit("RMSNorm", "dim", dim, checks.float_dtype("RMSNorm", dtype),
+                              checks.device("RMSNorm", device))
+        self.dim, self.eps, self.path, self.elementwise_affine = dim, eps, path, elementwise_affine
+        self.register_parameter("weight", full((dim,), 1.0, dtype, device) if elementwise_affine else None)
+
+    def forward(self, x: Any, residual: Any = None, return_sum: bool = False) -> Any:
+        """RMSNorm(x + residual), the residual (x's shape) added as the rows are read; with return_sum,
+        (y, x + residual): what a pre-norm block carries on to the next one."""
+        return rms_norm(x, self.weight, residual=residual, eps=self.eps, return_sum=return_sum, path=self.path)
+
+    def __repr__(self) -> str:
+        return (f"RMSNorm({self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+                f"path={self.path!r})")
 
 
 class BatchNorm2d(Module):
