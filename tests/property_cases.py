@@ -271,9 +271,23 @@ def _build_layer_norm(p, rng) -> Case:
         return layer_norm(a["x"], a["weight"], a["bias"], eps=p["eps"], path=path, **extra)
 
     # cuDNN's fp32 sums keep ~2 ulps less than ours (1.004e-5 seen at 5x1023 on the H100, see
-    # test_layer_norm_gpu.py): it gets 2e-5
+    # test_layer_norm_gpu.py): it gets 2e-5, plus what its statistics lose on a row whose mean is far
+    # beyond its spread: its variance is off by up to about fp32's unit roundoff times mean², the
+    # one-pass E[h²] - E[h]² bound (our kernels take two passes about a pivot and keep it). On the
+    # H100 a 2-element row of mean 4.29 and std 0.0057 (eps 1e-5) came out of cuDNN 4.2e-5 off.
     return Case("layer_norm", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]},
-                path_tolerance={"cudnn": 2e-5} if dtype == "fp32" else {})
+                path_tolerance={"cudnn": 2e-5 + 2.0**-24 * _mean_over_spread(arrays, p["eps"])}
+                if dtype == "fp32" else {})
+
+
+def _mean_over_spread(arrays, eps: float) -> float:
+    """The largest mean² / (var + eps) of a row of h = x (+ residual): how much a variance taken as
+    E[h²] - E[h]² in finite precision can lose, relative to what normalizes the row."""
+    h = arrays["x"].astype(np.float64) + (0 if arrays["residual"] is None else arrays["residual"].astype(np.float64))
+    if h.size == 0:
+        return 0.0
+    rows = h.reshape(-1, h.shape[-1])
+    return float(np.max(rows.mean(axis=1) ** 2 / (rows.var(axis=1) + eps)))
 
 
 # --- softmax ------------------------------------------------------------------------------------------
@@ -443,12 +457,39 @@ def _build_rope(p, rng) -> Case:
     return Case("rope", call, arrays, p["dtype"], tolerance(p["dtype"]), views={"x": p["x_view"]})
 
 
+# --- rms_norm -----------------------------------------------------------------------------------------
+@st.composite
+def rms_norm_specs(draw, dtypes_=GPU_DTYPES):
+    N = draw(st.one_of(SMALL, st.sampled_from([63, 64, 127, 768, 1000, 1024, 1025, 2048, 4096, 5003])))
+    p = dict(lead=draw(st.lists(TINY, min_size=0, max_size=2)), N=N, dtype=draw(st.sampled_from(dtypes_)),
+             weight=draw(st.booleans()), eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+             shift=draw(st.sampled_from([0.0, 3.0])), x_view=draw(st.sampled_from(VIEWS)),
+             residual=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("rms_norm", p)
+
+
+def _build_rms_norm(p, rng) -> Case:
+    from libnn.ops import rms_norm
+
+    lead, N, dtype = tuple(p["lead"]), p["N"], p["dtype"]
+    arrays = {"x": (rng.standard_normal((*lead, N)) + p["shift"]).astype(dtypes.parse(dtype)),
+              "weight": normal(rng, (N,), dtype) if p["weight"] else None,
+              "residual": normal(rng, (*lead, N), dtype) if p["residual"] else None}
+
+    def call(a, path):
+        return rms_norm(a["x"], a["weight"], residual=a["residual"], eps=p["eps"], path=path)
+
+    return Case("rms_norm", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
+
+
 STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
-              "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs}
+              "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs,
+              "rms_norm": rms_norm_specs}
 _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
-             "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope}
+             "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope,
+             "rms_norm": _build_rms_norm}
 
 
 def build(spec: Spec, base_seed: int) -> Case:

@@ -39,6 +39,7 @@ attention_kernels = importlib.import_module("libnn.ops.attention_kernels")
 activations = importlib.import_module("libnn.ops.activations")
 embedding = importlib.import_module("libnn.ops.embedding")
 layer_norm = importlib.import_module("libnn.ops.layer_norm")
+rms_norm = importlib.import_module("libnn.ops.rms_norm")
 pool2d = importlib.import_module("libnn.ops.pool2d")
 softmax = importlib.import_module("libnn.ops.softmax")
 fft_conv = importlib.import_module("libnn.ops.fft_conv")
@@ -125,6 +126,7 @@ def launched() -> list[tuple[str, contracts.Params, str]]:
                      for s in _suffixes(("fp16", "bf16"))]
     rows += _row_kernels("embedding.launch_custom", embedding, embedding._EMB, "H")
     rows += _row_kernels("layer_norm.launch_custom", layer_norm, layer_norm._LN, "N")
+    rows += _row_kernels("rms_norm.launch_custom", rms_norm, rms_norm._RMS, "N")
     for dtype in pool2d.GPU_DTYPES:
         for name in ("maxpool_nhwc_vec", "maxpool", "avgpool"):
             rows.append(("pool2d.bind_pool", pool2d._POOL, f"{name}_{dtypes.KERNEL_SUFFIX[dtype]}"))
@@ -229,7 +231,8 @@ def test_the_launch_sites_pack_by_declared_lists():
     assert {("linear.py", "GEMM_PARAMS"), ("linear.py", "bias_act_rows_##ACT_NAME##_##SUFFIX"), ("conv2d.py", "CONV_PARAMS"),
             ("conv2d.py", "channel_epilogue_##SUFFIX"), ("attention_kernels.py", "ATTN_PARAMS"),
             ("attention_kernels.py", "attn_softmax_##SUFFIX"), ("embedding.py", "EMB_PARAMS"),
-            ("layer_norm.py", "LN_PARAMS"), ("pool2d.py", "POOL_PARAMS"), ("softmax.py", "SM_PARAMS"),
+            ("layer_norm.py", "LN_PARAMS"), ("rms_norm.py", "RMS_PARAMS"), ("pool2d.py", "POOL_PARAMS"),
+            ("softmax.py", "SM_PARAMS"),
             ("fft_conv.py", "fft_pad_##SUFFIX"), ("fft_conv.py", "fft_crop_##SUFFIX"), ("fft_conv.py", "fft_cmul"),
             ("fft_conv_kernels.py", "fft_radix2_c2c"), ("fft_conv_kernels.py", "fft_twiddle")} <= sites
 
@@ -360,7 +363,8 @@ def launch_blocks() -> list[tuple[str, str, int, bool]]:
                 name, threads, _, _ = attention_kernels.flash_launch(d, has_bias)
                 if dtype != "fp32":
                     rows.append(("attention.cu", f"{name}_{suffix}", threads, True))
-    for module, file, width in ((embedding, "embedding.cu", "H"), (layer_norm, "layer_norm.cu", "N")):
+    for module, file, width in ((embedding, "embedding.cu", "H"), (layer_norm, "layer_norm.cu", "N"),
+                                (rms_norm, "rms_norm.cu", "N")):
         for dtype in module.GPU_DTYPES:
             for size in (1, 7, 64, 100, 768, 1024, 3000, 4096, 8192, 20000):
                 problem = SimpleNamespace(dtype=dtype, M=5, **{width: size})

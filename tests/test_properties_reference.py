@@ -20,7 +20,8 @@ from conftest import BASE_SEED, rel_error
 from libnn.ops import activations, conv2d
 from libnn.registry import ops
 from property_cases import (STRATEGIES, attention_specs, build, conv2d_specs, embedding_specs, fft_conv_specs,
-                            layer_norm_specs, linear_specs, pool2d_specs, rope_specs, softmax_specs)
+                            layer_norm_specs, linear_specs, pool2d_specs, rms_norm_specs, rope_specs,
+                            softmax_specs)
 
 DTYPES = ("fp16", "bf16", "fp32")
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -265,6 +266,23 @@ def test_rope_reference_rotates_each_pair_by_its_angle(base_seed, spec):
     got = case.call(a, "reference")
     assert_rounded_from(got, exact, case.dtype)
     np.testing.assert_array_equal(f64(got)[..., R:], x[..., R:])
+
+
+@SETTINGS
+@given(spec=rms_norm_specs(DTYPES))
+def test_rms_norm_reference_divides_each_row_by_its_root_mean_square(base_seed, spec):
+    """y = h / sqrt(mean(h²) + eps) · weight for h = x + residual, and (eps small against the rows'
+    mean square, no weight) each row of y has mean square 1."""
+    case = build(spec, base_seed)
+    a, eps = case.arrays, spec.params["eps"]
+    h = f64(a["x"]) + residual_of(a)
+    weight = 1.0 if a["weight"] is None else f64(a["weight"])
+    exact = h / np.sqrt((h ** 2).mean(axis=-1, keepdims=True) + eps) * weight
+    assert_rounded_from(case.call(a, "reference"), exact, case.dtype)
+    y = f64(case.call(dict(a, weight=None), "reference"))
+    rows = (h ** 2).mean(axis=-1) > 1e4 * eps
+    if case.dtype == "fp32":
+        assert np.allclose((y ** 2).mean(axis=-1)[rows], 1, atol=1e-4)
 
 
 def test_every_registered_op_has_a_property_strategy():
