@@ -200,6 +200,36 @@ def _layer_norm():
                     layer_norm(x, weight, None, residual=normal((M, N), dtype), path=path)
 
 
+@item("rms_norm: custom paths over the warp, block and looping kernels, aligned and not, residual and sum")
+def _rms_norm():
+    from libnn.ops import rms_norm
+
+    for path in custom_paths("rms_norm"):
+        for dtype in DTYPES:
+            for M, N in ((1, 1), (3, 13), (5, 64), (2, 1000), (3, 1031), (2, 2048), (1, 4104), (2, 40000)):
+                x, weight = normal((M, N), dtype), normal((N,), dtype)
+                rms_norm(x, weight, path=path)
+                rms_norm(offset_view(x), None, path=path)
+                rms_norm(x, weight, residual=normal((M, N), dtype), return_sum=True, path=path)
+
+
+# --- rope ---------------------------------------------------------------------------------------------
+@item("rope: custom paths, both styles, partial rotary, packed tokens, int32 and int64 positions, in place")
+def _rope():
+    from libnn.ops import rope, rope_frequencies
+
+    g = rng()
+    for path in custom_paths("rope"):
+        for dtype in DTYPES:
+            for shape, rotary in (((1, 7, 3, 64), None), ((2, 5, 1, 80), 32), ((11, 3, 128), None)):
+                x = normal(shape, dtype)
+                positions = dev(g.integers(0, 100000, shape[:-2]).astype(np.int64 if len(shape) == 4 else np.int32))
+                inv_freq = dev(rope_frequencies(rotary or shape[-1]))
+                for style in ("half", "interleaved"):
+                    rope(x, positions, inv_freq, style=style, rotary_dim=rotary, path=path)
+                rope(x, positions, inv_freq, rotary_dim=rotary, out=x, path=path)
+
+
 # --- softmax ------------------------------------------------------------------------------------------
 @item("softmax: custom paths, rows and columns, log, odd lengths")
 def _softmax():
