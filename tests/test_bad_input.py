@@ -280,6 +280,44 @@ def test_attention_causal_must_be_one_of_its_choices(causal):
         attention(q, q, q, causal=causal)
 
 
+# --- ops.linear ------------------------------------------------------------------------------------
+# Shapes here (K = 11, 13...) are bound by no other test: the first call of each signature runs the checks.
+
+@pytest.mark.parametrize("value", ["no", None, 1, 0.0, [True], np.array([True])], ids=repr)
+def test_linear_allow_tf32_must_be_a_bool(value):
+    from libnn.ops import linear
+
+    with pytest.raises(TypeError, match=r"^linear: allow_tf32 must be True or False, got "):  # "no" ran with TF32
+        linear(np.ones((2, 11), np.float32), np.ones((3, 11), np.float32), allow_tf32=value)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(w=[[1.0] * 11] * 3), TypeError, r"^linear: w must be an array .* got builtins.list"),
+    (dict(b=[0.0] * 3), TypeError, r"^linear: b must be an array .* got builtins.list"),
+    (dict(x=np.float32(1.0)), ValueError, r"^linear: x must have at least 1 dimension \(\.\.\., in_features\), got a "
+                                          "scalar"),
+    (dict(w=np.ones(11, np.float32)), ValueError, r"^linear: w must be 2-D \(out_features, in_features\), got shape "
+                                                  r"\(11,\)"),
+    (dict(b=np.ones((1, 3), np.float32)), ValueError, r"^linear: b must have shape \(3,\) to match w's out_features, "
+                                                      r"got \(1, 3\)"),
+    (dict(x=np.ones((2, 11), bool), w=np.ones((3, 11), bool)), TypeError,
+     r"^linear: x must be a floating-point array \(fp16, bf16, fp32, fp64\), got bool"),
+    (dict(x=np.ones((2, 11), np.complex64), w=np.ones((3, 11), np.complex64)), TypeError,
+     r"^linear: x must be a floating-point array .* got complex64"),
+    (dict(activation=["relu"]), ValueError, r"^linear: activation must be one of \(None, 'relu', 'gelu', 'gelu_erf'\), "
+                                            r"got \['relu'\]"),
+    (dict(activation="relu6"), ValueError, r"^linear: activation must be one of .* got 'relu6'"),
+    (dict(path=["reference"]), TypeError, r"^linear: path must be a string, 'auto' or one of \[.*\]; got list"),
+], ids=["w-list", "b-list", "x-scalar", "w-1d", "b-2d", "x-bool", "x-complex", "activation-list", "activation-relu6",
+        "path-list"])
+def test_linear_arguments_out_of_their_domain(kwargs, error, match):
+    from libnn.ops import linear
+
+    args = {"x": np.ones((2, 11), np.float32), "w": np.ones((3, 11), np.float32), **kwargs}
+    with pytest.raises(error, match=match):
+        linear(args.pop("x"), args.pop("w"), **args)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

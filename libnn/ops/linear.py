@@ -102,6 +102,8 @@ def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None) -> Line
             raise TypeError(f"linear: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
     activations.check("linear", activation, ACTIVATIONS)
+    if not isinstance(allow_tf32, (bool, np.bool_)):  # "no" would mean yes
+        raise TypeError(f"linear: allow_tf32 must be True or False, got {type(allow_tf32).__name__} {allow_tf32!r}")
     device = device_of({"x": x, "w": w, "b": b, "residual": residual}, "linear")
     return LinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                          has_bias=b is not None, activation=activation, allow_tf32=bool(allow_tf32),
