@@ -318,6 +318,45 @@ def test_linear_arguments_out_of_their_domain(kwargs, error, match):
         linear(args.pop("x"), args.pop("w"), **args)
 
 
+# --- ops.layer_norm --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(weight=[1.0] * 13), TypeError, r"^layer_norm: weight must be an array .* got builtins.list"),
+    (dict(eps=None), TypeError, r"^layer_norm: eps must be a finite number > 0, got NoneType None"),
+    (dict(eps=True), TypeError, r"^layer_norm: eps must be a finite number > 0, got bool True"),
+    (dict(eps=np.array([1e-5])), TypeError, r"^layer_norm: eps must be a finite number > 0, got ndarray"),
+    (dict(eps=float("inf")), ValueError, r"^layer_norm: eps must be a finite number > 0, got inf"),
+    (dict(x=np.ones((2, 13), bool)), TypeError, r"^layer_norm: x must be a floating-point array .* got bool"),
+    (dict(x=np.ones((2, 13), np.complex128)), TypeError, r"^layer_norm: x must be a floating-point array .* got "
+                                                         "complex128"),
+    (dict(bias=np.ones(14, np.float32)), ValueError, r"^layer_norm: bias must have shape \(13,\) to match x's last "
+                                                     r"dimension \(x is \(2, 13\)\), got \(14,\)"),
+    (dict(return_sum="yes", residual=np.ones((2, 13), np.float32)), TypeError,
+     "^layer_norm: return_sum must be True or False"),
+    (dict(path=None), TypeError, r"^layer_norm: path must be a string, 'auto' or one of"),
+], ids=["weight-list", "eps-None", "eps-bool", "eps-array", "eps-inf", "x-bool", "x-complex", "bias-shape",
+        "return_sum-str", "path-None"])
+def test_layer_norm_arguments_out_of_their_domain(kwargs, error, match):
+    from libnn.ops import layer_norm
+
+    args = {"x": np.ones((2, 13), np.float32), **kwargs}
+    with pytest.raises(error, match=match):
+        layer_norm(args.pop("x"), **args)
+
+
+@pytest.mark.parametrize("return_sum", [False, True])
+def test_layer_norm_reference_refuses_what_would_not_fit_before_allocating(return_sum):
+    from libnn.ops import layer_norm
+
+    x = np.broadcast_to(np.float32(1.5), (2**20, 2**20))  # a view: 4 TiB as float32, no memory behind it
+    kwargs = dict(residual=x, return_sum=True) if return_sum else {}
+    needed = 2**40 * (3 * 8 + 4 * (2 if return_sum else 1))
+    with pytest.raises(MemoryError, match=rf"^layer_norm: x of shape \(1048576, 1048576\) in float64 \(a copy and 2 "
+                                          rf"temporaries of its size\) needs .* \({needed} bytes\), more than the .* "
+                                          r"of host RAM available$"):
+        layer_norm(x, **kwargs)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():
