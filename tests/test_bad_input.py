@@ -42,6 +42,7 @@ function has no argument of the class.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -355,6 +356,64 @@ def test_layer_norm_reference_refuses_what_would_not_fit_before_allocating(retur
                                           rf"temporaries of its size\) needs .* \({needed} bytes\), more than the .* "
                                           r"of host RAM available$"):
         layer_norm(x, **kwargs)
+
+
+# --- ops.softmax and log-softmax (softmax(log=True)) ------------------------------------------------
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("x, kwargs, error, match", [
+    ([1.0, 2.0], {}, TypeError, r"x must be an array .* got builtins.list"),
+    (np.ones((2, 17)), dict(dim=1.0), TypeError, "dim must be an int, got float 1.0"),
+    (np.ones((2, 17)), dict(dim="1"), TypeError, "dim must be an int, got str '1'"),
+    (np.ones((2, 17)), dict(dim=None), TypeError, "dim must be an int, got NoneType None"),
+    (np.ones((2, 17)), dict(dim=np.array([1])), TypeError, "dim must be an int, got ndarray"),
+    (np.ones((2, 17)), dict(dim=2), ValueError, r"dim 2 is out of range for x of shape \(2, 17\) \(expected -2..1\)"),
+    (np.ones((2, 17)), dict(dim=-3), ValueError, r"dim -3 is out of range"),
+    (np.float64(1.0), {}, ValueError, r"x must have at least 1 dimension, got a scalar \(shape \(\)\)"),
+    (np.ones((2, 17), np.int32), {}, TypeError, r"x must be a floating-point array \(fp16, bf16, fp32, fp64\), got "
+                                                "int32"),
+    (np.ones((2, 17), bool), {}, TypeError, "x must be a floating-point array .* got bool"),
+    (np.ones((2, 17), np.complex64), {}, TypeError, "x must be a floating-point array .* got complex64"),
+    (np.ones((2, 17)), dict(path="custom"), TypeError, r"path 'custom' runs on the GPU, but the arrays are host"),
+    (np.ones((2, 17)), dict(path="cupy"), TypeError, r"path 'cupy' runs on the GPU, but the arrays are host"),
+    (np.ones((2, 17)), dict(path="fused"), ValueError, r"unknown path 'fused'; expected 'auto' or one of"),
+], ids=["x-list", "dim-float", "dim-str", "dim-None", "dim-array", "dim-2", "dim-minus-3", "x-scalar", "x-int",
+        "x-bool", "x-complex", "path-custom", "path-cupy", "path-unknown"])
+def test_softmax_arguments_out_of_their_domain_name_softmax_or_log_softmax(log, x, kwargs, error, match):
+    from libnn.ops import softmax
+
+    name = "log_softmax" if log else "softmax"
+    op_named = "path" in kwargs  # the registry's messages name the op, which is softmax for both
+    with pytest.raises(error, match=f"^{'softmax' if op_named else name}: {match}"):
+        softmax(x, log=log, **kwargs)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None, [True], np.array(True)], ids=repr)
+def test_softmax_log_must_be_a_bool(value):
+    from libnn.ops import softmax
+
+    with pytest.raises(TypeError, match=r"^softmax: log must be a bool, got "):  # "no" computed the log-softmax
+        softmax(np.ones((3, 17)), log=value)
+
+
+# --- ops.embedding and nn.Embedding(check_ids=) -------------------------------------------------------
+# The op's other classes are swept in tests/test_embedding_reference.py (test_bad_input_is_refused_with_a_clear_error).
+
+def test_embedding_reference_refuses_what_would_not_fit_before_allocating():
+    from libnn.ops import embedding
+
+    weight = np.broadcast_to(np.float32(0.5), (1, 2**40))  # a view: a 4 TiB row, no memory behind it
+    with pytest.raises(MemoryError, match=r"^embedding: the float64 sums of shape \(1024, 1099511627776\) \(1024 tokens "
+                                          r"of 1099511627776\) needs .* \(\d+ bytes\), more than the .* of host RAM "
+                                          "available$"):
+        embedding(np.zeros(1024, np.int64), weight)
+
+
+@pytest.mark.parametrize("value", [None, "SYNC", "never", ["sync"], True, 1], ids=repr)
+def test_embedding_check_ids_must_be_lazy_or_sync(value):
+    with pytest.raises(ValueError, match=rf"^Embedding: check_ids must be one of \('lazy', 'sync'\), got "
+                                         rf"{re.escape(repr(value))}$"):
+        nn.Embedding(10, 4, check_ids=value)
 
 
 # --- nn.Sequential ---------------------------------------------------------------------------------
