@@ -30,8 +30,8 @@ class Launch:
     """One kernel with fixed geometry and scalars; `launch(*arrays)` passes the arrays' pointers in the
     order of the ARRAY placeholders."""
 
-    __slots__ = ("_launch", "_function", "_grid", "_block", "_smem", "_stream", "_slots", "_pointers",
-                 "_address", "_array_slots", "_lock", "_success", "_invalid_context", "_device", "name")
+    __slots__ = ("_launch", "_args", "_slots", "_pointers", "_array_slots", "_lock", "_success",
+                 "_invalid_context", "_device", "name")
 
     def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
                  stream_ptr: int, args: Sequence[Any]):
@@ -43,18 +43,16 @@ class Launch:
         self._launch = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
         self._invalid_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
-        self._function = driver.CUfunction(function.kernel.ptr)
-        self._grid = (*grid, *(1,) * (3 - len(grid)))
-        self._block = (*block, *(1,) * (3 - len(block)))
-        self._smem = shared_mem
-        self._stream = driver.CUstream(stream_ptr)
         self._slots = np.zeros(len(args), np.uint64)
         self._array_slots = [i for i, a in enumerate(args) if a is ARRAY]
         for i, a in enumerate(args):
             if a is not ARRAY:
                 self._slots[i:i + 1].view(np.asarray(a).dtype)[0] = a  # the value in the slot's low bytes
         self._pointers = np.array([self._slots.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
-        self._address = self._pointers.ctypes.data  # read once: .ctypes costs microseconds per access
+        # cuLaunchKernel's arguments, built once: the packed argument array's address is read once
+        # (.ctypes costs microseconds per access) and only the slots behind it change between launches
+        self._args = (driver.CUfunction(function.kernel.ptr), *grid, *(1,) * (3 - len(grid)), *block,
+                      *(1,) * (3 - len(block)), shared_mem, driver.CUstream(stream_ptr), self._pointers.ctypes.data, 0)
         self._lock = threading.Lock()
 
     def __call__(self, *arrays: Any) -> None:
@@ -62,11 +60,10 @@ class Launch:
         with self._lock:
             for i, a in zip(self._array_slots, arrays):
                 slots[i] = 0 if a is None else a.data.ptr
-            (err,) = self._launch(self._function, *self._grid, *self._block, self._smem, self._stream, self._address, 0)
+            (err,) = self._launch(*self._args)
             if err is self._invalid_context:  # a thread whose CUDA context CuPy has not made current yet
                 self._make_context_current()
-                (err,) = self._launch(self._function, *self._grid, *self._block, self._smem, self._stream,
-                                      self._address, 0)
+                (err,) = self._launch(*self._args)
         if err is not self._success:
             raise LibraryError(f"launching {self.name} failed: {err.name}")
 
