@@ -403,9 +403,9 @@ def test_embedding_reference_refuses_what_would_not_fit_before_allocating():
     from libnn.ops import embedding
 
     weight = np.broadcast_to(np.float32(0.5), (1, 2**40))  # a view: a 4 TiB row, no memory behind it
-    with pytest.raises(MemoryError, match=r"^embedding: the float64 sums of shape \(1024, 1099511627776\) \(1024 tokens "
-                                          r"of 1099511627776\) needs .* \(\d+ bytes\), more than the .* of host RAM "
-                                          "available$"):
+    with pytest.raises(MemoryError, match=r"^embedding: the float64 sums of shape \(1024, 1099511627776\) \(1024 "
+                                          r"tokens of 1099511627776\) needs .* \(\d+ bytes\), more than the .* of "
+                                          "host RAM available$"):
         embedding(np.zeros(1024, np.int64), weight)
 
 
@@ -414,6 +414,87 @@ def test_embedding_check_ids_must_be_lazy_or_sync(value):
     with pytest.raises(ValueError, match=rf"^Embedding: check_ids must be one of \('lazy', 'sync'\), got "
                                          rf"{re.escape(repr(value))}$"):
         nn.Embedding(10, 4, check_ids=value)
+
+
+# --- ops.fft_conv2d and fft_conv1d -------------------------------------------------------------------
+# The rest of their sweep: tests/test_fft_conv_reference.py (padding types and ranges, huge padding, modes,
+# causal's combinations, channels, kernel larger than the input, integer and complex x).
+
+@pytest.mark.parametrize("stride", [np.array([1, 1]), None, 1.5, "1", [1, 1]], ids=repr)
+def test_fft_conv_stride_of_the_wrong_type_is_a_type_error(stride):
+    from libnn.ops import fft_conv2d
+
+    with pytest.raises(TypeError, match=r"^fft_conv2d: stride must be the int 1, got "):  # an array: NumPy's own error
+        fft_conv2d(np.ones((1, 3, 9, 7)), np.ones((2, 3, 3, 3)), stride=stride)
+
+
+@pytest.mark.parametrize("causal", ["no", None, 1, 0.0, np.array(True), [True]], ids=repr)
+def test_fft_conv1d_causal_must_be_a_bool(causal):
+    from libnn.ops import fft_conv1d
+
+    with pytest.raises(TypeError, match=r"^fft_conv1d: causal must be True or False, got "):  # "no" ran causal
+        fft_conv1d(np.ones((1, 3, 19)), np.ones((2, 3, 4)), causal=causal)
+
+
+def test_fft_conv1d_causal_is_refused_even_after_its_bool_twin_was_bound():
+    from libnn.ops import fft_conv1d
+
+    x, w = np.ones((1, 3, 23)), np.ones((2, 3, 4))
+    fft_conv1d(x, w, causal=True)  # 1 equals True as a dict key: the key carries its type
+    with pytest.raises(TypeError, match="causal must be True or False, got int 1"):
+        fft_conv1d(x, w, causal=1)
+
+
+@pytest.mark.parametrize("op, x, w, kernel", [
+    ("fft_conv2d", (1, 3, 8, 8), (2, 3, 0, 3), "1x1, got 0x3"),
+    ("fft_conv2d", (1, 3, 8, 8), (2, 3, 3, 0), "1x1, got 3x0"),
+    ("fft_conv1d", (1, 3, 8), (2, 3, 0), "1, got 0")])
+def test_fft_conv_refuses_a_zero_size_kernel_instead_of_returning_zeros(op, x, w, kernel):
+    from libnn import ops
+
+    with pytest.raises(ValueError, match=rf"^{op}: w's kernel must be at least {kernel} \(w shape "):
+        getattr(ops, op)(np.ones(x), np.ones(w), np.ones(2))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(x=[[[[1.0]]]]), TypeError, r"x must be an array .* got builtins.list"),
+    (dict(x=np.ones((3, 8, 8))), ValueError, r"x must be 4-D \(N, C, H, W\) and w 4-D \(K, C, kh, kw\), got "
+                                             r"\(3, 8, 8\) and \(2, 3, 3, 3\)"),
+    (dict(w=np.ones((2, 3, 3))), ValueError, r"w must be 4-D, got shape \(2, 3, 3\)"),
+    (dict(b=np.ones(3)), ValueError, r"b must have shape \(2,\), got \(3,\)"),
+    (dict(w=np.ones((2, 3, 3, 3), np.float32)), TypeError, "w has dtype fp32 but x has fp64"),
+    (dict(x=np.ones((1, 3, 8, 8), bool), w=np.ones((2, 3, 3, 3), bool)), TypeError,
+     "x must be real floating point .* got bool"),
+    (dict(mode=None), ValueError, r"mode must be one of \('valid', 'same', 'full'\), got None"),
+    (dict(padding=(1, -1)), ValueError, r"padding must be an int >= 0 or a tuple of 2 ints >= 0, got \(1, -1\)"),
+], ids=["x-list", "x-rank", "w-rank", "b-shape", "w-dtype", "x-bool", "mode-None", "padding-negative"])
+def test_fft_conv2d_arguments_out_of_their_domain(kwargs, error, match):
+    from libnn.ops import fft_conv2d
+
+    args = {"x": np.ones((1, 3, 8, 8)), "w": np.ones((2, 3, 3, 3)), **kwargs}
+    with pytest.raises(error, match=f"^fft_conv2d: {match}"):
+        fft_conv2d(args.pop("x"), args.pop("w"), **args)
+
+
+@pytest.mark.parametrize("op, x, w", [("fft_conv2d", (1, 3, 8, 8), (2, 3, 3, 3)), ("fft_conv1d", (1, 3, 8), (2, 3, 3))])
+@pytest.mark.parametrize("path", ["cufft", "custom"])
+def test_fft_conv_gpu_paths_on_host_arrays_say_so(op, x, w, path):
+    from libnn import ops
+
+    # the registered op is fft_conv, which both functions run
+    with pytest.raises(TypeError, match=rf"^fft_conv: path '{path}' runs on the GPU, but the arrays are host \(NumPy\) "
+                                        r"arrays; move them with cupy.asarray"):
+        getattr(ops, op)(np.ones(x), np.ones(w), path=path)
+
+
+def test_fft_conv2d_reference_refuses_what_would_not_fit_before_allocating():
+    from libnn.ops import fft_conv2d
+
+    x = np.broadcast_to(np.float32(1.0), (1, 1, 2**17, 2**17))  # a view: 64 GiB as float32, no memory behind it
+    with pytest.raises(MemoryError, match=r"^fft_conv2d: padding x \(131072, 131072\) to the FFT size \(131072, "
+                                          r"131072\) needs .* \(\d+ bytes\), more than the .* of host RAM "
+                                          "available$"):
+        fft_conv2d(x, np.ones((1, 1, 3, 3), np.float32))
 
 
 # --- nn.Sequential ---------------------------------------------------------------------------------

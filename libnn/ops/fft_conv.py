@@ -56,7 +56,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.ops.fft_conv_kernels import MAX_LOG2N, fft_c2c
-from libnn.registry import Op
+from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
@@ -163,6 +163,8 @@ def fft_conv_problem(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
     """The FFTConvProblem op `name` (fft_conv1d or fft_conv2d) solves, after checking every argument as
     the op does (arrays already); `pads_for(kernel)` gives the (before, after) padding per spatial dim."""
     dims = w.ndim - 2
+    if isinstance(stride, (bool, np.bool_)) or not isinstance(stride, (int, np.integer)):  # an array: no `!=`
+        raise TypeError(f"{name}: stride must be the int 1, got {type(stride).__name__} {stride!r}")
     if stride != 1:
         raise ValueError(f"{name}: stride must be 1 (got {stride}); FFT convolution computes every output "
                          f"position, use libnn.ops.conv2d for strided convolutions")
@@ -180,6 +182,9 @@ def fft_conv_problem(name: str, x, w, b, pads_for, stride) -> FFTConvProblem:
     if b is not None and tuple(b.shape) != (w.shape[0],):
         raise ValueError(f"{name}: b must have shape ({w.shape[0]},), got {tuple(b.shape)}")
     kernel, spatial = tuple(w.shape[2:]), tuple(x.shape[2:])
+    if 0 in kernel:  # a sum over no taps: the output would be zeros (or the bias) and look fine
+        raise ValueError(f"{name}: w's kernel must be at least {'x'.join('1' * dims)}, got "
+                         f"{'x'.join(map(str, kernel))} (w shape {tuple(w.shape)})")
     pads = pads_for(kernel)
     problem = FFTConvProblem(x.shape[0], x.shape[1], w.shape[0], spatial, kernel, pads, b is not None,
                              dtypes.short_name(x.dtype), device_of({"x": x, "w": w, "b": b}, name))
@@ -210,9 +215,11 @@ def fft_conv1d(x: Any, w: Any, b: Any = None, *, padding: Any = 0, mode: str = "
         raise ValueError(f"fft_conv1d: causal=True pads kl-1 on the left itself; mode and padding must be "
                          f"left at 'valid' and 0, got {bad}")
 
-    def pads(kernel):
+    def pads(kernel):  # called when a new signature is checked: causal is keyed with its type
+        if not isinstance(causal, (bool, np.bool_)):  # "no" would mean yes
+            raise TypeError(f"fft_conv1d: causal must be True or False, got {type(causal).__name__} {causal!r}")
         return ((kernel[0] - 1, 0),) if causal else _pads(mode, pad, kernel)
-    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, pad, bool(causal)))
+    return _run("fft_conv1d", x, w, b, pads, stride, path, 1, (mode, pad, option_key(causal)))
 
 
 def _run(name, x, w, b, pads_for, stride, path, dims, options: tuple):
