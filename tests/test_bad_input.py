@@ -497,6 +497,17 @@ def test_fft_conv2d_reference_refuses_what_would_not_fit_before_allocating():
         fft_conv2d(x, np.ones((1, 1, 3, 3), np.float32))
 
 
+# --- ops.rope_frequencies (ops.rope's sweep: tests/test_rope_reference.py) ------------------------------
+
+def test_rope_frequencies_refuses_a_huge_rotary_dim_before_allocating():
+    from libnn.ops import rope_frequencies
+
+    with pytest.raises(MemoryError, match=r"^rope_frequencies: rotary_dim=2199023255552 \(1099511627776 frequencies "
+                                          r"and their temporaries\) needs .* \(\d+ bytes\), more than the .* of host "
+                                          "RAM available$"):
+        rope_frequencies(2**41)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

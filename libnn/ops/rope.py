@@ -194,6 +194,11 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
+# Bytes per frequency rope_frequencies holds at once, at most: the int64 exponents, and float32 arrays
+# (llama3's wavelengths, scaled, smooth, smoothed, the masks and the result) up to eight of them.
+FREQUENCY_BYTES = 8 + 8 * 4
+
+
 def rope_frequencies(rotary_dim: int, theta: float = 10000.0, scaling: Mapping | None = None) -> np.ndarray:
     """inv_freq, (rotary_dim / 2,) float32: theta^(-2i / rotary_dim), as Hugging Face transformers'
     `_compute_default_rope_parameters` computes it, then rescaled by `scaling`, a config's
@@ -209,6 +214,8 @@ def rope_frequencies(rotary_dim: int, theta: float = 10000.0, scaling: Mapping |
     if not _is_int(rotary_dim) or rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rope_frequencies: rotary_dim must be an even int >= 2, got {rotary_dim!r}")
     theta = _positive("theta", theta)
+    memory.require(FREQUENCY_BYTES * (rotary_dim // 2), "cpu", "rope_frequencies",
+                   f"rotary_dim={rotary_dim} ({rotary_dim // 2} frequencies and their temporaries)")
     f32 = np.float32
     exponent = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(f32) / f32(rotary_dim)
     inv_freq = f32(1) / (f32(theta) ** exponent)  # torch's 1.0 / t is t.reciprocal() * 1.0: the same bits
