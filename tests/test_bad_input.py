@@ -508,6 +508,94 @@ def test_rope_frequencies_refuses_a_huge_rotary_dim_before_allocating():
         rope_frequencies(2**41)
 
 
+# --- ops.attention, layout THD (packed sequences) -------------------------------------------------------
+# The rest of its sweep: tests/test_attention_packed.py (layout and packed together, seq_lens and attn_bias
+# refused, ranks, token counts, offsets' shape, max_len 0, float lengths, lengths out of range).
+
+def _packed(lengths=(3, 5), H=2, D=8, dtype=np.float32, spare=2):
+    from libnn.ops.attention import PackedSequences
+
+    lengths = np.asarray(lengths, np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q = np.ones((int(offsets[-1]) + spare, H, D), dtype)
+    return q, lengths, offsets, PackedSequences(lengths, offsets, int(lengths.max()))
+
+
+@pytest.mark.parametrize("checked", ["no", 1, None], ids=repr)
+def test_packed_sequences_checked_must_be_a_bool(checked):
+    from libnn.ops.attention import PackedSequences
+
+    _, lengths, offsets, _ = _packed()
+    with pytest.raises(TypeError, match=r"^PackedSequences: checked must be True or False, got "):  # "no" skipped it
+        PackedSequences(lengths, offsets, 5, checked=checked)
+
+
+@pytest.mark.parametrize("packed, error, match", [
+    (lambda p: p(lengths="35", offsets=[0, 3, 8]), TypeError, r"^attention: packed.lengths must be an array .* got "
+                                                              "builtins.str"),
+    (lambda p: p(max_len=5.0), ValueError, r"^attention: packed.max_len must be a positive int, got 5.0"),
+    (lambda p: p(max_len=True), ValueError, r"^attention: packed.max_len must be a positive int, got True"),
+    (lambda p: p(max_len=None), ValueError, r"^attention: packed.max_len must be a positive int, got None"),
+    (lambda p: p(max_len=-3), ValueError, r"^attention: packed.max_len must be a positive int, got -3"),
+    (lambda p: p(offsets=np.array([0.0, 3.0, 8.0])), TypeError, r"^attention: packed.offsets must hold integers, got "
+                                                                "dtype float64"),
+    (lambda p: p(lengths=np.array([[3, 5]])), ValueError, r"^attention: packed.lengths must be \(B,\) and "
+                                                          r"packed.offsets \(B \+ 1,\), got \(1, 2\) and \(3,\)"),
+    (lambda p: p(offsets=np.array([0, 4, 8])), ValueError, r"^attention: packed sequences must lie within the 10 rows, "
+                                                           r"one after another"),
+], ids=["lengths-str", "max_len-float", "max_len-bool", "max_len-None", "max_len-negative", "offsets-float",
+        "lengths-2d", "overlapping"])
+def test_packed_sequences_are_checked(packed, error, match):
+    from libnn.ops import attention
+    from libnn.ops.attention import PackedSequences
+
+    q, lengths, offsets, _ = _packed()
+
+    def make(lengths=lengths, offsets=offsets, max_len=5):
+        return PackedSequences(lengths, offsets, max_len)
+    with pytest.raises(error, match=match):
+        attention(q, q, q, layout="THD", packed=packed(make))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(q=np.ones((10, 2, 8), np.int32)), TypeError, r"^attention: q must be a floating-point array .* got int32"),
+    (dict(k=np.ones((10, 2, 8), np.float16)), TypeError, "^attention: k has dtype fp16 but q has fp32"),
+    (dict(k=np.ones((10, 3, 8), np.float32), v=np.ones((10, 3, 8), np.float32)), ValueError,
+     r"^attention: q's 2 heads must be a multiple of k/v's 3 heads"),
+    (dict(v=np.ones((10, 2, 4), np.float32)), ValueError, "^attention: q, k and v must share the head dimension D"),
+    (dict(scale="0.5"), TypeError, r"^attention: scale must be a finite number or None \(1/sqrt\(D\)\), got str"),
+    (dict(scale=float("nan")), ValueError, r"^attention: scale must be a finite number or None"),
+    (dict(causal="top-left"), ValueError, r"^attention: causal must be False, True, 'top_left' or 'bottom_right', got "
+                                          "'top-left'"),
+    (dict(path="custom"), TypeError, r"^attention: path 'custom' runs on the GPU, but the arrays are host"),
+    (dict(q=[[[1.0]]]), TypeError, r"^attention: q must be an array .* got builtins.list"),
+], ids=["q-int", "k-fp16", "heads", "head-dim", "scale-str", "scale-nan", "causal-unknown", "path-custom", "q-list"])
+def test_packed_attention_checks_the_dense_arguments_too(kwargs, error, match):
+    from libnn.ops import attention
+
+    q, _, _, packed = _packed()
+    args = {"q": q, "k": q, "v": q, **kwargs}
+    with pytest.raises(error, match=match):
+        attention(args.pop("q"), args.pop("k"), args.pop("v"), layout="THD", packed=packed, **args)
+
+
+def test_packed_reference_needs_the_memory_of_one_sequence_not_of_all_tokens_as_one():
+    """The reference computes one sequence at a time: two short sequences among 2**20 tokens need their
+    own scores, not the 2**20 x 2**20 of the whole (48 TiB: refused until the check counted per
+    sequence); one sequence of 2**20 tokens is refused by its own scores, before anything is allocated."""
+    from libnn.ops import attention
+    from libnn.ops.attention import PackedSequences
+
+    tokens = np.broadcast_to(np.ones((1, 2, 8), np.float32), (2**20, 2, 8))  # a view: 64 MiB, no memory behind it
+    lengths, offsets = np.array([3, 5], np.int32), np.array([0, 3, 8], np.int32)
+    o = attention(tokens, tokens, tokens, layout="THD", packed=PackedSequences(lengths, offsets, 5))
+    assert o.shape == (2**20, 2, 8) and (o[:8] == 1).all() and not o[8:].any()
+    whole = PackedSequences(np.array([2**20]), np.array([0, 2**20]), 2**20)
+    with pytest.raises(MemoryError, match=r"^attention: the 1048576x1048576 scores of 1x2 \(B x Hq\) heads .* needs .* "
+                                          r"\(\d+ bytes\), more than the .* of host RAM available$"):
+        attention(tokens, tokens, tokens, layout="THD", packed=whole)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

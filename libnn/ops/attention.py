@@ -139,6 +139,9 @@ class PackedSequences:
     a mask, say)."""
 
     def __init__(self, lengths: Any, offsets: Any, max_len: int, *, checked: bool = False):
+        if not isinstance(checked, (bool, np.bool_)):  # "no" would skip the range check
+            raise TypeError(f"PackedSequences: checked must be True or False, got {type(checked).__name__} "
+                            f"{checked!r}")
         self.lengths, self.offsets, self.max_len, self.checked = lengths, offsets, max_len, checked
         self._element_offsets: dict[int, Any] = {}
 
@@ -202,10 +205,12 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
     return lens.astype(np.int32, copy=False)
 
 
-def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv) -> AttentionProblem:
+def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv, *,
+                      reference_fits: bool = True) -> AttentionProblem:
     """The AttentionProblem attention(q, k, v, attn_bias=bias, scale, causal, layout) solves, with or
     without each sequence-length array, after checking every argument as attention does (arrays
-    already); for tools that build a path's plan themselves."""
+    already); for tools that build a path's plan themselves. `reference_fits=False` leaves out the
+    check that host arrays' reference computation fits in RAM (layout THD checks it per sequence)."""
     if layout not in LAYOUTS:
         raise ValueError(f"attention: layout must be one of {LAYOUTS}, got {layout!r}")
     dims = "(B, H, S, D)" if layout == "BHSD" else "(B, S, H, D)"
@@ -247,7 +252,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
                                _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),
                                float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
                                has_lens_q, has_lens_kv, bias_shape, aligned, device)
-    if device == "cpu":  # host arrays run on the reference path
+    if device == "cpu" and reference_fits:  # host arrays run on the reference path
         _reference_fits(problem)
     return problem
 
@@ -337,15 +342,20 @@ def _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias
             if is_cupy(a) != is_cupy(q):
                 raise TypeError(f"attention: {name} and q must be on one device (host or GPU)")
         # the checks of the dense layouts on the (1, T, H, D) view, then the packed geometry
-        flat = attention_problem(q[None], k[None], v[None], None, scale, causal, "BSHD", True, True)
+        flat = attention_problem(q[None], k[None], v[None], None, scale, causal, "BSHD", True, True,
+                                 reference_fits=False)
         B, (tq, tk, tv) = lengths.shape[0], (a.strides[0] // a.itemsize for a in (q, k, v))
         if q.shape[0] * max(tq, tk, tv, flat.Hq * flat.D) >= 2**31:
             raise ValueError(f"attention: layout THD counts offsets in int32 elements: {q.shape[0]} tokens of "
                              f"stride up to {max(tq, tk, tv, flat.Hq * flat.D)} is too many")
-        return replace(flat, B=B, Sq=max_len, Skv=max_len, layout="THD", tokens=q.shape[0],
-                       q_strides=(max_len * tq, flat.q_strides[1], tq, 1),
-                       k_strides=(max_len * tk, flat.k_strides[1], tk, 1),
-                       v_strides=(max_len * tv, flat.v_strides[1], tv, 1))
+        problem = replace(flat, B=B, Sq=max_len, Skv=max_len, layout="THD", tokens=q.shape[0],
+                          q_strides=(max_len * tq, flat.q_strides[1], tq, 1),
+                          k_strides=(max_len * tk, flat.k_strides[1], tk, 1),
+                          v_strides=(max_len * tv, flat.v_strides[1], tv, 1))
+        if problem.device == "cpu":  # the reference computes one sequence at a time, none longer than T or max_len
+            longest = min(max_len, q.shape[0])
+            _reference_fits(replace(problem, B=1, Sq=longest, Skv=longest))
+        return problem
     return op.call(key, prepare, path, q, k, v, packed, None, None)
 
 
