@@ -596,6 +596,79 @@ def test_packed_reference_needs_the_memory_of_one_sequence_not_of_all_tokens_as_
         attention(tokens, tokens, tokens, layout="THD", packed=whole)
 
 
+# --- Module.graphed and SequenceInputs (libnn.nn.graphs) ---------------------------------------------
+# Its checks run before anything touches a GPU; buckets and max_captures: tests/test_graph_buckets.py.
+
+class DeviceArrayStandIn:
+    """Enough of a CuPy array (shape, dtype, device) for graphed()'s checks of its arguments, which run
+    before any capture: libnn takes a type from a module named cupy.* with a `device` for CuPy's."""
+    __module__ = "cupy.standin"
+
+    def __init__(self, *shape):
+        self.shape, self.ndim, self.dtype, self.device = shape, len(shape), np.dtype(np.float32), 0
+        self.data = types.SimpleNamespace(device_id=0)
+
+
+@pytest.mark.parametrize("warmup, error, match", [
+    ("2", TypeError, "warmup must be an int, got str '2'"), (1.5, TypeError, "warmup must be an int, got float 1.5"),
+    (None, TypeError, "warmup must be an int, got NoneType None"), (True, TypeError, "warmup must be an int, got bool"),
+    (0, ValueError, r"warmup must be >= 1 \(plans must be built before the capture\), got 0"),
+    (-3, ValueError, "warmup must be >= 1 .* got -3"),
+], ids=repr)
+def test_graphed_warmup_must_be_a_positive_int(warmup, error, match):
+    with pytest.raises(error, match=rf"^Linear.graphed\(\): {match}"):
+        nn.Linear(3, 2).graphed(warmup=warmup)
+
+
+@pytest.mark.parametrize("build, call, error, match", [
+    (dict(), lambda g: g([1, 2]), TypeError, r"argument #0 must be a cupy array or a hashable value \(it becomes part "
+                                             r"of the capture's key\), got list"),
+    (dict(), lambda g: g(DeviceArrayStandIn(2, 3), scale={"a": 1}), TypeError,
+     "argument scale must be a cupy array or a hashable value"),
+    (dict(buckets=(1, 2)), lambda g: g(3), ValueError, "buckets pad the array arguments, and this call has none"),
+    (dict(buckets=(1, 2)), lambda g: g(DeviceArrayStandIn(0, 3)), ValueError, r"the batch is empty \(0 rows\)"),
+    (dict(buckets=(1, 2)), lambda g: g(DeviceArrayStandIn(5, 3)), ValueError,
+     r"a batch of 5 is larger than the largest of buckets \[1, 2\]; split the call, or add a larger bucket"),
+    (dict(buckets=(1, 2)), lambda g: g(DeviceArrayStandIn(2, 3), DeviceArrayStandIn(3, 3)), ValueError,
+     r"with buckets every array argument is \(batch, \.\.\.\) with the same batch as the first, \(2, 3\); argument #1 "
+     r"has shape \(3, 3\)"),
+    (dict(buckets=(1, 2)), lambda g: g(DeviceArrayStandIn()), ValueError,
+     r"with buckets every array argument is \(batch, \.\.\.\) .* argument #0 has shape \(\)"),
+], ids=["unhashable", "unhashable-keyword", "no-array", "empty-batch", "batch-too-large", "batch-mismatch", "0-d"])
+def test_graphed_calls_check_their_arguments_before_capturing(build, call, error, match):
+    with pytest.raises(error, match=rf"^Linear.graphed\(\): {match}"):
+        call(nn.Linear(3, 2).graphed(**build))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(outputs="last_hidden_state"), TypeError, r"outputs must be a tuple of output field names \(str\), got str "
+                                                   "'last_hidden_state'"),  # `in` would test substrings
+    (dict(outputs=["last_hidden_state"]), TypeError, "outputs must be a tuple of output field names"),
+    (dict(outputs=("last_hidden_state", 1)), TypeError, "outputs must be a tuple of output field names"),
+    (dict(mask=1), TypeError, r"mask must be the mask argument's name \(a str\), got int 1"),
+    (dict(tokens=8), TypeError, r"tokens must be None or a keyword's name \(a str\), got int 8"),
+    (dict(mask_position="1"), TypeError, "mask_position must be an int, got str '1'"),
+    (dict(mask_position=True), TypeError, "mask_position must be an int, got bool True"),
+    (dict(mask_position=-1), ValueError, "mask_position must be an int >= 0, got -1"),
+    (dict(pack_from=0), ValueError, "pack_from must be an int >= 1, got 0"),
+    (dict(pack_from=1.5), TypeError, "pack_from must be an int, got float 1.5"),
+], ids=repr)
+def test_sequence_inputs_are_checked_when_declared(change, error, match):
+    from libnn.nn.graphs import SequenceInputs
+
+    fields = {"mask": "attention_mask", "mask_position": 1, "outputs": ("last_hidden_state",), **change}
+    with pytest.raises(error, match=f"^SequenceInputs: {match}"):
+        SequenceInputs(**fields)
+
+
+def test_bert_declares_valid_sequence_inputs():
+    from libnn.models.bert import BertConfig, BertEncoder
+
+    for unpad in (False, True):
+        spec = BertEncoder(BertConfig.from_dict(BERT), unpad=unpad).graph_sequence_inputs
+        assert spec.outputs == ("last_hidden_state",) and spec.pack_from >= 1
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

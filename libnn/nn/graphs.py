@@ -105,6 +105,24 @@ class SequenceInputs:
     tokens: str | None = None     # forward's keyword for the packed capacity, if the model packs its tokens
     pack_from: int = 1            # the fewest positions (batch × seq) for which the model packs them
 
+    def __post_init__(self):
+        def wrong(name: str, expected: str, value: Any) -> str:
+            return f"SequenceInputs: {name} must be {expected}, got {type(value).__name__} {value!r}"
+
+        if not isinstance(self.mask, str):
+            raise TypeError(wrong("mask", "the mask argument's name (a str)", self.mask))
+        # a lone string would be taken for its characters: `name in outputs` tests substrings
+        if not isinstance(self.outputs, tuple) or not all(isinstance(o, str) for o in self.outputs):
+            raise TypeError(wrong("outputs", "a tuple of output field names (str)", self.outputs))
+        if not (self.tokens is None or isinstance(self.tokens, str)):
+            raise TypeError(wrong("tokens", "None or a keyword's name (a str)", self.tokens))
+        for name, minimum in (("mask_position", 0), ("pack_from", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(wrong(name, "an int", value))
+            if value < minimum:
+                raise ValueError(f"SequenceInputs: {name} must be an int >= {minimum}, got {value}")
+
 
 @dataclass
 class CaptureStats:
@@ -166,8 +184,10 @@ class GraphedModule:
     def __init__(self, module: Graphable, *, warmup: int = 2, buckets: Sequence[int] | None = None,
                  seq_buckets: Sequence[int] | None = None, max_captures: int = 32):
         name = f"{type(module).__name__}.graphed()"
+        if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral):
+            raise TypeError(f"{name}: warmup must be an int, got {type(warmup).__name__} {warmup!r}")
         if warmup < 1:
-            raise ValueError(f"GraphedModule: warmup must be >= 1 (plans must be built before the capture), got {warmup}")
+            raise ValueError(f"{name}: warmup must be >= 1 (plans must be built before the capture), got {warmup}")
         if isinstance(max_captures, bool) or not isinstance(max_captures, numbers.Integral) or max_captures < 1:
             raise ValueError(f"{name}: max_captures must be a positive integer, got {max_captures!r}")
         self.module, self.warmup, self.max_captures = module, warmup, int(max_captures)
