@@ -52,13 +52,15 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   # worksteal: an idle worker takes tests queued on a busy one, so the long tests do not end the run on
   # one worker while the rest wait. Each worker's NumPy/PyTorch CPU threads are capped at its share of
   # the cores: every float64 reference then no longer runs one thread per core in six processes at once.
-  xdist=(); threads=()
+  # Serially too, the kernel files compile in background processes while the first tests run
+  # (LIBNN_TEST_PRECOMPILE, tests/conftest.py).
+  xdist=(); environment=(env LIBNN_TEST_PRECOMPILE=1)
   if [ "${JOBS:-6}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
     xdist=(-n "${JOBS:-6}" --dist worksteal)
     share=$(( $(nproc) / ${JOBS:-6} )); [ "$share" -ge 1 ] || share=1
-    threads=(env OMP_NUM_THREADS=$share OPENBLAS_NUM_THREADS=$share MKL_NUM_THREADS=$share)
+    environment+=(OMP_NUM_THREADS=$share OPENBLAS_NUM_THREADS=$share MKL_NUM_THREADS=$share)
   fi
-  run pytest "${threads[@]}" python3 -m pytest -q -p no:cacheprovider --durations=15 "${xdist[@]}" "$@"
+  run pytest "${environment[@]}" python3 -m pytest -q -p no:cacheprovider --durations=15 "${xdist[@]}" "$@"
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then

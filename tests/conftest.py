@@ -41,7 +41,7 @@ def pytest_configure(config):
         os.environ["LIBNN_CACHE_DIR"] = config.workerinput[CACHE_DIR_KEY]
     else:
         os.environ["LIBNN_CACHE_DIR"] = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="libnn-test-cache-")
-        if config.getoption("numprocesses", None):
+        if config.getoption("numprocesses", None) or os.environ.get("LIBNN_TEST_PRECOMPILE") == "1":
             config.stash[PRECOMPILES] = precompile_kernels()
     value = os.environ.get("LIBNN_TEST_SEED", "0")
     if config.getoption("--random-seed") or value == "random":
@@ -67,7 +67,8 @@ def pytest_unconfigure(config):
 
 
 def precompile_kernels() -> list[subprocess.Popen]:
-    """Under pytest-xdist: start compiling every kernels/*.cu for sm_80, sm_90 (test_kernels_compile's
+    """Under pytest-xdist (or with LIBNN_TEST_PRECOMPILE=1, for a serial run of the whole suite on a GPU
+    machine): start compiling every kernels/*.cu for sm_80, sm_90 (test_kernels_compile's
     targets) and this GPU's architecture into the run's cache, one background process per file and
     architecture, before the workers start. NVRTC compiles on one core and takes tens of seconds for
     some files (gemm.cu for sm_80: about a minute on the H100 host under load); without this the first

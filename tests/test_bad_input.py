@@ -669,6 +669,70 @@ def test_bert_declares_valid_sequence_inputs():
         assert spec.outputs == ("last_hidden_state",) and spec.pack_from >= 1
 
 
+# --- nn.functional ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("function", ["key_padding", "key_padding_and_tokens"])
+@pytest.mark.parametrize("valid, dtype, error, match", [
+    ([[True, False]], np.float32, TypeError,
+     r"valid must be a \(B, S\) array of booleans, True at the tokens, got list"),
+    (np.array([True, False]), np.float32, ValueError, r"valid must be a \(B, S\) array of booleans, got shape \(2,\)"),
+    (np.ones((2, 2, 2), bool), np.float32, ValueError, r"valid must be .* got shape \(2, 2, 2\)"),
+    (np.array([[0.0, -np.inf]]), np.float32, TypeError,  # an additive mask would read as its opposite
+     r"valid must hold booleans \(or 0/1 integers\), True at the tokens, got dtype float64"),
+    (np.array([[True, False, True]]), np.int32, TypeError,
+     r"dtype must be a floating-point dtype \(the attention's q dtype\), got <class 'numpy.int32'>"),
+    (np.array([[True, False, True]]), "bogus", TypeError, "dtype must be a floating-point dtype .* got 'bogus'"),
+    (np.array([[True, False, True]]), None, TypeError, "dtype must be a floating-point dtype .* got None"),
+], ids=["list", "1-d", "3-d", "float-mask", "int-dtype", "unknown-dtype", "None-dtype"])
+def test_key_padding_checks_the_mask_and_dtype(function, valid, dtype, error, match):
+    from libnn.nn import functional
+
+    with pytest.raises(error, match=f"^key_padding: {match}"):
+        getattr(functional, function)(valid, dtype)
+
+
+def test_key_padding_takes_0_1_integers_and_short_dtype_names():
+    from libnn.nn import functional
+
+    lengths, bias = functional.key_padding(np.array([[1, 0, 1], [1, 1, 0]]), "fp16")
+    np.testing.assert_array_equal(lengths.lengths, [3, 2])
+    assert bias.bias.dtype == np.float16 and bias.bias.ravel().tolist() == [0, -np.inf, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("x, valid, error, match", [
+    (np.ones((3, 4)), np.ones((2, 3), bool), ValueError,  # NumPy broadcast it to a (2, 4) result
+     r"x must be \(B, S, F\) and valid \(B, S\) with x's first two dimensions, got x \(3, 4\) and valid \(2, 3\)"),
+    (np.ones((2, 3, 4)), np.ones((2, 4), bool), ValueError,
+     r"x must be \(B, S, F\) and valid .* got x \(2, 3, 4\) and valid \(2, 4\)"),
+    (np.ones((2, 3, 4), np.int64), np.ones((2, 3), bool), TypeError,  # the mean was rounded to an integer
+     r"x must be a floating-point array \(fp16, bf16, fp32, fp64\), got int64"),
+    ([[[1.0]]], np.ones((1, 1), bool), TypeError, "x must be an array .* got builtins.list"),
+    (np.ones((2, 3, 4)), [[True] * 3] * 2, TypeError, r"valid must be a \(B, S\) array of booleans"),
+    (np.ones((2, 3, 4)), np.ones((2, 3)), TypeError, "valid must hold booleans .* got dtype float64"),
+], ids=["x-2d", "valid-shape", "x-int", "x-list", "valid-list", "valid-float"])
+def test_masked_mean_checks_its_arrays(x, valid, error, match):
+    from libnn.nn.functional import masked_mean
+
+    with pytest.raises(error, match=f"^masked_mean: {match}"):
+        masked_mean(x, valid)
+
+
+@pytest.mark.parametrize("x, w_qkv, heads, match", [
+    ((2, 3, 4), (12, 4), 0, "num_heads must be a positive int, got 0"),
+    ((2, 3, 4), (12, 4), -2, "num_heads must be a positive int, got -2"),
+    ((2, 3, 4), (12, 4), 1.5, "num_heads must be a positive int, got 1.5"),
+    ((2, 3, 4), (12, 4), True, "num_heads must be a positive int, got True"),
+    ((2, 3, 4), (12, 4), 3, r"w_qkv must be \(3E, E\), 3 projections of num_heads=3 heads each, got shape \(12, 4\)"),
+    ((2, 3, 4), (10, 4), 2, r"w_qkv must be \(3E, E\), .* got shape \(10, 4\)"),
+    ((3, 4), (12, 4), 2, r"x must be \(B, S, E\), got shape \(3, 4\)"),
+], ids=["heads-0", "heads-negative", "heads-float", "heads-bool", "heads-not-dividing", "w-rows", "x-2d"])
+def test_packed_self_attention_checks_heads_and_shapes(x, w_qkv, heads, match):
+    from libnn.nn.functional import packed_self_attention
+
+    with pytest.raises(ValueError, match=f"^packed_self_attention: {match}"):
+        packed_self_attention(np.ones(x, np.float32), np.ones(w_qkv, np.float32), None, heads)
+
+
 # --- nn.Sequential ---------------------------------------------------------------------------------
 
 def test_sequential_refuses_a_child_that_is_not_a_module():

@@ -6,10 +6,12 @@ BERT model (models/bert.py) both build on them."""
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Any
 
 import numpy as np
 
+from libnn import dtypes
 from libnn.ops.attention import CheckedLengths, KeyPaddingBias, PackedSequences, attention
 from libnn.ops.linear import linear
 from libnn.runtime.arrays import array_module, as_array, contiguous, is_cupy
@@ -48,6 +50,8 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
 def key_padding_and_tokens(valid: Any, dtype: Any) -> tuple[Any, Any, int | None]:
     """key_padding's (seq_lens_kv, bias) and the number of Trues in `valid` (the tokens), read back in
     the same synchronisation; None while a CUDA graph is captured."""
+    _check_mask("key_padding", valid)
+    dtype = _bias_dtype(dtype)
     xp = array_module(valid)
     B, S = valid.shape
     if B == 0 or S == 0:
@@ -113,6 +117,13 @@ def masked_mean(x: Any, valid: Any) -> Any:
     """The mean over dim 1 of x (B, S, F) at the positions `valid` (B, S) marks, in x's dtype,
     accumulated in fp32 (fp64 for fp64): zeros for a row with none. One kernel on the GPU (a thread per
     output value, reading down its column), float64 on the host."""
+    x = as_array(x, "masked_mean", "x")
+    _check_mask("masked_mean", valid)
+    if x.ndim != 3 or tuple(valid.shape) != tuple(x.shape[:2]):  # NumPy would broadcast a 2-D x
+        raise ValueError(f"masked_mean: x must be (B, S, F) and valid (B, S) with x's first two dimensions, got x "
+                         f"{tuple(x.shape)} and valid {tuple(valid.shape)}")
+    if not dtypes.is_float(x.dtype):  # the mean would be rounded to the integer dtype
+        raise TypeError(f"masked_mean: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     xp = array_module(x)
     if not is_cupy(x):
         kept = valid.astype(np.float64)
@@ -125,6 +136,30 @@ def masked_mean(x: Any, valid: Any) -> Any:
     _masked_mean_kernel(bits, x.dtype == np.float64)(x.view(xp.uint16) if bits else x, valid, S, F,
                                                      out.view(xp.uint16) if bits else out)
     return out
+
+
+def _check_mask(where: str, valid: Any) -> None:
+    """`valid` is a (B, S) array of booleans (or 0/1 integers), True at the tokens: an additive float
+    mask (0 at the tokens, -inf at the padding) would read as its opposite."""
+    if not (hasattr(valid, "ndim") and hasattr(valid, "dtype")):
+        raise TypeError(f"{where}: valid must be a (B, S) array of booleans, True at the tokens, got "
+                        f"{type(valid).__name__}")
+    if valid.ndim != 2:
+        raise ValueError(f"{where}: valid must be a (B, S) array of booleans, got shape {tuple(valid.shape)}")
+    if valid.dtype.kind not in "biu":
+        raise TypeError(f"{where}: valid must hold booleans (or 0/1 integers), True at the tokens, got dtype "
+                        f"{valid.dtype}")
+
+
+def _bias_dtype(dtype: Any) -> np.dtype:
+    """The bias's dtype (the attention's q dtype), parsed: a floating-point one, -inf has no integer value."""
+    try:
+        parsed = None if dtype is None else dtypes.parse(dtype)  # NumPy reads None as float64
+    except (TypeError, ValueError):
+        parsed = None
+    if parsed is None or not dtypes.is_float(parsed):
+        raise TypeError(f"key_padding: dtype must be a floating-point dtype (the attention's q dtype), got {dtype!r}")
+    return parsed
 
 
 def gather_rows(x: Any, rows: Any) -> Any:
@@ -153,6 +188,14 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     attention on the packed sequences (layout THD: `packing.ragged`), or on its output unpacked to
     (B, S, 3E) (zeros at the padding, which the lengths and bias mask) with the result packed again;
     either way (capacity, E)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+        raise ValueError(f"packed_self_attention: num_heads must be a positive int, got {num_heads!r}")
+    if getattr(x, "ndim", None) != (3 if packing is None else 2):
+        expected = "(B, S, E)" if packing is None else "(capacity, E), the packed tokens"
+        raise ValueError(f"packed_self_attention: x must be {expected}, got shape {getattr(x, 'shape', type(x))}")
+    if getattr(w_qkv, "ndim", None) != 2 or w_qkv.shape[0] % (3 * num_heads):
+        raise ValueError(f"packed_self_attention: w_qkv must be (3E, E), 3 projections of num_heads={num_heads} "
+                         f"heads each, got shape {getattr(w_qkv, 'shape', type(w_qkv))}")
     qkv = linear(x, w_qkv, b_qkv, path=op_path(path, "linear"))
     if packing is not None and packing.ragged:
         T, E = qkv.shape[0], qkv.shape[-1] // 3
