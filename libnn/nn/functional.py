@@ -6,7 +6,6 @@ BERT model (models/bert.py) both build on them."""
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import numpy as np
@@ -188,7 +187,7 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     attention on the packed sequences (layout THD: `packing.ragged`), or on its output unpacked to
     (B, S, 3E) (zeros at the padding, which the lengths and bias mask) with the result packed again;
     either way (capacity, E)."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, numbers.Integral) or num_heads < 1:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"packed_self_attention: num_heads must be a positive int, got {num_heads!r}")
     if getattr(x, "ndim", None) != (3 if packing is None else 2):
         expected = "(B, S, E)" if packing is None else "(capacity, E), the packed tokens"
