@@ -10,12 +10,14 @@ Bad-input classes swept per public function (here, or in the op's or model's own
 T types · R ranges (0, negative) · H huge, refused before allocating · K ranks and shapes ·
 D dtypes (int, bool, complex, strings, objects) · V devices (unknown, a GPU where there is none, a
 GPU path on host arrays) · C choices and flags (unknown names, truthy non-bools, paths) · F files
-(missing, a directory, empty, truncated, another format, wrong JSON shapes). x: tested; -: the
-function has no argument of the class.
+(missing, a directory, empty, truncated, another format, wrong JSON shapes). x: tested; o: the
+function has an argument of the class that the sweep leaves uncovered (the notes say why); -: the
+function has no argument of the class. "k of n": n counts the classes marked x or o.
 
     function                                  T R H K D V C F   classes
     nn.Linear, Conv2d, Embedding, BatchNorm2d x x x - x x x -   6 of 6
     nn.LayerNorm                              x x x x x x x -   7 of 7
+    nn.RMSNorm (and test_rms_norm_layer.py)   x x x - x x x -   6 of 6
     nn.MultiheadAttention                     x x x - x x x -   6 of 6
     nn.TransformerEncoderLayer                x x x - x x x -   6 of 6
     nn.MaxPool2d, AvgPool2d                   x x - - - - x -   3 of 3
@@ -35,9 +37,32 @@ function has no argument of the class.
     ops.conv2d                                x x x x x x x -   7 of 7
     ops.max_pool2d, avg_pool2d                x x x x x x x -   7 of 7
     ops.attention                             x x x x x x x -   7 of 7
+    ops.attention, layout THD (packed)        x x x x x x x -   7 of 7
+    ops.linear (and test_linear_errors.py)    x - x x x x x -   6 of 6
+    ops.layer_norm                            x x x x x x x -   7 of 7
+    ops.rms_norm (test_rms_norm_reference.py) x x o x x x x -   6 of 7
+    ops.softmax, log-softmax                  x x x x x x x -   7 of 7
+    ops.embedding (test_embedding_reference)  x x x x x x x -   7 of 7
+    nn.Embedding(check_ids=)                  x - - - - - x -   2 of 2
+    ops.fft_conv2d, fft_conv1d                x x x x x x x -   7 of 7
+    ops.rope (test_rope_reference.py)         x x x x x x x -   7 of 7
+    ops.rope_frequencies                      x x x - - - x -   4 of 4
+    Module.graphed (arguments and calls)      x x o x - x x -   6 of 7
+    graphs.SequenceInputs                     x x - - - - - -   2 of 2
+    functional.key_padding(_and_tokens)       x - - x x - - -   3 of 3
+    functional.masked_mean                    x - - x x - - -   3 of 3
+    functional.packed_self_attention          x x - x o o o -   3 of 6
+    functional.TokenPacking, gather_rows      o o - o - - - -   0 of 3
     BertConfig.from_dict, BertEncoder(config) x x - - - - x -   3 of 3
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
     BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
+
+Notes on the o marks: rms_norm's reference has no memory check before its float64 arrays (an xfail
+test below waits for it). graphed(buckets=...) takes any bucket size: one larger than GPU memory
+fails in CuPy's allocation at the capture (GPU only). packed_self_attention leaves dtypes, devices
+and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
+are BertEncoder's building blocks, fed masks it has checked: a float capacity, one below the token
+count or a row index out of range gets NumPy's own error on the host (the GPU gather checks none).
 """
 
 from __future__ import annotations
@@ -506,6 +531,19 @@ def test_rope_frequencies_refuses_a_huge_rotary_dim_before_allocating():
                                           r"and their temporaries\) needs .* \(\d+ bytes\), more than the .* of host "
                                           "RAM available$"):
         rope_frequencies(2**41)
+
+
+# --- ops.rms_norm (its sweep: tests/test_rms_norm_reference.py; nn.RMSNorm: the constructor sweep) --------
+
+@pytest.mark.xfail(strict=True, reason="libnn/ops/rms_norm.py has no memory check before its float64 reference "
+                                       "(NumPy's MemoryError after trying): reported, left to rms_norm's author")
+def test_rms_norm_reference_refuses_what_would_not_fit_before_allocating():
+    from libnn.ops import rms_norm
+
+    x = np.broadcast_to(np.float32(1.5), (2**20, 2**20))  # a view: 4 TiB as float32, no memory behind it
+    with pytest.raises(MemoryError, match=r"^rms_norm: .*x.* needs .* \(\d+ bytes\), more than the .* of host RAM "
+                                          "available$"):
+        rms_norm(x)
 
 
 # --- ops.attention, layout THD (packed sequences) -------------------------------------------------------
@@ -1271,6 +1309,7 @@ CONSTRUCTORS = {
     "Conv2d": lambda **kw: nn.Conv2d(**{"in_channels": 4, "out_channels": 6, "kernel_size": 3, **kw}),
     "Embedding": lambda **kw: nn.Embedding(**{"num_embeddings": 10, "embedding_dim": 4, **kw}),
     "LayerNorm": lambda **kw: nn.LayerNorm(**{"normalized_shape": 8, **kw}),
+    "RMSNorm": lambda **kw: nn.RMSNorm(**{"dim": 8, **kw}),
     "BatchNorm2d": lambda **kw: nn.BatchNorm2d(**{"num_features": 8, **kw}),
     "MaxPool2d": lambda **kw: nn.MaxPool2d(**{"kernel_size": 2, **kw}),
     "AvgPool2d": lambda **kw: nn.AvgPool2d(**{"kernel_size": 2, **kw}),
@@ -1290,7 +1329,8 @@ SIZES = [("Linear", "in_features", 1), ("Linear", "out_features", 1), ("Conv2d",
          ("Conv2d", "out_channels", 1), ("Conv2d", "groups", 1), ("Embedding", "num_embeddings", 0),
          ("Embedding", "embedding_dim", 0), ("BatchNorm2d", "num_features", 1), ("MultiheadAttention", "embed_dim", 1),
          ("MultiheadAttention", "num_heads", 1), ("TransformerEncoderLayer", "d_model", 1),
-         ("TransformerEncoderLayer", "nhead", 1), ("TransformerEncoderLayer", "dim_feedforward", 1)]
+         ("TransformerEncoderLayer", "nhead", 1), ("TransformerEncoderLayer", "dim_feedforward", 1),
+         ("RMSNorm", "dim", 1)]
 # (layer, argument, minimum): an int or a pair of ints >= minimum
 PAIRS = [("Conv2d", "kernel_size", 1), ("Conv2d", "stride", 1), ("Conv2d", "dilation", 1), ("Conv2d", "padding", 0),
          ("MaxPool2d", "kernel_size", 1), ("MaxPool2d", "stride", 1), ("AvgPool2d", "kernel_size", 1),
@@ -1324,7 +1364,7 @@ def test_pairs_with_one_bad_half_are_refused(layer, argument, minimum):
 
 
 @pytest.mark.parametrize("layer, argument", [("LayerNorm", "eps"), ("BatchNorm2d", "eps"),
-                                             ("TransformerEncoderLayer", "layer_norm_eps")])
+                                             ("TransformerEncoderLayer", "layer_norm_eps"), ("RMSNorm", "eps")])
 @pytest.mark.parametrize("eps, error", [(0, ValueError), (-1e-5, ValueError), (float("nan"), ValueError),
                                         (float("inf"), ValueError), ("1e-5", TypeError), (None, TypeError),
                                         (True, TypeError), (np.array([1e-5]), TypeError)], ids=repr)
@@ -1334,7 +1374,7 @@ def test_eps_must_be_a_finite_positive_number(layer, argument, eps, error):
 
 
 PARAMETERISED = ["Linear", "Conv2d", "Embedding", "LayerNorm", "BatchNorm2d", "MultiheadAttention",
-                 "TransformerEncoderLayer"]
+                 "TransformerEncoderLayer", "RMSNorm"]
 
 
 @pytest.mark.parametrize("layer", PARAMETERISED)
@@ -1370,7 +1410,8 @@ def test_gpu_device_without_a_gpu_says_so(layer):
                                              ("Dropout", "inplace"), ("MultiheadAttention", "bias"),
                                              ("MultiheadAttention", "batch_first"), ("TransformerEncoderLayer", "bias"),
                                              ("TransformerEncoderLayer", "batch_first"),
-                                             ("TransformerEncoderLayer", "norm_first")])
+                                             ("TransformerEncoderLayer", "norm_first"),
+                                             ("RMSNorm", "elementwise_affine")])
 @pytest.mark.parametrize("value", ["no", 0, None])
 def test_flags_must_be_bools(layer, argument, value):
     with pytest.raises(TypeError, match=rf"^{layer}: {argument} must be True or False"):
@@ -1386,6 +1427,7 @@ def test_flags_must_be_bools(layer, argument, value):
     ("TransformerEncoderLayer", "activation", None), ("Linear", "path", "bogus"), ("Conv2d", "path", ["auto"]),
     ("LayerNorm", "path", "cublaslt"), ("Softmax", "path", None), ("LogSoftmax", "path", "cudnn"),
     ("MaxPool2d", "path", "cudnn"), ("AvgPool2d", "path", 3), ("TransformerEncoderLayer", "path", "gpu"),
+    ("RMSNorm", "path", "cublaslt"), ("RMSNorm", "path", None),
 ])
 def test_unknown_choices_are_named(layer, argument, value):
     with pytest.raises(ValueError, match=rf"^{layer}: {argument} must be"):
