@@ -40,7 +40,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     ops.attention, layout THD (packed)        x x x x x x x -   7 of 7
     ops.linear (and test_linear_errors.py)    x - x x x x x -   6 of 6
     ops.layer_norm                            x x x x x x x -   7 of 7
-    ops.rms_norm (test_rms_norm_reference.py) x x o x x x x -   6 of 7
+    ops.rms_norm (test_rms_norm_reference.py) x x x x x x x -   7 of 7
     ops.softmax, log-softmax                  x x x x x x x -   7 of 7
     ops.embedding (test_embedding_reference)  x x x x x x x -   7 of 7
     nn.Embedding(check_ids=)                  x - - - - - x -   2 of 2
@@ -57,8 +57,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
     BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
 
-Notes on the o marks: rms_norm's reference has no memory check before its float64 arrays (an xfail
-test below waits for it). graphed(buckets=...) takes any bucket size: one larger than GPU memory
+Notes on the o marks: graphed(buckets=...) takes any bucket size: one larger than GPU memory
 fails in CuPy's allocation at the capture (GPU only). packed_self_attention leaves dtypes, devices
 and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
 are BertEncoder's building blocks, fed masks it has checked: a float capacity, one below the token
@@ -535,8 +534,6 @@ def test_rope_frequencies_refuses_a_huge_rotary_dim_before_allocating():
 
 # --- ops.rms_norm (its sweep: tests/test_rms_norm_reference.py; nn.RMSNorm: the constructor sweep) --------
 
-@pytest.mark.xfail(strict=True, reason="libnn/ops/rms_norm.py has no memory check before its float64 reference "
-                                       "(NumPy's MemoryError after trying): reported, left to rms_norm's author")
 def test_rms_norm_reference_refuses_what_would_not_fit_before_allocating():
     from libnn.ops import rms_norm
 
