@@ -52,7 +52,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     functional.key_padding(_and_tokens)       x - - x x - - -   3 of 3
     functional.masked_mean                    x - - x x - - -   3 of 3
     functional.packed_self_attention          x x - x o o o -   3 of 6
-    functional.TokenPacking, gather_rows      o o - o - - - -   0 of 3
+    functional.TokenPacking, gather_rows      x x - x x - - -   4 of 4
     BertConfig.from_dict, BertEncoder(config) x x - - - - x -   3 of 3
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
     BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
@@ -60,8 +60,8 @@ function has no argument of the class. "k of n": n counts the classes marked x o
 Notes on the o marks: graphed(buckets=...) takes any bucket size: one larger than GPU memory
 fails in CuPy's allocation at the capture (GPU only). packed_self_attention leaves dtypes, devices
 and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
-are BertEncoder's building blocks, fed masks it has checked: a float capacity, one below the token
-count or a row index out of range gets NumPy's own error on the host (the GPU gather checks none).
+check their arrays and, on the host, the capacity against the token count and every row index; on the
+GPU neither is read back (a synchronisation per call): TokenPacking's maps come from the device.
 """
 
 from __future__ import annotations
@@ -750,6 +750,43 @@ def test_masked_mean_checks_its_arrays(x, valid, error, match):
 
     with pytest.raises(error, match=f"^masked_mean: {match}"):
         masked_mean(x, valid)
+
+
+@pytest.mark.parametrize("valid, capacity, error, match", [
+    (np.array([True, False]), 4, ValueError, r"valid must be a \(B, S\) array of booleans, got shape \(2,\)"),
+    (np.array([[0.0, 1.0]]), 4, TypeError, "valid must hold booleans .* got dtype float64"),
+    (np.ones((2, 3), bool), 4.0, TypeError, "capacity must be an int >= 0 .* got float 4.0"),
+    (np.ones((2, 3), bool), None, TypeError, "capacity must be an int >= 0 .* got NoneType None"),
+    (np.ones((2, 3), bool), -1, TypeError, "capacity must be an int >= 0 .* got int -1"),
+    (np.ones((2, 3), bool), 5, ValueError, "capacity 5 is below the 6 tokens valid marks"),
+], ids=["1-d", "float-mask", "float-capacity", "None-capacity", "negative-capacity", "too-small"])
+def test_token_packing_checks_the_mask_and_capacity(valid, capacity, error, match):
+    from libnn.nn.functional import TokenPacking
+
+    with pytest.raises(error, match=f"^TokenPacking: {match}"):
+        TokenPacking(valid, capacity)
+
+
+@pytest.mark.parametrize("x, rows, error, match", [
+    (np.ones((3, 2)), np.array([0, 3], np.int32), IndexError, r"rows must be -1 \(a zero row\) or in 0..2, got 0..3"),
+    (np.ones((3, 2)), np.array([-2, 0], np.int32), IndexError, r"rows must be -1 .* got -2..0"),
+    (np.ones((3, 2)), np.array([0, 1]), TypeError, "rows must be int32 row indices, got dtype int64"),
+    (np.ones((3, 2)), np.array([[0]], np.int32), ValueError, r"rows must be 1-D, got shape \(1, 1\)"),
+    (np.ones(3), np.array([0], np.int32), ValueError, r"x must be 2-D, got shape \(3,\)"),
+    ([[1.0]], np.array([0], np.int32), TypeError, "x must be a 2-D array, got list"),
+], ids=["past-the-end", "below--1", "int64-rows", "2-d-rows", "1-d-x", "list-x"])
+def test_gather_rows_checks_its_arrays_and_host_indices(x, rows, error, match):
+    from libnn.nn.functional import gather_rows
+
+    with pytest.raises(error, match=f"^gather_rows: {match}"):
+        gather_rows(x, rows)
+
+
+def test_gather_rows_on_the_host_gives_zeros_for_minus_1():
+    from libnn.nn.functional import gather_rows
+
+    x = np.arange(6.0).reshape(3, 2)
+    np.testing.assert_array_equal(gather_rows(x, np.array([2, -1, 0], np.int32)), [[4, 5], [0, 0], [0, 1]])
 
 
 @pytest.mark.parametrize("x, w_qkv, heads, match", [

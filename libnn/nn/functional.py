@@ -13,7 +13,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops.attention import CheckedLengths, KeyPaddingBias, PackedSequences, attention
 from libnn.ops.linear import linear
-from libnn.runtime.arrays import array_module, as_array, contiguous, is_cupy
+from libnn.runtime.arrays import array_module, as_array, contiguous, describe, is_cupy
 from libnn.runtime.stream import capturing
 
 
@@ -88,6 +88,12 @@ class TokenPacking:
     back, and no mask is needed; otherwise q, k and v are unpacked for it and its output packed."""
 
     def __init__(self, valid: Any, capacity: int, ragged: bool = False):
+        _check_mask("TokenPacking", valid)
+        if isinstance(capacity, (bool, np.bool_)) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+            raise TypeError(f"TokenPacking: capacity must be an int >= 0 (rows to pack the tokens into), got "
+                            f"{type(capacity).__name__} {capacity!r}")
+        if not is_cupy(valid) and (tokens := int(np.count_nonzero(valid))) > capacity:  # on the GPU: no sync
+            raise ValueError(f"TokenPacking: capacity {capacity} is below the {tokens} tokens valid marks")
         xp = array_module(valid)
         self.shape, self.capacity, self.ragged = tuple(valid.shape), capacity, ragged
         flat = valid.reshape(-1)
@@ -150,6 +156,18 @@ def _check_mask(where: str, valid: Any) -> None:
                         f"{valid.dtype}")
 
 
+def _check_gather(where: str, x: Any, rows: Any) -> None:
+    for name, a, ndim in (("x", x, 2), ("rows", rows, 1)):
+        if not (hasattr(a, "ndim") and hasattr(a, "dtype")):
+            raise TypeError(f"{where}: {name} must be a {ndim}-D array, got {type(a).__name__}")
+        if a.ndim != ndim:
+            raise ValueError(f"{where}: {name} must be {ndim}-D, got shape {tuple(a.shape)}")
+    if rows.dtype != np.int32:
+        raise TypeError(f"{where}: rows must be int32 row indices, got dtype {rows.dtype}")
+    if is_cupy(x) != is_cupy(rows):
+        raise TypeError(f"{where}: x and rows must be on one device, got x {describe(x)} and rows {describe(rows)}")
+
+
 def _bias_dtype(dtype: Any) -> np.dtype:
     """The bias's dtype (the attention's q dtype), parsed: a floating-point one, -inf has no integer value."""
     try:
@@ -162,9 +180,15 @@ def _bias_dtype(dtype: Any) -> np.dtype:
 
 
 def gather_rows(x: Any, rows: Any) -> Any:
-    """out[i] = x[rows[i]] for the rows of a 2-D `x`, zeros where rows[i] is -1."""
+    """out[i] = x[rows[i]] for the rows of a 2-D `x`, zeros where rows[i] is -1. `rows` is an int32
+    vector on x's device; on the host each index is checked, on the GPU (TokenPacking's maps, built on
+    the device) none is: reading them back would cost a synchronisation per call."""
+    _check_gather("gather_rows", x, rows)
     xp = array_module(x)
     if not is_cupy(x):
+        if rows.size and not (-1 <= int(rows.min()) and int(rows.max()) < x.shape[0]):
+            raise IndexError(f"gather_rows: rows must be -1 (a zero row) or in 0..{x.shape[0] - 1}, got "
+                             f"{int(rows.min())}..{int(rows.max())}")
         out = np.zeros((rows.shape[0], x.shape[1]), x.dtype)
         kept = rows >= 0
         out[kept] = x[rows[kept]]
