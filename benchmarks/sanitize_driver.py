@@ -230,6 +230,27 @@ def _rope():
                 rope(x, positions, inv_freq, rotary_dim=rotary, out=x, path=path)
 
 
+# --- swiglu -------------------------------------------------------------------------------------------
+@item("swiglu: custom paths, both kernel versions, F = 1 and 7, row slices in place, misaligned, strided")
+def _swiglu():
+    from libnn.ops import swiglu
+    from libnn.ops.swiglu import launch_custom
+
+    for path in custom_paths("swiglu"):
+        for dtype in DTYPES:
+            for shape in ((1, 2), (3, 14), (5, 128), (2, 3, 2000), (1, 2 * 11008)):
+                x = normal(shape, dtype)
+                swiglu(x, path=path)
+                swiglu(offset_view(x), path=path)
+            wide = normal((7, 3 * 64), dtype)
+            swiglu(wide[:, :128], path=path)       # rows 192 wide: the vector version in place
+            swiglu(wide[:, ::3][:, :40], path=path)  # strided: copied first
+    for dtype in DTYPES:
+        x = normal((37, 2 * 1000), dtype)
+        for version in ("swiglu1_scalar", "swiglu2_vec"):
+            launch_custom(x, version, ((1, 1), (32, 1)))
+
+
 # --- softmax ------------------------------------------------------------------------------------------
 @item("softmax: custom paths, rows and columns, log, odd lengths")
 def _softmax():

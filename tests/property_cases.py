@@ -482,14 +482,36 @@ def _build_rms_norm(p, rng) -> Case:
     return Case("rms_norm", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
 
 
+# --- swiglu -------------------------------------------------------------------------------------------
+@st.composite
+def swiglu_specs(draw, dtypes_=GPU_DTYPES):
+    F = draw(st.one_of(SMALL, st.sampled_from([1, 7, 64, 1000, 1031, 2048, 11008])))
+    p = dict(lead=draw(st.lists(TINY, min_size=0, max_size=2)), F=F, dtype=draw(st.sampled_from(dtypes_)),
+             scale=draw(st.sampled_from([1.0, 4.0, 30.0])), x_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("swiglu", p)
+
+
+def _build_swiglu(p, rng) -> Case:
+    from libnn.ops import swiglu
+
+    lead, F, dtype = tuple(p["lead"]), p["F"], p["dtype"]
+    arrays = {"x": normal(rng, (*lead, 2 * F), dtype, p["scale"])}  # scale 30: gates deep in silu's tails
+
+    def call(a, path):
+        return swiglu(a["x"], path=path)
+
+    return Case("swiglu", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
+
+
 STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
               "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs,
-              "rms_norm": rms_norm_specs}
+              "rms_norm": rms_norm_specs, "swiglu": swiglu_specs}
 _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
              "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope,
-             "rms_norm": _build_rms_norm}
+             "rms_norm": _build_rms_norm, "swiglu": _build_swiglu}
 
 
 def build(spec: Spec, base_seed: int) -> Case:

@@ -40,6 +40,7 @@ activations = importlib.import_module("libnn.ops.activations")
 embedding = importlib.import_module("libnn.ops.embedding")
 layer_norm = importlib.import_module("libnn.ops.layer_norm")
 rms_norm = importlib.import_module("libnn.ops.rms_norm")
+swiglu = importlib.import_module("libnn.ops.swiglu")
 pool2d = importlib.import_module("libnn.ops.pool2d")
 softmax = importlib.import_module("libnn.ops.softmax")
 fft_conv = importlib.import_module("libnn.ops.fft_conv")
@@ -127,6 +128,9 @@ def launched() -> list[tuple[str, contracts.Params, str]]:
     rows += _row_kernels("embedding.launch_custom", embedding, embedding._EMB, "H")
     rows += _row_kernels("layer_norm.launch_custom", layer_norm, layer_norm._LN, "N")
     rows += _row_kernels("rms_norm.launch_custom", rms_norm, rms_norm._RMS, "N")
+    for dtype in swiglu.GPU_DTYPES:
+        rows += [("swiglu.bind_custom", swiglu._SWIGLU, f"{version}_{dtypes.KERNEL_SUFFIX[dtype]}")
+                 for version in swiglu.VERSIONS]
     for dtype in pool2d.GPU_DTYPES:
         for name in ("maxpool_nhwc_vec", "maxpool", "avgpool"):
             rows.append(("pool2d.bind_pool", pool2d._POOL, f"{name}_{dtypes.KERNEL_SUFFIX[dtype]}"))
@@ -232,7 +236,7 @@ def test_the_launch_sites_pack_by_declared_lists():
             ("conv2d.py", "channel_epilogue_##SUFFIX"), ("attention_kernels.py", "ATTN_PARAMS"),
             ("attention_kernels.py", "attn_softmax_##SUFFIX"), ("embedding.py", "EMB_PARAMS"),
             ("layer_norm.py", "LN_PARAMS"), ("rms_norm.py", "RMS_PARAMS"), ("pool2d.py", "POOL_PARAMS"),
-            ("softmax.py", "SM_PARAMS"),
+            ("softmax.py", "SM_PARAMS"), ("swiglu.py", "SWIGLU_PARAMS"),
             ("fft_conv.py", "fft_pad_##SUFFIX"), ("fft_conv.py", "fft_crop_##SUFFIX"), ("fft_conv.py", "fft_cmul"),
             ("fft_conv_kernels.py", "fft_radix2_c2c"), ("fft_conv_kernels.py", "fft_twiddle")} <= sites
 
@@ -377,6 +381,12 @@ def launch_blocks() -> list[tuple[str, str, int, bool]]:
             for inner in (1, 5):
                 name, _, block = softmax.custom_launch(SimpleNamespace(outer=7, n=n, inner=inner))
                 rows.append(("softmax.cu", f"{name}_{softmax.KERNEL_SUFFIX[dtype]}", math.prod(block), False))
+    for dtype in swiglu.GPU_DTYPES:
+        for M, F in ((1, 1), (5, 7), (3, 64), (1000, 11008)):
+            p = swiglu.SwigluProblem((M, 2 * F), dtype, "gpu:0")
+            for version in swiglu.custom_versions(p, swiglu.aligned(p, 2 * F, 0, 0)):
+                name, _, block = swiglu.custom_launch(p, version)
+                rows.append(("swiglu.cu", name, math.prod(block), False))
     for version in fft_conv_kernels.VERSIONS:
         for log2n in range(1, fft_conv_kernels.MAX_BLOCK_LOG2N + 1):
             rows.append(("fft_conv.cu", version, fft_conv_kernels._fft_launch_shape(version, log2n, 64)[1], False))

@@ -21,7 +21,7 @@ from libnn.ops import activations, conv2d
 from libnn.registry import ops
 from property_cases import (STRATEGIES, attention_specs, build, conv2d_specs, embedding_specs, fft_conv_specs,
                             layer_norm_specs, linear_specs, pool2d_specs, rms_norm_specs, rope_specs,
-                            softmax_specs)
+                            softmax_specs, swiglu_specs)
 
 DTYPES = ("fp16", "bf16", "fp32")
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None, print_blob=True,
@@ -283,6 +283,23 @@ def test_rms_norm_reference_divides_each_row_by_its_root_mean_square(base_seed, 
     rows = (h ** 2).mean(axis=-1) > 1e4 * eps
     if case.dtype == "fp32":
         assert np.allclose((y ** 2).mean(axis=-1)[rows], 1, atol=1e-4)
+
+
+@SETTINGS
+@given(spec=swiglu_specs(DTYPES))
+def test_swiglu_reference_is_the_gate_half_through_silu_times_the_up_half(base_seed, spec):
+    """y = g · sigmoid(g) · u for g, u the two halves of x's last dimension, with sigmoid written as
+    (1 + tanh(g / 2)) / 2 here (no exponential to overflow); where up is positive, y has the sign of
+    the gate (silu keeps it)."""
+    case = build(spec, base_seed)
+    x, F = f64(case.arrays["x"]), spec.params["F"]
+    gate, up = x[..., :F], x[..., F:]
+    exact = gate * (1 + np.tanh(gate / 2)) / 2 * up
+    got = case.call(case.arrays, "reference")
+    assert got.shape == (*x.shape[:-1], F)
+    assert_rounded_from(got, exact, case.dtype)
+    positive = (up > 0) & (f64(got) != 0)
+    assert np.all(np.sign(f64(got))[positive] == np.sign(gate)[positive])
 
 
 def test_every_registered_op_has_a_property_strategy():
