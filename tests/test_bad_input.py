@@ -47,7 +47,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     ops.fft_conv2d, fft_conv1d                x x x x x x x -   7 of 7
     ops.rope (test_rope_reference.py)         x x x x x x x -   7 of 7
     ops.rope_frequencies                      x x x - - - x -   4 of 4
-    Module.graphed (arguments and calls)      x x o x - x x -   6 of 7
+    Module.graphed (arguments and calls)      x x x x - x x -   7 of 7
     graphs.SequenceInputs                     x x - - - - - -   2 of 2
     functional.key_padding(_and_tokens)       x - - x x - - -   3 of 3
     functional.masked_mean                    x - - x x - - -   3 of 3
@@ -57,8 +57,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
     BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
 
-Notes on the o marks: graphed(buckets=...) takes any bucket size: one larger than GPU memory
-fails in CuPy's allocation at the capture (GPU only). packed_self_attention leaves dtypes, devices
+Notes on the o marks: packed_self_attention leaves dtypes, devices
 and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
 check their arrays and, on the host, the capacity against the token count and every row index; on the
 GPU neither is read back (a synchronisation per call): TokenPacking's maps come from the device.

@@ -101,6 +101,19 @@ def test_batch_over_the_largest_bucket_is_refused_with_the_buckets(rng):
 
 
 @pytest.mark.gpu
+def test_a_bucket_too_large_for_gpu_memory_is_refused_before_its_capture_allocates(rng):
+    import cupy
+
+    graphed = SeedCNN.pretrained(dtype="fp16", device="gpu").graphed(buckets=(2**40,))
+    with pytest.raises(MemoryError, match=r"^SeedCNN.graphed\(\): the input buffers of bucket \(1099511627776,\) "
+                                          r"needs .* more than the .* of free GPU memory available$"):
+        graphed(cupy.asarray(random_normal(rng, (1, 1, 28, 28), "fp16")))
+    assert graphed.stats() == {}
+    small = SeedCNN.pretrained(dtype="fp16", device="gpu").graphed(buckets=(2,))
+    assert small(cupy.asarray(random_normal(rng, (1, 1, 28, 28), "fp16"))).shape == (1, 10)
+
+
+@pytest.mark.gpu
 def test_a_bucket_output_survives_replays_of_other_buckets_and_the_lru_cap_recaptures(rng):
     import cupy
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import numbers
 import time
 from collections import OrderedDict
@@ -75,6 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 from libnn.errors import LibnnError
+from libnn.runtime import memory
 from libnn.runtime.arrays import is_cupy
 from libnn.runtime.stream import graph_mode
 
@@ -398,8 +400,12 @@ class GraphedModule:
         start = time.perf_counter()
         pool = self._memory_pool()
         size = None if bucket is None else (bucket.rows_bucket, bucket.seq_bucket)
+        shapes = [_padded_shape(a.shape, size) for a in arrays]
+        if size is not None:  # a bucket far above the call's batch: refused before the capture allocates it
+            memory.require(sum(math.prod(shape) * a.dtype.itemsize for shape, a in zip(shapes, arrays)), "gpu",
+                           self._name, f"the input buffers of bucket {tuple(b for b in size if b is not None)}")
         with cupy.cuda.using_allocator(pool.malloc):
-            buffers = [cupy.empty(_padded_shape(a.shape, size), a.dtype) for a in arrays]
+            buffers = [cupy.empty(shape, a.dtype) for shape, a in zip(shapes, arrays)]
             auto_mask = cupy.empty(size, cupy.bool_) if bucket is not None and bucket.auto_mask else None
         stats_key = key if bucket is None else tuple(b for b in size if b is not None)
         entry = _Capture(buffers, auto_mask, size, self._stats.setdefault(stats_key, CaptureStats()))
