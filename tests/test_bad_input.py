@@ -47,7 +47,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     ops.fft_conv2d, fft_conv1d                x x x x x x x -   7 of 7
     ops.rope (test_rope_reference.py)         x x x x x x x -   7 of 7
     ops.rope_frequencies                      x x x - - - x -   4 of 4
-    Module.graphed (arguments and calls)      x x x x - x x -   7 of 7
+    Module.graphed (arguments and calls)      x x x x - x x -   6 of 6
     graphs.SequenceInputs                     x x - - - - - -   2 of 2
     functional.key_padding(_and_tokens)       x - - x x - - -   3 of 3
     functional.masked_mean                    x - - x x - - -   3 of 3
