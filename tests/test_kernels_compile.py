@@ -19,7 +19,10 @@ else:
 # Spills accepted on purpose, with the measurement that chose them: gemm2_tiled_f32 keeps 2 blocks/SM
 # (128 registers) on sm_90, where NVRTC 13.0's ptxas spills up to 16 B in some runs, because the
 # uncapped kernel ran slower on the H100 (benchmarks/RESULTS.md, gemm2 register cap).
-ACCEPTED_SPILL_BYTES = {("gemm2_tiled_f32", "sm_90"): 16}
+# rms2_block_vec2_f16 on sm_80: NVRTC 13.0's ptxas (the H100 image's; 13.5 does not) keeps one 32-bit word of
+# the row's address on the stack across the block's reduction, at 40 of the 128 registers it may use: a
+# store and a load per row, in a kernel for an architecture the H100 does not run (SASS read with nvdisasm).
+ACCEPTED_SPILL_BYTES = {("gemm2_tiled_f32", "sm_90"): 16, ("rms2_block_vec2_f16", "sm_80"): 4}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
