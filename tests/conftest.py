@@ -41,7 +41,8 @@ def pytest_configure(config):
         os.environ["LIBNN_CACHE_DIR"] = config.workerinput[CACHE_DIR_KEY]
     else:
         os.environ["LIBNN_CACHE_DIR"] = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="libnn-test-cache-")
-        if config.getoption("numprocesses", None) or os.environ.get("LIBNN_TEST_PRECOMPILE") == "1":
+        # taken out of the environment: the pytest runs some tests start in subprocesses must not start it again
+        if os.environ.pop("LIBNN_TEST_PRECOMPILE", None) == "1" or config.getoption("numprocesses", None):
             config.stash[PRECOMPILES] = precompile_kernels()
     value = os.environ.get("LIBNN_TEST_SEED", "0")
     if config.getoption("--random-seed") or value == "random":
