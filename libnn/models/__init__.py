@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _MODULES = {"BertEncoder": "bert", "BertConfig": "bert", "BertOutput": "bert",
-            "SeedCNN": "seed_cnn"}
+            "CausalLM": "llama", "LlamaConfig": "llama", "SeedCNN": "seed_cnn"}
 
 __all__ = list(_MODULES)
 
