@@ -7,10 +7,11 @@ stopping their sequence only; sampling (seeded, top_k, top_p); sharded checkpoin
 configs, checkpoints and generation arguments get, each naming the file, key or argument, with the
 model usable after them.
 
-On the GPU (marked gpu): the same tiny configs against transformers' LlamaForCausalLM (random weights,
-save_pretrained in safetensors): fp32 logits within 1e-4 and the same greedy tokens for 8 steps; fp16 (and
-bf16) logits within dtypes.TOLERANCE (bf16 3e-2), and each greedy token within the tolerance of the
-reference's best; grouped-query attention, multi-query attention and tied embeddings covered.
+Against transformers' LlamaForCausalLM (random weights, save_pretrained in safetensors; skipped where torch
+and transformers are not installed): the reference path in fp64 on the host, logits within 1e-5 and the same
+greedy tokens; on the GPU (marked gpu), fp32 logits within 1e-4 and the same greedy tokens for 8 steps,
+fp16 and bf16 logits within 2e-2 and 4e-2, each greedy token within that of the reference's best;
+grouped-query attention, multi-query attention and tied embeddings covered.
 
 Tolerances (relative L2 error of the logits): fp64 1e-12 (the reference path computes every op in
 float64: the differences are summation order, 2e-15 seen), fp32 5e-6 (one rounding per op, 3e-7 seen)."""
@@ -561,9 +562,11 @@ def hf_checkpoint(tmp_path, variant: str):
                                       num_attention_heads=HEADS, max_position_embeddings=64, rms_norm_eps=1e-5,
                                       initializer_range=0.1, bos_token_id=1, eos_token_id=2,
                                       **HF_VARIANTS[variant])
+    config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(tmp_path)  # safetensors: the default since transformers 4.35, the only format in 5
+    assert (tmp_path / "model.safetensors").is_file(), sorted(p.name for p in tmp_path.iterdir())
     return model
 
 
@@ -574,16 +577,37 @@ def hf_logits(model, tokens) -> np.ndarray:
         return model(torch.tensor([tokens])).logits[0, -1].double().numpy()
 
 
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_the_reference_path_matches_transformers_on_its_own_checkpoint(tmp_path, rng, variant):
+    """On the host (where torch and transformers are installed): a checkpoint save_pretrained wrote, its
+    config.json as this transformers version writes it, loaded in fp64: logits of a padded batch within
+    1e-5 of transformers' fp32 ones, and its greedy tokens for 8 steps."""
+    hf = hf_checkpoint(tmp_path, variant)
+    model = CausalLM.from_pretrained(tmp_path, dtype="fp64", device="cpu", max_batch=3, max_len=32)
+    seqs = [rng.integers(3, V, n).tolist() for n in (7, 3, 11)]
+    logits = model.prefill(*padded(seqs))
+    for b, seq in enumerate(seqs):
+        assert rel_error(logits[b], hf_logits(hf, seq)) <= 1e-5, b
+    expected = []
+    for seq in seqs:
+        tokens = list(seq)
+        for _ in range(8):
+            tokens.append(int(np.argmax(hf_logits(hf, tokens))))
+        expected.append(tokens[len(seq):])
+    assert [o.tolist() for o in model.generate(seqs, 8, eos_token_id=())] == expected
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("variant", list(HF_VARIANTS))
 def test_matches_transformers_logits_and_greedy_tokens(tmp_path, rng, variant, dtype):
     """Prefill of prompts of 7, 3 and 11 tokens in one batch, then 8 greedy steps: each step's logits
-    against transformers' on the same tokens (fp32 1e-4; fp16 1e-2; bf16 3e-2), the greedy tokens
-    transformers' own in fp32, and in fp16/bf16 each token's reference logit within the tolerance (times
-    the logits' spread) of the reference's best, where rounding may swap two near-equal logits."""
+    against transformers' fp32 ones on the same tokens (fp32 1e-4; fp16 2e-2 and bf16 4e-2, as the BERT
+    GPU tests hold), the greedy tokens transformers' own in fp32, and in fp16/bf16 each token's reference
+    logit within the tolerance (times the largest logit) of the reference's best, where rounding may swap
+    two near-equal logits."""
     hf = hf_checkpoint(tmp_path, variant)
-    tolerance = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}[dtype]
+    tolerance = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}[dtype]
     model = CausalLM.from_pretrained(tmp_path, dtype=dtype, device="gpu", max_batch=3, max_len=32)
     seqs = [rng.integers(3, V, n).tolist() for n in (7, 3, 11)]
     ids, lengths = padded(seqs)
