@@ -48,7 +48,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.ops import row_kernels
-from libnn.ops.layer_norm import check_affine, check_eps, layer_norm
+from libnn.ops.layer_norm import layer_norm
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
@@ -202,8 +202,8 @@ def embedding_problem(ids, weight, position_weight, position_offset, type_ids, t
         if not normalize:
             raise ValueError(f"embedding: {name} is given but normalize is False; pass normalize=True to "
                              "apply the LayerNorm")
-        check_affine("embedding", name, vector, weight, "weight", "hidden size")
-    check_eps("embedding", eps)
+        row_kernels.check_affine("embedding", name, vector, weight, "weight", "hidden size")
+    row_kernels.check_eps("embedding", eps)
     if id_errors is not None and not isinstance(id_errors, IdErrors):
         raise TypeError(f"embedding: id_errors must be None or a libnn.ops.embedding.IdErrors, got "
                         f"{type(id_errors).__name__} {id_errors!r}")

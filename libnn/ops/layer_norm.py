@@ -77,26 +77,6 @@ class LayerNormProblem:
         return arrays * self.M * self.N * dtypes.parse(self.dtype).itemsize
 
 
-def check_affine(op: str, name: str, vector: Any, like: Any, like_name: str, width: str) -> None:
-    """A LayerNorm's weight or bias, `vector`, of shape (N,) for `like`'s last dimension N and in its
-    dtype; `width` says what N is (layer_norm's "last dimension", embedding's "hidden size")."""
-    N = like.shape[-1]
-    if tuple(vector.shape) != (N,):
-        raise ValueError(f"{op}: {name} must have shape ({N},) to match {like_name}'s {width} "
-                         f"({like_name} is {tuple(like.shape)}), got {tuple(vector.shape)}")
-    if vector.dtype != like.dtype:
-        raise TypeError(f"{op}: {name} has dtype {dtypes.short_name(vector.dtype)} but {like_name} has "
-                        f"{dtypes.short_name(like.dtype)}; cast them to one dtype")
-
-
-def check_eps(op: str, eps: Any) -> None:
-    """A LayerNorm's eps: a finite number > 0 (TypeError for anything but a real number)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{op}: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
-    if not eps > 0 or not math.isfinite(eps):
-        raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
-
-
 def layer_norm_problem(x, weight, bias, residual, eps, return_sum) -> LayerNormProblem:
     if x.ndim < 1:
         raise ValueError("layer_norm: x must have at least 1 dimension (..., N), got a 0-d array")
@@ -105,8 +85,8 @@ def layer_norm_problem(x, weight, bias, residual, eps, return_sum) -> LayerNormP
     N = x.shape[-1]
     for name, a in (("weight", weight), ("bias", bias)):
         if a is not None:
-            check_affine("layer_norm", name, a, x, "x", "last dimension")
-    check_eps("layer_norm", eps)
+            row_kernels.check_affine("layer_norm", name, a, x, "x", "last dimension")
+    row_kernels.check_eps("layer_norm", eps)
     if residual is not None:
         if tuple(residual.shape) != tuple(x.shape):
             raise ValueError(f"layer_norm: residual must have x's shape {tuple(x.shape)}, "

@@ -40,7 +40,6 @@ from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
 from libnn.errors import LibraryError
 from libnn.ops import row_kernels
-from libnn.ops.layer_norm import check_affine, check_eps
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
@@ -82,8 +81,8 @@ def rms_norm_problem(x, weight, residual, eps, return_sum) -> RMSNormProblem:
     if not dtypes.is_float(x.dtype):
         raise TypeError(f"rms_norm: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     if weight is not None:
-        check_affine("rms_norm", "weight", weight, x, "x", "last dimension")
-    check_eps("rms_norm", eps)
+        row_kernels.check_affine("rms_norm", "weight", weight, x, "x", "last dimension")
+    row_kernels.check_eps("rms_norm", eps)
     if residual is not None:
         if tuple(residual.shape) != tuple(x.shape):
             raise ValueError(f"rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")

@@ -6,12 +6,20 @@ one its custom path runs, and with what grid and block.
 1) <prefix>1_warp_{vec,sca}{VPT}: a row per warp, 4 rows per 128-thread block, up to n = 1024.
 2) <prefix>2_block_vec{VPT}: a row per block of up to 512 threads, in registers; 16-byte accesses only.
 3) <prefix>3_loop: a row per 512-thread block, any n and alignment.
+
+It also holds the argument checks the row-normalizing ops (layer_norm, rms_norm, embedding's fused
+LayerNorm) share: a weight or bias vector against the rows, and eps.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -96,3 +104,23 @@ def require_version(op: str, version: str, problem: Any, aligned: bool, versions
     if version not in versions:
         raise ValueError(f"{op}: kernels/{op}.cu version {version!r} cannot run {problem.describe()} "
                          f"({'16-byte aligned' if aligned else 'not 16-byte aligned'}); it can run {versions}")
+
+
+def check_affine(op: str, name: str, vector: Any, like: Any, like_name: str, width: str) -> None:
+    """A LayerNorm's weight or bias, `vector`, of shape (N,) for `like`'s last dimension N and in its
+    dtype; `width` says what N is (layer_norm's "last dimension", embedding's "hidden size")."""
+    N = like.shape[-1]
+    if tuple(vector.shape) != (N,):
+        raise ValueError(f"{op}: {name} must have shape ({N},) to match {like_name}'s {width} "
+                         f"({like_name} is {tuple(like.shape)}), got {tuple(vector.shape)}")
+    if vector.dtype != like.dtype:
+        raise TypeError(f"{op}: {name} has dtype {dtypes.short_name(vector.dtype)} but {like_name} has "
+                        f"{dtypes.short_name(like.dtype)}; cast them to one dtype")
+
+
+def check_eps(op: str, eps: Any) -> None:
+    """A LayerNorm's eps: a finite number > 0 (TypeError for anything but a real number)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{op}: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
+    if not eps > 0 or not math.isfinite(eps):
+        raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
