@@ -25,7 +25,6 @@ no token at all gives zeros (Hugging Face averages every position there).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -34,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.nn import checks, weights
+from libnn.models import checkpoint
+from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import (TokenPacking, key_padding_and_tokens, on_device_of, op_path,
                                  masked_mean, packed_self_attention)
@@ -373,28 +373,18 @@ class BertEncoder(Module):
         "reference", ...) or is a dict by op name; `unpad` as for the constructor. Raises, naming the
         keys, if the checkpoint's weights do not match the config."""
         where = "BertEncoder.from_pretrained"
-        if not isinstance(directory, (str, Path)):
-            raise TypeError(f"{where}: directory must be a str or pathlib.Path, got {type(directory).__name__} "
-                            f"{directory!r}")
-        directory = Path(directory)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{where}: {str(directory)!r} has no config.json")
-        config = BertConfig.from_dict(_read_json(config_file), str(config_file))
+        directory, config_file, config_json = checkpoint.read_config(directory, where)
+        config = BertConfig.from_dict(config_json, str(config_file))
         # refused before the checkpoint is read: the model is built on the host, then moved
         _check_fits(where, config, True, dtype, device, str(config_file))
-        raw, files = _read_checkpoint(directory)
+        raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.h5"))
         state, report = _checkpoint_state(raw)
         report.files = files
         with uninitialised():  # every parameter is replaced by the checkpoint's, or the load fails
             model = cls(config, pooler=any(k.startswith("pooler.") for k in state), dtype=dtype, device="cpu",
                         path=path, unpad=unpad)
-        try:
-            model.load_state_dict(state, assign=True)  # the arrays just read: no copy of the checkpoint
-        except (KeyError, ValueError, TypeError) as exc:  # a key, shape or dtype: name the checkpoint
-            message = exc.args[0] if exc.args else str(exc)
-            raise type(exc)(f"BertEncoder.from_pretrained({str(directory)!r}): the checkpoint does not match its "
-                            f"config ({config.num_hidden_layers} layers, hidden {config.hidden_size}): {message}") from exc
+        checkpoint.load_state(model, state, f"{where}({str(directory)!r}): the checkpoint does not match its config "
+                                            f"({config.num_hidden_layers} layers, hidden {config.hidden_size})")
         model.load_report = report
         return model.to(device) if device != "cpu" else model
 
@@ -532,38 +522,11 @@ class BertEncoder(Module):
 def _check_fits(where: str, config: Any, pooler: bool, dtype: Any, device: str, source: str) -> None:
     """The config (from `source`), dtype and device checked, and the parameters refused before any is
     drawn if they would not fit (the host builds them all, even for the GPU)."""
-    if not isinstance(config, BertConfig):
-        raise TypeError(f"{where}: config must be a BertConfig (BertConfig.from_dict(...)), got "
-                        f"{type(config).__name__}")
-    parsed = checks.float_dtype(where, dtype)
-    checks.device(where, device)
-    config.check(where)
+    parsed = checkpoint.check_model_arguments(where, config, BertConfig, dtype, device)
     elements = config.parameter_count(checks.flag(where, "pooler", pooler))
     checks.parameters_fit(where, f"the model of {source} (vocab_size={config.vocab_size}, hidden_size="
                                  f"{config.hidden_size}, {config.num_hidden_layers} layers: {elements} parameters)",
                           elements, parsed, device)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"BertEncoder.from_pretrained: {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def _shards(index: Path) -> list[str]:
-    """The shard files model.safetensors.index.json names: file names in its own directory."""
-    loaded = _read_json(index)
-    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"BertEncoder.from_pretrained: {str(index)!r} must be a JSON object whose 'weight_map' "
-                         "maps each tensor's name to its shard file")
-    shards = sorted(set(weight_map.values()), key=str)
-    for shard in shards:
-        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
-            raise ValueError(f"BertEncoder.from_pretrained: {str(index)!r} names the shard {shard!r}; expected a "
-                             "file name in the checkpoint's directory")
-    return shards
 
 
 def _check_ranges(checks: dict[str, tuple[Any, int, str]]) -> None:
@@ -586,23 +549,6 @@ def _mean_pool(x: Any, valid: Any) -> Any:
         return masked_mean(x, valid)
     xp = array_module(x)
     return x.astype(xp.float32 if is_cupy(x) else np.float64).mean(axis=1).astype(x.dtype)
-
-
-def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists."""
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.is_file():
-        return weights.read(single), [str(single)]
-    if index.is_file():
-        shards = _shards(index)
-        state: dict[str, np.ndarray] = {}
-        for shard in shards:
-            state.update(weights.read(directory / shard))
-        return state, [str(directory / s) for s in shards]
-    others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.h5"))
-    raise FileNotFoundError(f"BertEncoder.from_pretrained: {str(directory)!r} has no model.safetensors (nor "
-                            f"model.safetensors.index.json)" + (f"; found {others}: convert them to safetensors "
-                                                                "(libnn reads no pickles)" if others else ""))
 
 
 def _checkpoint_state(raw: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], LoadReport]:

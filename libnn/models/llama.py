@@ -49,7 +49,6 @@ float64 reference, what the CPU tests compare against an independent NumPy LLaMA
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -59,7 +58,8 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.nn import checks, weights
+from libnn.models import checkpoint
+from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import gather_rows, on_device_of, op_path
 from libnn.nn.linear import Linear
@@ -481,27 +481,18 @@ class CausalLM(Module):
         read if they would not fit; a key, shape or dtype that does not match the config is an error
         naming the file and the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
-        if not isinstance(directory, (str, Path)):
-            raise TypeError(f"{where}: directory must be a str or pathlib.Path, got {type(directory).__name__} "
-                            f"{directory!r}")
-        directory = Path(directory)
-        config_file = directory / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{where}: {str(directory)!r} has no config.json")
-        config = LlamaConfig.from_dict(_read_json(config_file), str(config_file))
+        directory, config_file, config_json = checkpoint.read_config(directory, where)
+        config = LlamaConfig.from_dict(config_json, str(config_file))
         _check_fits(where, config, dtype, device, max_batch, max_len, str(config_file), False)
-        raw, files = _read_checkpoint(directory)
+        # each tensor in the shard its weight_map names
+        raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
         state, report = _checkpoint_state(raw, config)
         report.files = files
         # every parameter is replaced by the checkpoint's, or the load fails
         model = cls(config, dtype=dtype, device="cpu", max_batch=max_batch, max_len=max_len, path=path, init=False)
-        try:
-            model.load_state_dict(state, assign=True)  # the arrays just read: no copy of the checkpoint
-        except (KeyError, ValueError, TypeError) as exc:  # a key, shape or dtype: name the checkpoint
-            message = exc.args[0] if exc.args else str(exc)
-            raise type(exc)(f"{where}({str(directory)!r}): the checkpoint ({', '.join(files)}) does not match its "
-                            f"config ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-                            f"tie_word_embeddings={config.tie_word_embeddings}): {message}") from exc
+        checkpoint.load_state(model, state, f"{where}({str(directory)!r}): the checkpoint ({', '.join(files)}) does "
+                                            f"not match its config ({config.num_hidden_layers} layers, hidden "
+                                            f"{config.hidden_size}, tie_word_embeddings={config.tie_word_embeddings})")
         model.load_report = report
         del raw, state  # the checkpoint's arrays: the stacked weights and the cast copies hold what is kept
         return model.to(device) if device != "cpu" else model
@@ -836,12 +827,7 @@ def _check_fits(where: str, config: Any, dtype: Any, device: str, max_batch: Any
     parameters are drawn in float64 on the host (checks.parameters_fit); else read from a checkpoint,
     which the host holds as stored (counted as 4 bytes a value at most) beside the cast and stacked
     copies (the model's itemsize)."""
-    if not isinstance(config, LlamaConfig):
-        raise TypeError(f"{where}: config must be a LlamaConfig (LlamaConfig.from_dict(...)), got "
-                        f"{type(config).__name__}")
-    parsed = checks.float_dtype(where, dtype)
-    checks.device(where, device)
-    config.check(where)
+    parsed = checkpoint.check_model_arguments(where, config, LlamaConfig, dtype, device)
     max_batch = checks.size(where, "max_batch", max_batch)
     if max_len is None:
         max_len = min(DEFAULT_MAX_LEN, config.max_position_embeddings)
@@ -862,44 +848,6 @@ def _check_fits(where: str, config: Any, dtype: Any, device: str, max_batch: Any
                    f"the KV cache ({max_batch} sequences of {max_len} tokens, {config.num_hidden_layers} layers, "
                    f"{config.num_key_value_heads} KV heads of {config.head_dim})")
     return max_batch, max_len
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"CausalLM.from_pretrained: {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def _read_checkpoint(directory: Path) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists (each
-    tensor in the shard its weight_map names)."""
-    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
-    if single.is_file():
-        return weights.read(single), [str(single)]
-    if index.is_file():
-        loaded = _read_json(index)
-        weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"CausalLM.from_pretrained: {str(index)!r} must be a JSON object whose 'weight_map' "
-                             "maps each tensor's name to its shard file")
-        shards = sorted(set(weight_map.values()), key=str)
-        for shard in shards:
-            if not isinstance(shard, str) or not shard or Path(shard).name != shard:
-                raise ValueError(f"CausalLM.from_pretrained: {str(index)!r} names the shard {shard!r}; expected a "
-                                 "file name in the checkpoint's directory")
-        state: dict[str, np.ndarray] = {}
-        for shard in shards:
-            for key, value in weights.read(directory / shard).items():
-                if weight_map.get(key, shard) != shard:
-                    raise ValueError(f"CausalLM.from_pretrained: {str(directory / shard)!r} holds {key!r}, which "
-                                     f"{str(index)!r} places in {weight_map[key]!r}")
-                state[key] = value
-        return state, [str(directory / s) for s in shards]
-    others = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pth"))
-    raise FileNotFoundError(f"CausalLM.from_pretrained: {str(directory)!r} has no model.safetensors (nor "
-                            f"model.safetensors.index.json)" + (f"; found {others}: convert them to safetensors "
-                                                                "(libnn reads no pickles)" if others else ""))
 
 
 def _checkpoint_state(raw: dict[str, np.ndarray], config: LlamaConfig) -> tuple[dict[str, Any], LoadReport]:
