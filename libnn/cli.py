@@ -146,9 +146,11 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_run)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead"],
+    s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead",
+                                  "generate"],
                    help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
-                   "cost of a cached call of every op against PyTorch's) to benchmark")
+                   "cost of a cached call of every op against PyTorch's; for generate, LLaMA-architecture "
+                   "prefill and decode against Hugging Face's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fft_conv: and a heat map PNG beside it)")
     s.add_argument("--only", metavar="PARTS", help="models only: the parts to run, comma-separated, among "
