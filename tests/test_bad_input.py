@@ -56,11 +56,22 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     BertConfig.from_dict, BertEncoder(config) x x - - - - x -   3 of 3
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
     BertEncoder.forward (test_bert.py)        - x - x x - - -   3 of 3
+    ops.swiglu (test_swiglu_reference.py)     x - x x x x x -   6 of 6
+    LlamaConfig.from_dict, CausalLM(config)   x x x - x x x -   6 of 6
+    CausalLM.from_pretrained (test_llama.py)  x x x - x x x x   7 of 7
+    CausalLM.prefill, decode_step             x x x x x x - -   6 of 6
+    CausalLM.generate, stream (test_llama.py) x x x x x x - -   6 of 6
 
 Notes on the o marks: packed_self_attention leaves dtypes, devices
 and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
 check their arrays and, on the host, the capacity against the token count and every row index; on the
 GPU neither is read back (a synchronisation per call): TokenPacking's maps come from the device.
+
+The LLaMA rows (here and in test_llama.py): CausalLM(config)'s H, D, V and C are its max_batch/max_len
+(the KV cache), dtype, device and path, as from_pretrained's; V for prefill, decode_step, generate and
+stream is ids on the GPU given to a model on the host (a stand-in CuPy array: no GPU needed). swiglu
+has no argument with a range of its own (R): its sizes are x's shape, empty shapes included in
+test_swiglu_reference.py.
 """
 
 from __future__ import annotations
@@ -1572,3 +1583,469 @@ def test_pooling_gpu_path_on_host_arrays_says_so(pool):
 
     with pytest.raises(TypeError, match="^pool2d: path 'custom' runs on the GPU, but the arrays are host"):
         getattr(ops, pool)(np.ones((1, 4, 4, 1), np.float32), 2, path="custom")
+
+
+# --- ops.swiglu (beyond test_swiglu_reference.py) -----------------------------------------------------
+
+@pytest.mark.parametrize("x", [np.array(["a", "bb"]), np.array([1.0, None], dtype=object),
+                               np.array(["2020-01-01", "2020-01-02"], dtype="datetime64[D]"),
+                               np.zeros(4, dtype=[("a", "f4")]), np.ones(4, np.longdouble), np.ones(4, np.uint8)],
+                         ids=["str", "object", "datetime", "structured", "longdouble", "uint8"])
+def test_swiglu_refuses_dtypes_it_has_no_path_for(x):
+    """float128 included: its reference would compute in float64 and hand back float128 (fixed)."""
+    from libnn.ops import swiglu
+
+    with pytest.raises(TypeError, match=rf"^swiglu: x must be a floating-point array \(fp16, bf16, fp32, fp64\), "
+                                        rf"got {re.escape(str(x.dtype))}$"):
+        swiglu(x)
+
+
+@pytest.mark.parametrize("x", [None, 3.0, "ab"], ids=repr)
+def test_swiglu_refuses_what_is_not_an_array(x):
+    from libnn.ops import swiglu
+
+    with pytest.raises(TypeError, match=r"^swiglu: x must be an array \(numpy.ndarray, cupy.ndarray"):
+        swiglu(x)
+
+
+@pytest.mark.parametrize("path, error, match", [
+    (None, TypeError, r"path must be a string, 'auto' or one of \['custom', 'reference'\]; got NoneType None"),
+    (3, TypeError, r"path must be a string, .* got int 3"),
+    (["reference"], TypeError, r"path must be a string, .* got list \['reference'\]"),
+    ("", ValueError, r"unknown path ''; expected 'auto' or one of \['custom', 'reference'\]"),
+    ("REFERENCE", ValueError, r"unknown path 'REFERENCE'"),
+], ids=repr)
+def test_swiglu_path_must_be_one_of_its_names(path, error, match):
+    from libnn.ops import swiglu
+
+    with pytest.raises(error, match="^swiglu: " + match):
+        swiglu(np.ones((2, 4)), path=path)
+
+
+# --- LlamaConfig and CausalLM (beyond test_llama.py) -------------------------------------------------
+
+LLAMA = {"vocab_size": 11, "hidden_size": 8, "intermediate_size": 6, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "max_position_embeddings": 16, "eos_token_id": 2}
+
+
+def llama_config(**changes):
+    from libnn.models.llama import LlamaConfig
+
+    return LlamaConfig.from_dict({**LLAMA, **changes})
+
+
+def llama_directory(tmp_path, config_text: str | None = None, weights_too: bool = False):
+    """A checkpoint directory with this config.json (LLAMA's by default) and, with `weights_too`, a
+    model.safetensors of random weights that matches it."""
+    import json
+
+    from libnn.models.llama import CausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA) if config_text is None else config_text)
+    if weights_too:
+        pytest.importorskip("safetensors.numpy")
+        weights.write(tmp_path / "model.safetensors", CausalLM(llama_config()).state_dict())
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny random CausalLM on the host: vocab 11, a cache of 2 sequences of 8 tokens."""
+    from libnn.models.llama import CausalLM
+
+    return CausalLM(llama_config(), dtype="fp32", device="cpu", max_batch=2, max_len=8)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"rope_theta": "1e4"}, TypeError, r"rope_theta must be a finite number > 0, got str '1e4'"),
+    ({"rope_theta": True}, TypeError, r"rope_theta must be a finite number > 0, got bool True"),
+    ({"rope_theta": None}, TypeError, r"rope_theta must be a finite number > 0, got NoneType None"),
+    ({"rope_theta": float("inf")}, ValueError, r"rope_theta must be a finite number > 0, got inf"),
+    ({"rope_theta": 1e39}, ValueError, r"rope_theta 1e\+39 is beyond float32's largest number \(3.403e\+38\)"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, ValueError,
+     r"rope_theta 10000.0, rope_scaling .*: rope_frequencies: rope_scaling's factor must be a finite number > 0, "
+     r"got '2'"),
+    ({"rope_scaling": {"factor": 2.0}}, ValueError,
+     r"rope_scaling \{'factor': 2.0\} has no rope_type \(or type\); name the scaling"),
+    ({"rope_parameters": [1]}, TypeError, r"rope_parameters must be null or an object, got list \[1\]"),
+    ({"vocab_size": None}, TypeError, r"vocab_size must be an int, got NoneType None"),
+    ({"max_position_embeddings": None}, TypeError, r"max_position_embeddings must be an int, got NoneType None"),
+    ({"hidden_size": "8"}, TypeError, r"hidden_size must be an int, got str '8'"),
+    ({"num_key_value_heads": 0}, ValueError, r"num_key_value_heads must be a positive int, got 0"),
+    ({"head_dim": 1}, ValueError, r"head_dim must be an int >= 2, got 1"),
+    ({"max_position_embeddings": -3}, ValueError, r"max_position_embeddings must be a positive int, got -3"),
+    ({"rms_norm_eps": "1e-5"}, TypeError, r"rms_norm_eps must be a real number, got str '1e-5'"),
+    ({"rms_norm_eps": float("nan")}, ValueError, r"rms_norm_eps must be > 0, got nan"),
+    ({"pad_token_id": 11}, ValueError, r"pad_token_id 11 is outside the vocabulary \[0, 11\)"),
+    ({"bos_token_id": 1.0}, TypeError, r"bos_token_id must be an int, got float 1.0"),
+    ({"eos_token_id": [[2]]}, TypeError, r"eos_token_id must be an int, got list \[2\]"),
+    ({"tie_word_embeddings": None}, TypeError, r"tie_word_embeddings must be True or False, got NoneType None"),
+    ({"attention_bias": None}, ValueError, r"attention_bias=None is not supported \(only False"),
+    ({"hidden_act": None}, ValueError, r"hidden_act None is not supported \(supported: \['silu'\]"),
+    ({"model_type": ["llama"]}, ValueError, r"model_type \['llama'\] is not supported"),
+    ({"architectures": [1]}, TypeError, r"architectures must be a list of class names, got \[1\]"),
+], ids=repr)
+def test_llama_config_fields_are_checked_naming_the_source(change, error, match):
+    from libnn.models.llama import LlamaConfig
+
+    with pytest.raises(error, match=r"^CausalLM: dir/config.json: " + match):
+        LlamaConfig.from_dict({**LLAMA, **change}, "dir/config.json")
+
+
+def test_llama_config_takes_hugging_faces_nulls_and_refuses_what_is_not_an_object():
+    """head_dim and num_key_value_heads may be null (derived, as transformers does); a null
+    quantization_config is no quantization (it was refused as a quantized checkpoint: fixed)."""
+    from libnn.models.llama import LlamaConfig
+
+    c = llama_config(head_dim=None, num_key_value_heads=None, quantization_config=None)
+    assert (c.head_dim, c.num_key_value_heads) == (4, 2)
+    with pytest.raises(TypeError, match=r"^CausalLM: dir/config.json must be a JSON object of the config's fields "
+                                        r"by name, got list"):
+        LlamaConfig.from_dict([LLAMA], "dir/config.json")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"eos_token_id": 2}, TypeError, r"eos_token_id must be a tuple of token ids \(from_dict makes one of an id or a "
+                                     r"list\), got int 2"),
+    ({"eos_token_id": (2.5,)}, TypeError, r"eos_token_id must be an int, got float 2.5"),
+    ({"bos_token_id": 1.5}, TypeError, r"bos_token_id must be an int, got float 1.5"),
+    ({"tie_word_embeddings": "yes"}, TypeError, r"tie_word_embeddings must be True or False, got str 'yes'"),
+    ({"hidden_act": "gelu"}, ValueError, r"hidden_act 'gelu' is not supported \(supported: \['silu'\]\)"),
+    ({"rope_theta": 1e39}, ValueError, r"rope_theta 1e\+39 is beyond float32's largest number"),
+    ({"num_key_value_heads": 3}, ValueError, r"num_attention_heads 2 is not a multiple of num_key_value_heads 3"),
+], ids=repr)
+def test_causal_lm_checks_a_config_built_by_hand(change, error, match):
+    """A LlamaConfig built by its constructor has not been through from_dict: CausalLM checks it (an int
+    eos_token_id was a raw "'int' object is not iterable", a float one or a str flag went through: fixed)."""
+    import dataclasses
+
+    from libnn.models.llama import CausalLM
+
+    with pytest.raises(error, match="^CausalLM: " + match):
+        CausalLM(dataclasses.replace(llama_config(), **change))
+    with pytest.raises(TypeError, match=r"^CausalLM: config must be a LlamaConfig \(LlamaConfig.from_dict\(...\)\), "
+                                        r"got dict"):
+        CausalLM(LLAMA)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_batch="2"), TypeError, r"max_batch must be an int, got str '2'"),
+    (dict(max_batch=2.0), TypeError, r"max_batch must be an int, got float 2.0"),
+    (dict(max_len=None, max_batch=None), TypeError, r"max_batch must be an int, got NoneType None"),
+    (dict(max_len=1.5), TypeError, r"max_len must be an int, got float 1.5"),
+    (dict(max_batch=0), ValueError, r"max_batch must be a positive int, got 0"),
+    (dict(max_len=-1), ValueError, r"max_len must be a positive int, got -1"),
+    (dict(max_len=17), ValueError, r"max_len 17 is beyond the model's max_position_embeddings 16"),
+    (dict(max_batch=10**9), MemoryError, r"the KV cache \(1000000000 sequences of 16 tokens, 1 layers, 1 KV heads of "
+                                         r"4\) needs .* more than the .* of host RAM available"),
+    (dict(dtype="int8"), ValueError, r"dtype 'int8': unknown dtype"),
+    (dict(dtype=np.int32), TypeError, r"dtype must be fp16, bf16, fp32 or fp64, got int32"),
+    (dict(dtype=None), TypeError, r"dtype must be fp16, bf16, fp32 or fp64, got None"),
+    (dict(device="tpu"), ValueError, r"device must be one of \('cpu', 'gpu', 'cuda'\), got 'tpu'"),
+    (dict(device=0), ValueError, r"device must be one of .* got 0"),
+    (dict(path="bogus"), ValueError, r"path must be one of \[.*\], got 'bogus'"),
+    (dict(path={"linear": "bogus"}), ValueError, r"path\['linear'\] must be one of \[.*\], got 'bogus'"),
+    (dict(init="no"), TypeError, r"init must be True or False, got str 'no'"),
+], ids=repr)
+def test_causal_lm_constructor_checks_its_arguments_before_drawing_anything(kwargs, error, match):
+    from libnn.models.llama import CausalLM
+
+    with pytest.raises(error, match="^CausalLM: " + match):
+        CausalLM(llama_config(), **{"device": "cpu", **kwargs})
+
+
+def test_causal_lm_with_a_huge_vocabulary_is_refused_before_drawing():
+    from libnn.models.llama import CausalLM
+
+    with pytest.raises(MemoryError, match=r"^CausalLM: the model of the config \(vocab_size=1000000000000, "
+                                          r"hidden_size=8, 1 layers: \d+ parameters\) needs"):
+        CausalLM(llama_config(vocab_size=10**12), device="cpu")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the message on machines without a GPU")
+def test_causal_lm_on_a_gpu_without_one_says_so_before_reading(tmp_path):
+    from libnn.models.llama import CausalLM
+
+    with pytest.raises(ValueError, match="^CausalLM.from_pretrained: device='gpu' needs a GPU, and there is none"):
+        CausalLM.from_pretrained(llama_directory(tmp_path))  # device="gpu" is from_pretrained's default
+    with pytest.raises(ValueError, match="^CausalLM: device='gpu' needs a GPU, and there is none"):
+        CausalLM(llama_config(), device="gpu")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(directory=None), TypeError, r"directory must be a str or pathlib.Path, got NoneType None"),
+    (dict(directory=b"/tmp"), TypeError, r"directory must be a str or pathlib.Path, got bytes b'/tmp'"),
+    (dict(max_batch="2"), TypeError, r"max_batch must be an int, got str '2'"),
+    (dict(max_len=2.5), TypeError, r"max_len must be an int, got float 2.5"),
+    (dict(max_batch=0), ValueError, r"max_batch must be a positive int, got 0"),
+    (dict(max_len=0), ValueError, r"max_len must be a positive int, got 0"),
+    (dict(dtype="complex64"), ValueError, r"dtype 'complex64': unknown dtype"),
+    (dict(dtype=np.int32), TypeError, r"dtype must be fp16, bf16, fp32 or fp64, got int32"),
+    (dict(device="tpu"), ValueError, r"device must be one of \('cpu', 'gpu', 'cuda'\), got 'tpu'"),
+    (dict(path="bogus"), ValueError, r"path must be one of \[.*\], got 'bogus'"),
+    (dict(path={"attention": "cublaslt"}), ValueError, r"path\['attention'\] must be one of \[.*\], got 'cublaslt'"),
+    (dict(path=None), ValueError, r"path must be one of \[.*\], got None"),
+], ids=repr)
+def test_causal_lm_from_pretrained_checks_its_arguments_before_reading(tmp_path, kwargs, error, match):
+    """The directory holds config.json and no weights: every argument is refused before the checkpoint
+    would be found missing. The path was checked by the constructor, after the whole checkpoint was
+    read, and named "CausalLM" (fixed)."""
+    from libnn.models.llama import CausalLM
+
+    kwargs = {"directory": llama_directory(tmp_path), "device": "cpu", **kwargs}
+    with pytest.raises(error, match="^CausalLM.from_pretrained: " + match):
+        CausalLM.from_pretrained(kwargs.pop("directory"), **kwargs)
+
+
+def _llama_files(tmp_path, name: str):
+    """Broken checkpoint directories, by name: (directory, the error, a regex of its message after the
+    function's name)."""
+    import json
+
+    d = llama_directory(tmp_path, weights_too=name not in ("config-deep", "config-dir", "no-directory"))
+    good = (d / "model.safetensors").read_bytes() if (d / "model.safetensors").exists() else b""
+    index = d / "model.safetensors.index.json"
+    if name == "config-deep":
+        (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+        return d, ValueError, r"'.*config.json' nests its JSON too deeply to be read"
+    if name == "config-dir":
+        (d / "config.json").unlink()
+        (d / "config.json").mkdir()
+        return d, FileNotFoundError, rf"{re.escape(repr(str(d)))} has no config.json"
+    if name == "no-directory":
+        return d / "missing", FileNotFoundError, r"'.*missing' has no config.json"
+    if name == "empty":
+        (d / "model.safetensors").write_bytes(b"")
+        return d, ValueError, r"weights file '.*model.safetensors' is empty"
+    if name == "truncated":
+        (d / "model.safetensors").write_bytes(good[:-40])
+        return d, ValueError, r"weights file '.*model.safetensors' is not a readable .safetensors file"
+    if name == "another-format":
+        (d / "model.safetensors").write_bytes(b"PK\x03\x04 a zip, not safetensors")
+        return d, ValueError, r"weights file '.*model.safetensors' is not a readable .safetensors file"
+    (d / "model.safetensors").unlink()
+    if name == "shard-missing":
+        index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-1.safetensors"}}))
+        return d, FileNotFoundError, (r"'.*model.safetensors.index.json' names the shard 'model-1.safetensors', "
+                                      r"which '.*' does not hold")
+    if name == "shard-truncated":
+        (d / "model-1.safetensors").write_bytes(good[:100])
+        index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-1.safetensors"}}))
+        return d, ValueError, r"weights file '.*model-1.safetensors' is not a readable .safetensors file"
+    texts = {"index-list": "[1]", "index-empty-map": '{"weight_map": {}}', "index-not-json": "{bad",
+             "index-elsewhere": '{"weight_map": {"a": "../x.safetensors"}}', "index-number": '{"weight_map": {"a": 3}}'}
+    index.write_text(texts[name])
+    match = {"index-not-json": r"'.*model.safetensors.index.json' is not valid JSON",
+             "index-elsewhere": r"'.*model.safetensors.index.json' names the shard '../x.safetensors'; expected a file "
+                                r"name in the checkpoint's directory",
+             "index-number": r"'.*model.safetensors.index.json' names the shard 3"}.get(
+        name, r"'.*model.safetensors.index.json' must be a JSON object whose 'weight_map' maps each tensor's name")
+    return d, ValueError, match
+
+
+@pytest.mark.parametrize("name", ["config-deep", "config-dir", "no-directory", "empty", "truncated", "another-format",
+                                  "shard-missing", "shard-truncated", "index-list", "index-empty-map",
+                                  "index-not-json", "index-elsewhere", "index-number"])
+def test_causal_lm_from_pretrained_names_itself_and_the_file_of_a_broken_checkpoint(tmp_path, name):
+    """A config.json nested too deeply was a raw RecursionError; a broken model.safetensors or shard gave
+    weights.read's message without the function, and a shard the index names but the directory lacks
+    "weights file ... does not exist" (fixed: both name CausalLM.from_pretrained, the latter the index)."""
+    from libnn.models.llama import CausalLM
+
+    directory, error, match = _llama_files(tmp_path, name)
+    with pytest.raises(error, match="^CausalLM.from_pretrained: " + match):
+        CausalLM.from_pretrained(directory, dtype="fp32", device="cpu")
+
+
+# prefill and decode_step: (call, error, message after the function's name)
+LLAMA_STEP_INPUTS = [
+    (lambda m: m.prefill(None), TypeError, r"CausalLM.prefill: input_ids must be an array \(numpy.ndarray"),
+    (lambda m: m.prefill("hello"), TypeError, r"CausalLM.prefill: input_ids must be an array"),
+    (lambda m: m.prefill(np.array([[1, 11]])), ValueError,
+     r"CausalLM.prefill: input_ids must lie in \[0, 11\) \(vocab_size\), got values from 1 to 11"),
+    (lambda m: m.prefill(np.array([[-3]], np.int8)), ValueError, r"CausalLM.prefill: input_ids must lie in \[0, 11\)"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), [3, 0]), ValueError,
+     r"CausalLM.prefill: sequences \[1\] have no token \(empty prompts\)"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), [3, 4]), ValueError,
+     r"CausalLM.prefill: lengths go up to 4 but input_ids has 3 positions"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), np.array([3, 2**64 - 1], np.uint64)), ValueError,
+     r"CausalLM.prefill: lengths go up to 18446744073709551615 but input_ids has 3 positions"),  # it wrapped to -1
+    (lambda m: m.prefill(np.broadcast_to(np.int64(1), (1, 10**9))), ValueError,
+     r"CausalLM.prefill: a prompt of 1000000000 tokens is longer than the KV cache's max_len 8"),
+    (lambda m: m.prefill(np.ones((1, 2, 3), np.int64)), ValueError,
+     r"CausalLM.prefill: input_ids must be 2-D \(batch, seq_len\) or a list of sequences, got shape \(1, 2, 3\)"),
+    (lambda m: m.prefill(np.ones((0, 3), np.int64)), ValueError,
+     r"CausalLM.prefill: the batch has 0 sequences; the KV cache holds 1 to 2 \(max_batch\)"),
+    (lambda m: m.prefill([]), ValueError, r"CausalLM.prefill: input_ids is an empty list: the batch has 0 sequences"),
+    (lambda m: m.prefill([[1, 2], [3, [4]]]), ValueError,
+     r"CausalLM.prefill: input_ids\[1\] must be a sequence of integers, got a ragged nested list \[3, \[4\]\]"),
+    (lambda m: m.prefill([np.ones((2, 2), np.int64)]), ValueError,
+     r"CausalLM.prefill: input_ids\[0\] must be a 1-D sequence of token ids, got shape \(2, 2\)"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), [[3, 3]]), ValueError,
+     r"CausalLM.prefill: lengths must be \(2,\) integers, one per row of input_ids, got shape \(1, 2\)"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), [3, [2]]), ValueError,
+     r"CausalLM.prefill: lengths must be a sequence of integers, got a ragged nested list"),
+    (lambda m: m.prefill(np.ones((1, 3), np.float32)), TypeError,
+     r"CausalLM.prefill: input_ids must hold integers, got dtype float32"),
+    (lambda m: m.prefill(np.ones((1, 3), bool)), TypeError,
+     r"CausalLM.prefill: input_ids must hold integers, got dtype bool"),
+    (lambda m: m.prefill(np.ones((1, 3), np.complex64)), TypeError,
+     r"CausalLM.prefill: input_ids must hold integers, got dtype complex64"),
+    (lambda m: m.prefill(np.array([["a", "b"]])), TypeError,
+     r"CausalLM.prefill: input_ids must hold integers, got dtype <U1"),
+    (lambda m: m.prefill([[1.0, 2.0]]), TypeError,
+     r"CausalLM.prefill: input_ids\[0\] must hold integers \(token ids\), got dtype float64"),
+    (lambda m: m.prefill([[True, False]]), TypeError,
+     r"CausalLM.prefill: input_ids\[0\] must hold integers \(token ids\), got dtype bool"),
+    (lambda m: m.prefill(np.ones((2, 3), np.int64), [3.0, 2.0]), ValueError,
+     r"CausalLM.prefill: lengths must be \(2,\) integers, one per row of input_ids, got shape \(2,\) dtype float64"),
+    (lambda m: m.decode_step(None), TypeError, r"CausalLM.decode_step: tokens must be an array"),
+    (lambda m: m.decode_step(5), TypeError, r"CausalLM.decode_step: tokens must be an array"),
+    (lambda m: m.decode_step(np.array([1, 11])), ValueError,
+     r"CausalLM.decode_step: tokens must lie in \[0, 11\) \(vocab_size\), got values from 1 to 11"),
+    (lambda m: m.decode_step(np.array([[1], [2]])), ValueError,
+     r"CausalLM.decode_step: tokens must be \(2,\) integers, one per sequence of the last prefill, got shape \(2, 1\)"),
+    (lambda m: m.decode_step([1, [2]]), ValueError,
+     r"CausalLM.decode_step: tokens must be a sequence of integers, got a ragged nested list"),
+    (lambda m: m.decode_step(np.array([1.0, 2.0])), ValueError,
+     r"CausalLM.decode_step: tokens must be \(2,\) integers, .* got shape \(2,\) dtype float64"),
+    (lambda m: m.decode_step(np.array([True, False])), ValueError,
+     r"CausalLM.decode_step: tokens must be \(2,\) integers"),
+]
+
+
+@pytest.mark.parametrize("call, error, match", LLAMA_STEP_INPUTS)
+def test_causal_lm_prefill_and_decode_step_refuse_bad_input_and_the_model_stays_usable(llama, call, error, match):
+    """Each error names the function and the argument; a refused call changes nothing: the sequences of
+    the last prefill decode on. The ragged lists were NumPy's "inhomogeneous shape", list rows of floats
+    a ValueError where an array of them is a TypeError, the uint64 length past 2**63 an empty prompt, and
+    the ids' range named "CausalLM" alone (fixed)."""
+    llama.prefill([[1, 2, 3], [4]])
+    with pytest.raises(error, match="^" + match):
+        call(llama)
+    if not match.startswith("CausalLM.prefill"):  # a refused prefill leaves the cache; a decode step goes on
+        assert list(llama.lengths) == [3, 1]
+    llama.prefill([[1, 2, 3], [4]])
+    llama.decode_step(np.array([5, 6]))
+    assert list(llama.lengths) == [4, 2]
+
+
+# generate and stream: (keyword arguments, error, message after "CausalLM.<function>: ")
+LLAMA_GENERATION_INPUTS = [
+    (dict(max_new_tokens=2.0), TypeError, r"max_new_tokens must be an int, got float 2.0"),
+    (dict(max_new_tokens="2"), TypeError, r"max_new_tokens must be an int, got str '2'"),
+    (dict(max_new_tokens=None), TypeError, r"max_new_tokens must be an int, got NoneType None"),
+    (dict(max_new_tokens=True), TypeError, r"max_new_tokens must be an int, got bool True"),
+    (dict(max_new_tokens=-1), ValueError, r"max_new_tokens must be a non-negative int, got -1"),
+    (dict(max_new_tokens=10**18), ValueError, r"max_new_tokens 1000000000000000000 after a prompt of 2 tokens needs "
+                                              r"1000000000000000001 cache positions, more than max_len 8"),
+    (dict(temperature=None), TypeError, r"temperature must be a number >= 0, got NoneType None"),
+    (dict(temperature="hot"), TypeError, r"temperature must be a number >= 0, got str 'hot'"),
+    (dict(temperature=1j), TypeError, r"temperature must be a number >= 0, got complex 1j"),
+    (dict(temperature=np.array(0.5)), TypeError, r"temperature must be a number >= 0, got ndarray"),
+    (dict(temperature=True), TypeError, r"temperature must be a number >= 0, got bool True"),
+    (dict(temperature=-0.5), ValueError, r"temperature must be a finite number >= 0 \(0: greedy\), got -0.5"),
+    (dict(temperature=float("nan")), ValueError, r"temperature must be a finite number >= 0 \(0: greedy\), got nan"),
+    (dict(temperature=float("inf")), ValueError, r"temperature must be a finite number >= 0 \(0: greedy\), got inf"),
+    (dict(temperature=1e-320), ValueError, r"temperature must be 0 \(greedy\) or within float32's normal range "
+                                           r"\[1.175e-38, 3.403e\+38\] \(the logits are divided by it in float32\), "
+                                           r"got 1e-320"),
+    (dict(temperature=1e-40), ValueError, r"temperature must be 0 \(greedy\) or within float32's normal range"),
+    (dict(temperature=1e300), ValueError, r"temperature must be 0 \(greedy\) or within float32's normal range .* "
+                                          r"got 1e\+300"),
+    (dict(temperature=1.0, top_k=2.0), TypeError, r"top_k must be an int, got float 2.0"),
+    (dict(temperature=1.0, top_k=True), TypeError, r"top_k must be an int, got bool True"),
+    (dict(temperature=1.0, top_k="5"), TypeError, r"top_k must be an int, got str '5'"),
+    (dict(temperature=1.0, top_k=0), ValueError, r"top_k must be a positive int, got 0"),
+    (dict(temperature=1.0, top_k=-1), ValueError, r"top_k must be a positive int, got -1"),
+    (dict(temperature=1.0, top_p="0.5"), TypeError, r"top_p must be a number in \(0, 1\] or None, got str '0.5'"),
+    (dict(temperature=1.0, top_p=True), TypeError, r"top_p must be a number in \(0, 1\] or None, got bool True"),
+    (dict(temperature=1.0, top_p=np.array([0.5])), TypeError,
+     r"top_p must be a number in \(0, 1\] or None, got ndarray"),
+    (dict(temperature=1.0, top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(temperature=1.0, top_p=-0.1), ValueError, r"top_p must be in \(0, 1\], got -0.1"),
+    (dict(temperature=1.0, top_p=float("inf")), ValueError, r"top_p must be in \(0, 1\], got inf"),
+    (dict(eos_token_id="2"), TypeError, r"eos_token_id must be an int, got str '2'"),
+    (dict(eos_token_id=2.0), TypeError, r"eos_token_id must be an int, got float 2.0"),
+    (dict(eos_token_id=True), TypeError, r"eos_token_id must be an int, got bool True"),
+    (dict(eos_token_id=[[2]]), TypeError, r"eos_token_id must be an int, got list \[2\]"),
+    (dict(eos_token_id={2}), TypeError, r"eos_token_id must be an int, got set \{2\}"),
+    (dict(eos_token_id=-1), ValueError, r"eos_token_id must be a non-negative int, got -1"),
+    (dict(eos_token_id=[2, 11]), ValueError, r"eos_token_id \[11\] outside the vocabulary \[0, 11\)"),
+    (dict(eos_token_id=2**70), ValueError, r"eos_token_id \[1180591620717411303424\] outside the vocabulary"),
+    (dict(temperature=1.0, seed=1.5), TypeError, r"seed must be an int, got float 1.5"),
+    (dict(temperature=1.0, seed="1"), TypeError, r"seed must be an int, got str '1'"),
+    (dict(temperature=1.0, seed=True), TypeError, r"seed must be an int, got bool True"),
+    (dict(temperature=1.0, seed=np.array([1, 2])), TypeError, r"seed must be an int, got ndarray"),
+    (dict(temperature=1.0, seed=-1), ValueError, r"seed must be a non-negative int, got -1"),
+    (dict(temperature=1.0, seed=2**32), ValueError, r"seed must be below 2\*\*32, got 4294967296"),
+    (dict(input_ids=None), TypeError, r"input_ids must be an array \(numpy.ndarray"),
+    (dict(input_ids=[[1, 11]]), ValueError, r"input_ids must lie in \[0, 11\) \(vocab_size\), got values from 1 to 11"),
+    (dict(input_ids=[[1, 11]], max_new_tokens=0), ValueError, r"input_ids must lie in \[0, 11\)"),
+    (dict(input_ids=[[1, 2], []]), ValueError, r"sequences \[1\] have no token \(empty prompts\)"),
+    (dict(input_ids=[]), ValueError, r"input_ids is an empty list: the batch has 0 sequences"),
+    (dict(input_ids=[[1], [2], [3]]), ValueError,
+     r"the batch has 3 sequences; the KV cache holds 1 to 2 \(max_batch\)"),
+    (dict(input_ids=[list(range(9))]), ValueError, r"a prompt of 9 tokens is longer than the KV cache's max_len 8"),
+    (dict(input_ids=np.ones((1, 2, 2), np.int64)), ValueError, r"input_ids must be 2-D \(batch, seq_len\)"),
+    (dict(input_ids=np.ones((1, 3))), TypeError, r"input_ids must hold integers, got dtype float64"),
+    (dict(input_ids=[[1.5, 2.0]]), TypeError, r"input_ids\[0\] must hold integers \(token ids\), got dtype float64"),
+    (dict(input_ids=np.ones((2, 3), np.int64), lengths=[3]), ValueError,
+     r"lengths must be \(2,\) integers, one per row of input_ids"),
+    (dict(input_ids=np.ones((2, 3), np.int64), lengths=[3, -1]), ValueError, r"sequences \[1\] have no token"),
+    (dict(lengths=[2]), ValueError, r"lengths goes with a 2-D input_ids; a list of sequences carries its own"),
+]
+
+
+@pytest.mark.parametrize("function", ["generate", "stream"])
+@pytest.mark.parametrize("kwargs, error, match", LLAMA_GENERATION_INPUTS, ids=repr)
+def test_causal_lm_generate_and_stream_refuse_bad_arguments_when_called(llama, function, kwargs, error, match):
+    """Every argument is checked when generate or stream is called (stream before its first step), and
+    the error names the function called: stream's said "CausalLM.generate", and the ids' range was checked
+    by the prefill inside the first step, naming "CausalLM" (fixed); a temperature whose float32 is 0 or inf
+    gave NaN scores and non-greedy tokens (fixed). The model generates as before afterwards."""
+    expected = [o.tolist() for o in llama.generate([[3, 4]], 2, eos_token_id=())]
+    kwargs = {"input_ids": [[1, 2]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(error, match=rf"^CausalLM.{function}: " + match):
+        getattr(llama, function)(kwargs.pop("input_ids"), kwargs.pop("max_new_tokens"), **kwargs)
+    assert [o.tolist() for o in llama.generate([[3, 4]], 2, eos_token_id=())] == expected
+
+
+def test_causal_lm_temperatures_at_float32s_limits_still_sample():
+    """The smallest and largest temperatures taken: no NaN scores and no floating-point warning, greedy
+    tokens at the smallest (the logits of a random model differ by far more than 1e-38 times anything)."""
+    import warnings
+
+    from libnn.models.llama import CausalLM
+
+    model = CausalLM(llama_config(), dtype="fp32", device="cpu", max_batch=2, max_len=8)
+    greedy = [o.tolist() for o in model.generate([[1, 2], [3]], 4, eos_token_id=())]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        low = model.generate([[1, 2], [3]], 4, eos_token_id=(), temperature=float(np.finfo(np.float32).tiny) * 1e8,
+                             seed=0)
+        high = model.generate([[1, 2], [3]], 4, eos_token_id=(), temperature=float(np.finfo(np.float32).max), seed=0)
+    assert [o.tolist() for o in low] == greedy
+    assert all(((o >= 0) & (o < LLAMA["vocab_size"])).all() and len(o) == 4 for o in high)
+
+
+def fake_gpu_array(shape, dtype=np.int64):
+    """An object libnn takes for a CuPy array (its type's module is CuPy's and it has a device): ids on
+    the GPU, without a GPU."""
+    kind = type("ndarray", (), {"__module__": "cupy._core.core", "device": 0, "shape": shape, "ndim": len(shape),
+                                "dtype": np.dtype(dtype)})
+    return kind()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.prefill(fake_gpu_array((1, 3))), r"CausalLM.prefill: input_ids is on the GPU"),
+    (lambda m: m.generate(fake_gpu_array((1, 3)), 2), r"CausalLM.generate: input_ids is on the GPU"),
+    (lambda m: m.stream(fake_gpu_array((1, 3)), 2), r"CausalLM.stream: input_ids is on the GPU"),
+    (lambda m: m.decode_step(fake_gpu_array((2,))), r"CausalLM.decode_step: tokens is on the GPU"),
+], ids=["prefill", "generate", "stream", "decode_step"])
+def test_causal_lm_on_the_host_refuses_ids_on_the_gpu(llama, call, match):
+    llama.prefill([[1, 2], [3]])
+    with pytest.raises(TypeError, match="^" + match + r" but the layer's input is a host array; pass both on one "
+                                                      r"device$"):
+        call(llama)
+    assert list(llama.lengths) == [2, 1]

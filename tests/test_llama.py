@@ -486,9 +486,9 @@ def small_model(tmp_path_factory):
     (lambda m: m.generate([list(range(10))], 4), ValueError,
      r"^CausalLM.generate: max_new_tokens 4 after a prompt of 10 tokens needs 13 cache positions, more than "
      r"max_len 12"),
-    (lambda m: m.generate([[1, 97]], 2), ValueError, r"^CausalLM: input_ids must lie in \[0, 97\) \(vocab_size\), got "
-                                                     r"values from 1 to 97"),
-    (lambda m: m.generate([[1, -1]], 2), ValueError, r"^CausalLM: input_ids must lie in \[0, 97\)"),
+    (lambda m: m.generate([[1, 97]], 2), ValueError, r"^CausalLM.generate: input_ids must lie in \[0, 97\) "
+                                                     r"\(vocab_size\), got values from 1 to 97"),
+    (lambda m: m.generate([[1, -1]], 2), ValueError, r"^CausalLM.generate: input_ids must lie in \[0, 97\)"),
     (lambda m: m.generate([[1, 2], []], 2), ValueError,
      r"^CausalLM.generate: sequences \[1\] have no token \(empty prompts\)"),
     (lambda m: m.generate(np.ones((2, 3), np.int64), 2, lengths=[3, 0]), ValueError,
@@ -534,7 +534,7 @@ def test_decode_steps_are_refused_before_a_prefill_past_the_cache_and_with_bad_t
     with pytest.raises(ValueError, match=r"tokens must be \(2,\) integers, one per sequence of the last prefill, got "
                                          r"shape \(3,\)"):
         model.decode_step(np.array([1, 2, 3]))
-    with pytest.raises(ValueError, match=r"^CausalLM: tokens must lie in \[0, 97\)"):
+    with pytest.raises(ValueError, match=r"^CausalLM.decode_step: tokens must lie in \[0, 97\)"):
         model.decode_step(np.array([1, 100]))
     model.decode_step(np.array([5, 6]))
     model.decode_step(np.array([5, 6]))  # sequence 0 now holds 4 tokens: the cache's max_len

@@ -29,11 +29,15 @@ INDEX = "model.safetensors.index.json"
 
 
 def read_json(path: Path, where: str) -> Any:
-    """The JSON value of the file at `path`; a file that is not JSON (or not UTF-8) is a ValueError naming it."""
+    """The JSON value of the file at `path`; a file that is not JSON (or not UTF-8, or nested deeper than
+    Python's parser recurses) is a ValueError naming it."""
     try:
         return json.loads(path.read_text())
     except ValueError as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: {str(path)!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{where}: {str(path)!r} nests its JSON too deeply to be read (Python's json recurses "
+                         "once per level)") from None
 
 
 def read_config(directory: Any, where: str) -> tuple[Path, Path, Any]:
@@ -85,12 +89,12 @@ def read_tensors(directory: Path, where: str, *, others: tuple[str, ...] = ("*.b
     glob patterns `others` it holds (pickled formats libnn does not read)."""
     single, index = directory / SINGLE, directory / INDEX
     if single.is_file():
-        return weights.read(single), [str(single)]
+        return _read_weights(single, where), [str(single)]
     if index.is_file():
         weight_map, shards = shard_files(index, where)
         state: dict[str, np.ndarray] = {}
         for shard in shards:
-            for key, value in weights.read(directory / shard).items():
+            for key, value in _read_weights(directory / shard, where, index).items():
                 if check_placement and weight_map.get(key, shard) != shard:
                     raise ValueError(f"{where}: {str(directory / shard)!r} holds {key!r}, which "
                                      f"{str(index)!r} places in {weight_map[key]!r}")
@@ -100,6 +104,20 @@ def read_tensors(directory: Path, where: str, *, others: tuple[str, ...] = ("*.b
     raise FileNotFoundError(f"{where}: {str(directory)!r} has no model.safetensors (nor "
                             f"model.safetensors.index.json)" + (f"; found {found}: convert them to safetensors "
                                                                 "(libnn reads no pickles)" if found else ""))
+
+
+def _read_weights(path: Path, where: str, index: Path | None = None) -> dict[str, np.ndarray]:
+    """weights.read(path), its errors (an empty, truncated or foreign file) naming the caller too; a shard
+    the `index` names that is not there is named as the index's."""
+    try:
+        return weights.read(path)
+    except FileNotFoundError:
+        if index is None:
+            raise
+        raise FileNotFoundError(f"{where}: {str(index)!r} names the shard {path.name!r}, which "
+                                f"{str(path.parent)!r} does not hold") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
 
 
 def load_state(model: Module, state: dict[str, Any], context: str) -> None:

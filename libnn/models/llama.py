@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -81,10 +82,13 @@ OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "swiglu")  # the 
 # The config's sizes and the least each may be (no decoder layers leaves embeddings and lm_head, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1,
          "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 1}
+DERIVED = ("num_key_value_heads", "head_dim")  # sizes a config may leave null: from the heads and hidden_size
 # Options Hugging Face's LlamaConfig has that change the network, with the only value libnn runs.
 FIXED = {"attention_bias": False, "mlp_bias": False}
 DEFAULT_MAX_LEN = 2048   # the cache's length when from_pretrained is given none (at most max_position_embeddings)
 SEED_LIMIT = 2**32       # NumPy's and CuPy's RandomState take seeds below this
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest positive normal float32
 # Checkpoint keys that are no parameters: rotary inv_freq buffers (older conversions saved them).
 BUFFER_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
 
@@ -133,7 +137,7 @@ class LlamaConfig:
             if not set(architectures) & set(ARCHITECTURES):
                 raise ValueError(f"{where}: architectures {architectures} are not supported (supported: "
                                  f"{list(ARCHITECTURES)}: a causal LM with its lm_head)")
-        if "quantization_config" in config:
+        if config.get("quantization_config") is not None:  # null: not quantized
             raise ValueError(f"{where}: quantized checkpoints (quantization_config of method "
                              f"{_get(config['quantization_config'], 'quant_method')!r}) are not supported; "
                              "libnn loads fp32, fp16 and bf16 weights")
@@ -147,7 +151,8 @@ class LlamaConfig:
                                  "projections have no bias)")
         values: dict[str, Any] = {"model_type": model_type, "hidden_act": act}
         for f in fields(cls):
-            if f.name in SIZES and f.name in config and config[f.name] is not None:
+            # null is Hugging Face's "derive it" for these two alone; any other size must be given as an int
+            if f.name in SIZES and f.name in config and (config[f.name] is not None or f.name not in DERIVED):
                 values[f.name] = checks.size(where, f.name, config[f.name], SIZES[f.name])
         values.setdefault("num_key_value_heads", values.get("num_attention_heads", cls.num_attention_heads))
         if "head_dim" not in values:
@@ -178,6 +183,14 @@ class LlamaConfig:
         for name, minimum in SIZES.items():
             checks.size(where, name, getattr(self, name), minimum)
         checks.positive_float(where, "rms_norm_eps", self.rms_norm_eps)
+        checks.flag(where, "tie_word_embeddings", self.tie_word_embeddings)
+        for name, supported in (("model_type", MODEL_TYPES), ("hidden_act", HIDDEN_ACTS)):
+            if getattr(self, name) not in supported:
+                raise ValueError(f"{where}: {name} {getattr(self, name)!r} is not supported (supported: "
+                                 f"{list(supported)})")
+        if not isinstance(self.eos_token_id, (tuple, list)):
+            raise TypeError(f"{where}: eos_token_id must be a tuple of token ids (from_dict makes one of an id or "
+                            f"a list), got {type(self.eos_token_id).__name__} {self.eos_token_id!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads} (grouped-query attention)")
@@ -185,11 +198,12 @@ class LlamaConfig:
             raise ValueError(f"{where}: head_dim {self.head_dim} is odd; rotary embedding turns pairs")
         for name in ("bos_token_id", "pad_token_id"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
+            if value is not None and not 0 <= checks.size(where, name, value, None) < self.vocab_size:
                 raise ValueError(f"{where}: {name} {value} is outside the vocabulary [0, {self.vocab_size})")
         for value in self.eos_token_id:
-            if not 0 <= value < self.vocab_size:
+            if not 0 <= checks.size(where, "eos_token_id", value, None) < self.vocab_size:
                 raise ValueError(f"{where}: eos_token_id {value} is outside the vocabulary [0, {self.vocab_size})")
+        _theta(where, self.rope_theta)
         try:
             rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
         except (TypeError, ValueError) as exc:
@@ -233,9 +247,7 @@ def _rope(where: str, config: dict) -> tuple[float, Mapping | None]:
     for name, value in (("rope_scaling", scaling), ("rope_parameters", parameters)):
         if value is not None and not isinstance(value, dict):
             raise TypeError(f"{where}: {name} must be null or an object, got {type(value).__name__} {value!r}")
-    theta = (parameters or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise ValueError(f"{where}: rope_theta must be a finite number > 0, got {theta!r}")
+    theta = _theta(where, (parameters or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
     chosen = {k: v for k, v in (scaling or parameters or {}).items() if k != "rope_theta"}
     if scaling and parameters and chosen != {k: v for k, v in parameters.items() if k != "rope_theta"}:
         raise ValueError(f"{where}: rope_scaling {scaling!r} and rope_parameters {parameters!r} disagree; "
@@ -246,11 +258,27 @@ def _rope(where: str, config: dict) -> tuple[float, Mapping | None]:
             raise ValueError(f"{where}: partial_rotary_factor {factor!r} is not supported (LLaMA rotates the "
                              "whole head)")
     chosen.pop("partial_rotary_factor", None)
+    if chosen and "rope_type" not in chosen and "type" not in chosen:  # transformers fails on it too
+        raise ValueError(f"{where}: rope_scaling {chosen!r} has no rope_type (or type); name the scaling "
+                         f"(supported: {', '.join(map(repr, SCALING_TYPES))})")
     kind = chosen.get("rope_type", chosen.get("type", "default"))
     if kind not in SCALING_TYPES:
         raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (supported: "
                          f"{', '.join(map(repr, SCALING_TYPES))})")
-    return float(theta), (None if kind == "default" else chosen)
+    return theta, (None if kind == "default" else chosen)
+
+
+def _theta(where: str, theta: Any) -> float:
+    """rope_theta: a number > 0 that float32 holds (the frequencies are computed in float32, as transformers
+    does: a larger theta is inf there, and every frequency but the first 0)."""
+    if isinstance(theta, (bool, np.bool_)) or not isinstance(theta, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: rope_theta must be a finite number > 0, got {type(theta).__name__} {theta!r}")
+    if not (math.isfinite(theta) and theta > 0):
+        raise ValueError(f"{where}: rope_theta must be a finite number > 0, got {theta!r}")
+    if theta > FLOAT32_MAX:
+        raise ValueError(f"{where}: rope_theta {theta!r} is beyond float32's largest number ({FLOAT32_MAX:.4g}), "
+                         "in which the rotary frequencies are computed")
+    return float(theta)
 
 
 # --- layers, under Hugging Face's names -------------------------------------------------------------------
@@ -484,6 +512,7 @@ class CausalLM(Module):
         directory, config_file, config_json = checkpoint.read_config(directory, where)
         config = LlamaConfig.from_dict(config_json, str(config_file))
         _check_fits(where, config, dtype, device, max_batch, max_len, str(config_file), False)
+        checks.path(where, path, OPS, per_op=True)  # before the checkpoint is read, not after
         # each tensor in the shard its weight_map names
         raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
         state, report = _checkpoint_state(raw, config)
@@ -557,13 +586,13 @@ class CausalLM(Module):
         """Run the prompts input_ids (B, S), right-padded, lengths (B,) tokens each (default S; each at
         least 1), into cache rows 0..B-1, replacing whatever the cache held; return the logits at each
         sequence's last token, (B, vocab_size). Host ids are moved to the model's device."""
-        like = self.model.embed_tokens.weight
         ids, lengths = self._prompts(input_ids, lengths, "prefill")
+        return self._prefill(ids, lengths)
+
+    def _prefill(self, ids: Any, lengths: np.ndarray) -> Any:
+        """prefill of the prompts _prompts has checked."""
         B, S = ids.shape
-        xp = array_module(like)
-        valid = xp.arange(S)[None, :] < xp.asarray(lengths)[:, None]
-        ids = xp.where(valid, ids, 0)  # what the padding holds is never read: token 0 there
-        self._check_ids(ids, "input_ids")
+        xp = array_module(self.model.embed_tokens.weight)
         lens = CheckedLengths(xp.asarray(lengths, dtype=xp.int32))
         positions = xp.broadcast_to(xp.arange(S, dtype=xp.int32), (B, S))
         cache = self._ready_cache()
@@ -585,6 +614,8 @@ class CausalLM(Module):
             raise RuntimeError("CausalLM.decode_step: no sequence to extend; call prefill (or generate) first")
         like = self.model.embed_tokens.weight
         B = self._batch
+        if isinstance(tokens, (list, tuple)):
+            tokens = _host_ids(tokens, "CausalLM.decode_step", "tokens")
         tokens = on_device_of(tokens, like, "CausalLM.decode_step", "tokens")
         if tuple(tokens.shape) != (B,) or tokens.dtype.kind not in "iu":
             raise ValueError(f"CausalLM.decode_step: tokens must be ({B},) integers, one per sequence of the last "
@@ -595,7 +626,7 @@ class CausalLM(Module):
             raise ValueError(f"CausalLM.decode_step: sequences {full} fill the KV cache (max_len {self.max_len}); "
                              "a longer generation needs a model with a larger max_len")
         if not checked:
-            self._check_ids(tokens, "tokens")
+            self._check_ids(tokens, "CausalLM.decode_step", "tokens")
         xp = array_module(like)
         at = xp.asarray(positions, dtype=xp.int32)
         step = _Step(at[:, None], self._inv_freq, self._ready_cache(), causal=False,
@@ -618,29 +649,35 @@ class CausalLM(Module):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(h, w, path=_path_for(self.path, "linear"))
 
-    def _check_ids(self, ids: Any, name: str) -> None:
+    def _check_ids(self, ids: Any, where: str, name: str) -> None:
         """ids in [0, vocab_size): one synchronisation on the GPU."""
         if not ids.size:
             return
         (lo, hi), = min_max([ids])
         if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"CausalLM: {name} must lie in [0, {self.config.vocab_size}) (vocab_size), got values "
+            raise ValueError(f"{where}: {name} must lie in [0, {self.config.vocab_size}) (vocab_size), got values "
                              f"from {lo} to {hi}")
 
     def _prompts(self, input_ids: Any, lengths: Any, where: str) -> tuple[Any, np.ndarray]:
-        """(ids (B, S) on the model's device, lengths (B,) int64 on the host), checked against the cache:
-        input_ids is a 2-D integer array (with lengths, or each row full) or a list of 1-D sequences
-        (padded here; no lengths then)."""
+        """(ids (B, S) on the model's device, token 0 in the padding, lengths (B,) int64 on the host),
+        checked against the cache and the vocabulary (one synchronisation on the GPU): input_ids is a 2-D
+        integer array (with lengths, or each row full) or a list of 1-D sequences (padded here; no lengths
+        then)."""
         where = f"CausalLM.{where}"
         like = self.model.embed_tokens.weight
+        if isinstance(input_ids, (list, tuple)) and not input_ids:
+            raise ValueError(f"{where}: input_ids is an empty list: the batch has 0 sequences; the KV cache holds 1 to "
+                             f"{self.max_batch} (max_batch)")
         if isinstance(input_ids, (list, tuple)) and any(not np.isscalar(s) for s in input_ids):
             if lengths is not None:
                 raise ValueError(f"{where}: lengths goes with a 2-D input_ids; a list of sequences carries its own")
-            rows = [np.asarray(s.get() if is_cupy(s) else s) for s in input_ids]
+            rows = [s.get() if is_cupy(s) else _host_ids(s, where, f"input_ids[{i}]") for i, s in enumerate(input_ids)]
             for i, row in enumerate(rows):
-                if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
+                if row.ndim != 1:
                     raise ValueError(f"{where}: input_ids[{i}] must be a 1-D sequence of token ids, got shape "
                                      f"{row.shape} dtype {row.dtype}")
+                if row.size and row.dtype.kind not in "iu":
+                    raise TypeError(f"{where}: input_ids[{i}] must hold integers (token ids), got dtype {row.dtype}")
             lengths = np.array([row.size for row in rows], np.int64)
             padded = np.zeros((len(rows), max(1, int(lengths.max(initial=0)))), np.int64)
             for i, row in enumerate(rows):
@@ -659,11 +696,11 @@ class CausalLM(Module):
         if lengths is None:
             lengths = np.full(B, S, np.int64)
         else:
-            lengths = as_array(lengths.get() if is_cupy(lengths) else np.asarray(lengths), where, "lengths")
+            lengths = as_array(lengths.get() if is_cupy(lengths) else _host_ids(lengths, where, "lengths"), where,
+                               "lengths")
             if tuple(lengths.shape) != (B,) or lengths.dtype.kind not in "iu":
                 raise ValueError(f"{where}: lengths must be ({B},) integers, one per row of input_ids, got shape "
                                  f"{tuple(lengths.shape)} dtype {lengths.dtype}")
-            lengths = lengths.astype(np.int64)
         if (empty := [int(b) for b in np.flatnonzero(lengths < 1)]):
             raise ValueError(f"{where}: sequences {empty} have no token (empty prompts); each needs at least one")
         if int(lengths.max()) > S:
@@ -671,7 +708,13 @@ class CausalLM(Module):
         if int(lengths.max()) > self.max_len:
             raise ValueError(f"{where}: a prompt of {int(lengths.max())} tokens is longer than the KV cache's "
                              f"max_len {self.max_len}")
-        return ids[:, :int(lengths.max())], lengths
+        lengths = lengths.astype(np.int64)  # after the checks: a uint64 length past 2**63 would wrap
+        ids = ids[:, :int(lengths.max())]
+        xp = array_module(like)
+        valid = xp.arange(ids.shape[1])[None, :] < xp.asarray(lengths)[:, None]
+        ids = xp.where(valid, ids, 0)  # what the padding holds is never read: token 0 there
+        self._check_ids(ids, where, "input_ids")
+        return ids, lengths
 
     # -- generation -----------------------------------------------------------------------------------------
     def stream(self, input_ids: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
@@ -687,13 +730,19 @@ class CausalLM(Module):
         token in `eos_token_id` (an id or ids; None: the config's; () never), which is yielded.
         The arguments are checked here, before anything runs; the prompt and every generated token but
         the last must fit the cache (prompt length + max_new_tokens - 1 <= max_len)."""
-        where = "CausalLM.generate"
+        return self._generation("stream", input_ids, max_new_tokens, lengths, temperature, top_k, top_p,
+                                eos_token_id, seed)
+
+    def _generation(self, name: str, input_ids: Any, max_new_tokens: Any, lengths: Any, temperature: Any,
+                    top_k: Any, top_p: Any, eos_token_id: Any, seed: Any) -> Iterator[np.ndarray]:
+        """stream's arguments checked, every error naming the public function `name`; the steps' iterator."""
+        where = f"CausalLM.{name}"
         max_new_tokens = checks.size(where, "max_new_tokens", max_new_tokens, 0)
         sample = _Sampler(where, temperature, top_k, top_p, seed, self.config.vocab_size)
         eos = self.config.eos_token_id if eos_token_id is None else _token_ids(where, "eos_token_id", eos_token_id)
         if bad := [t for t in eos if t >= self.config.vocab_size]:
             raise ValueError(f"{where}: eos_token_id {bad} outside the vocabulary [0, {self.config.vocab_size})")
-        ids, lengths = self._prompts(input_ids, lengths, "generate")
+        ids, lengths = self._prompts(input_ids, lengths, name)
         if max_new_tokens and int(lengths.max()) + max_new_tokens - 1 > self.max_len:
             raise ValueError(f"{where}: max_new_tokens {max_new_tokens} after a prompt of {int(lengths.max())} "
                              f"tokens needs {int(lengths.max()) + max_new_tokens - 1} cache positions, more than "
@@ -704,7 +753,7 @@ class CausalLM(Module):
                 eos: np.ndarray) -> Iterator[np.ndarray]:
         if not max_new_tokens:
             return
-        logits = self.prefill(ids, lengths)
+        logits = self._prefill(ids, lengths)
         done = np.zeros(len(lengths), bool)
         for step in range(max_new_tokens):
             tokens = sample(logits)
@@ -720,8 +769,8 @@ class CausalLM(Module):
                  seed: int | None = None) -> list[np.ndarray]:
         """The new tokens of each sequence (int64 host arrays, the end token included where one came),
         from `stream` with the same arguments."""
-        steps = list(self.stream(input_ids, max_new_tokens, lengths=lengths, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, eos_token_id=eos_token_id, seed=seed))
+        steps = list(self._generation("generate", input_ids, max_new_tokens, lengths, temperature, top_k, top_p,
+                                      eos_token_id, seed))
         if not steps:
             B = len(input_ids) if isinstance(input_ids, (list, tuple)) else input_ids.shape[0]
             return [np.zeros(0, np.int64) for _ in range(B)]
@@ -766,6 +815,10 @@ class _Sampler:
                             f"{temperature!r}")
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"{where}: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if 0 < temperature < FLOAT32_TINY or temperature > FLOAT32_MAX:  # 0 or inf in float32: NaN scores
+            raise ValueError(f"{where}: temperature must be 0 (greedy) or within float32's normal range "
+                             f"[{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (the logits are divided by it in float32), "
+                             f"got {temperature!r}")
         if top_k is not None:
             top_k = checks.size(where, "top_k", top_k, 1)
         if top_p is not None:
@@ -802,6 +855,16 @@ class _Sampler:
         u = self._random.random_sample(z.shape).astype(xp.float32)
         gumbel = -xp.log(-xp.log(xp.clip(u, np.float32(1e-20), np.float32(1 - 2**-24))))
         return xp.argmax(z + gumbel, axis=-1)
+
+
+def _host_ids(value: Any, where: str, name: str) -> np.ndarray:
+    """A list (or array) of token ids or lengths on the host; a ragged nested list is named here rather
+    than by NumPy's "inhomogeneous shape"."""
+    try:
+        return np.asarray(value)
+    except ValueError:
+        raise ValueError(f"{where}: {name} must be a sequence of integers, got a ragged nested list "
+                         f"{reprlib.repr(value)}") from None
 
 
 def _as_float32(a: Any) -> Any:

@@ -34,6 +34,7 @@ from libnn.runtime import contracts, launch, memory
 from libnn.runtime.arrays import as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
+DTYPES = GPU_DTYPES + ("fp64",)  # fp64: the reference path
 
 op = Op("swiglu", order=("custom", "reference"))
 
@@ -76,7 +77,8 @@ def swiglu_problem(x) -> SwigluProblem:
     """The checked problem of a swiglu call (errors name the op and the argument)."""
     if x.ndim < 1:
         raise ValueError("swiglu: x must have at least 1 dimension (..., 2F), got a 0-d array")
-    if not dtypes.is_float(x.dtype):
+    # float128 too: the reference would compute it in float64
+    if not dtypes.is_float(x.dtype) or dtypes.short_name(x.dtype) not in DTYPES:
         raise TypeError(f"swiglu: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu: x's last dimension must be even, gate and up halves of 2F (one gate_up GEMM's "
