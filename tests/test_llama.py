@@ -282,6 +282,16 @@ def test_top_k_and_top_p_keep_only_their_tokens(rng):
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.1, 0.06, 0.04], atol=0.02)  # the softmax's frequencies
 
 
+def test_a_tiny_temperature_samples_the_most_likely_token():
+    """Logits near 40 divided by 1e-37 would pass float32's range and tie every token at inf: each row's
+    largest logit is subtracted first, so the leader stays finite and the draw is the argmax."""
+    from libnn.models.llama import _Sampler
+
+    logits = np.array([[40.0, 41.0, 39.5, 40.9], [12.0, -3.0, 11.0, 12.5]], np.float32)
+    for top_p in (None, 0.5):
+        assert _Sampler("test", 1e-37, None, top_p, 3, 4)(logits).tolist() == [1, 3]
+
+
 def test_a_sharded_checkpoint_loads_as_one_file(tmp_path, rng):
     config = dict(CONFIG)
     state = random_state(rng, config)

@@ -839,7 +839,9 @@ class _Sampler:
         z = _as_float32(logits)
         if self.temperature == 0:
             return xp.argmax(z, axis=-1)
-        z = z / np.float32(self.temperature)
+        # each row's largest logit subtracted first: the scaled logits are then <= 0 and a tiny temperature
+        # sends the others to -inf, never the leader past float32's range (which tied every token at inf)
+        z = (z - z.max(axis=-1, keepdims=True)) / np.float32(self.temperature)
         if self.top_k is not None and self.top_k < self.vocab:
             kth = xp.sort(z, axis=-1)[:, -self.top_k][:, None]
             z = xp.where(z < kth, -xp.inf, z)
