@@ -51,7 +51,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     graphs.SequenceInputs                     x x - - - - - -   2 of 2
     functional.key_padding(_and_tokens)       x - - x x - - -   3 of 3
     functional.masked_mean                    x - - x x - - -   3 of 3
-    functional.packed_self_attention          x x - x o o o -   3 of 6
+    functional.packed_self_attention          x x - x x x x -   6 of 6
     functional.TokenPacking, gather_rows      x x - x x - - -   4 of 4
     BertConfig.from_dict, BertEncoder(config) x x - - - - x -   3 of 3
     BertEncoder.from_pretrained               x x x - x x x x   7 of 7
@@ -62,8 +62,7 @@ function has no argument of the class. "k of n": n counts the classes marked x o
     CausalLM.prefill, decode_step             x x x x x x - -   6 of 6
     CausalLM.generate, stream (test_llama.py) x x x x x x - -   6 of 6
 
-Notes on the o marks: packed_self_attention leaves dtypes, devices
-and paths to linear and attention, its ops, whose errors name them. TokenPacking and gather_rows
+Notes: TokenPacking and gather_rows
 check their arrays and, on the host, the capacity against the token count and every row index; on the
 GPU neither is read back (a synchronisation per call): TokenPacking's maps come from the device.
 
@@ -813,6 +812,38 @@ def test_packed_self_attention_checks_heads_and_shapes(x, w_qkv, heads, match):
 
     with pytest.raises(ValueError, match=f"^packed_self_attention: {match}"):
         packed_self_attention(np.ones(x, np.float32), np.ones(w_qkv, np.float32), None, heads)
+
+
+@pytest.mark.parametrize("x, w_qkv, path, error, match", [
+    (np.ones((2, 3, 4), np.int32), np.ones((12, 4), np.int32), "auto", TypeError,
+     "x and w_qkv must have one floating-point dtype, got x int32 and w_qkv int32"),
+    (np.ones((2, 3, 4), np.float32), np.ones((12, 4), np.float16), "auto", TypeError,
+     "x and w_qkv must have one floating-point dtype, got x float32 and w_qkv float16"),
+    (np.ones((2, 3, 4), np.float32), np.ones((12, 4), np.float32), 3, TypeError,
+     "path must be a string or a dict of op name to path, got int 3"),
+], ids=["int", "mixed-dtypes", "path-int"])
+def test_packed_self_attention_checks_dtypes_and_path(x, w_qkv, path, error, match):
+    from libnn.nn.functional import packed_self_attention
+
+    with pytest.raises(error, match=f"^packed_self_attention: {match}"):
+        packed_self_attention(x, w_qkv, None, 2, path=path)
+
+
+def test_packed_self_attention_refuses_arrays_on_two_devices():
+    from libnn.nn import functional
+
+    class DeviceArray(np.ndarray):  # stands in for a CuPy array: is_cupy looks at the type
+        pass
+
+    x = np.ones((2, 3, 4), np.float32)
+    w = np.ones((12, 4), np.float32).view(DeviceArray)
+    original = functional.is_cupy
+    functional.is_cupy = lambda a: isinstance(a, DeviceArray)
+    try:
+        with pytest.raises(TypeError, match="^packed_self_attention: x and w_qkv must be on one device"):
+            functional.packed_self_attention(x, w, None, 2)
+    finally:
+        functional.is_cupy = original
 
 
 # --- nn.Sequential ---------------------------------------------------------------------------------
