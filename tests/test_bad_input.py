@@ -816,9 +816,9 @@ def test_packed_self_attention_checks_heads_and_shapes(x, w_qkv, heads, match):
 
 @pytest.mark.parametrize("x, w_qkv, path, error, match", [
     (np.ones((2, 3, 4), np.int32), np.ones((12, 4), np.int32), "auto", TypeError,
-     "x and w_qkv must have one floating-point dtype, got x int32 and w_qkv int32"),
+     r"x must be a floating-point array \(fp16, bf16, fp32, fp64\), got int32"),
     (np.ones((2, 3, 4), np.float32), np.ones((12, 4), np.float16), "auto", TypeError,
-     "x and w_qkv must have one floating-point dtype, got x float32 and w_qkv float16"),
+     "w_qkv has dtype fp16 but x has fp32; cast them to one dtype"),
     (np.ones((2, 3, 4), np.float32), np.ones((12, 4), np.float32), 3, TypeError,
      "path must be a string or a dict of op name to path, got int 3"),
 ], ids=["int", "mixed-dtypes", "path-int"])

@@ -219,9 +219,12 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     if getattr(w_qkv, "ndim", None) != 2 or w_qkv.shape[0] % (3 * num_heads):
         raise ValueError(f"packed_self_attention: w_qkv must be (3E, E), 3 projections of num_heads={num_heads} "
                          f"heads each, got shape {getattr(w_qkv, 'shape', type(w_qkv))}")
-    if not dtypes.is_float(x.dtype) or w_qkv.dtype != x.dtype:
-        raise TypeError(f"packed_self_attention: x and w_qkv must have one floating-point dtype, got x {x.dtype} "
-                        f"and w_qkv {w_qkv.dtype}")
+    if not dtypes.is_float(x.dtype):
+        raise TypeError(f"packed_self_attention: x must be a floating-point array (fp16, bf16, fp32, fp64), got "
+                        f"{x.dtype}")
+    if w_qkv.dtype != x.dtype:
+        raise TypeError(f"packed_self_attention: w_qkv has dtype {dtypes.short_name(w_qkv.dtype)} but x has "
+                        f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
     if is_cupy(x) != is_cupy(w_qkv):
         raise TypeError(f"packed_self_attention: x and w_qkv must be on one device, got x {describe(x)} and w_qkv "
                         f"{describe(w_qkv)}")
