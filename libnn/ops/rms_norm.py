@@ -41,7 +41,7 @@ from libnn.backends import cudnn as cudnn_backend
 from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
-from libnn.runtime import contracts, launch, memory
+from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
                                   stream_key)
 
@@ -83,36 +83,16 @@ def rms_norm_problem(x, weight, residual, eps, return_sum) -> RMSNormProblem:
     if weight is not None:
         row_kernels.check_affine("rms_norm", "weight", weight, x, "x", "last dimension")
     row_kernels.check_eps("rms_norm", eps)
-    if residual is not None:
-        if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"rms_norm: residual has dtype {dtypes.short_name(residual.dtype)} but x has "
-                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
-    if not isinstance(return_sum, (bool, np.bool_)):
-        raise TypeError(f"rms_norm: return_sum must be True or False, got {return_sum!r}")
-    if return_sum and residual is None:
-        raise ValueError("rms_norm: return_sum=True returns x + residual, but residual is None; pass "
-                         "residual=, or leave return_sum False")
+    row_kernels.check_residual("rms_norm", residual, x, return_sum)
     device = device_of({"x": x, "weight": weight, "residual": residual}, "rms_norm")
     problem = RMSNormProblem(M=math.prod(x.shape[:-1]), N=x.shape[-1], dtype=dtypes.short_name(x.dtype),
                              has_weight=weight is not None, has_residual=residual is not None,
                              return_sum=bool(return_sum), eps=float(eps), device=device)
     if device == "cpu":  # host arrays run on the reference path
-        _reference_fits(problem, tuple(x.shape))
+        row_kernels.reference_fits("rms_norm", problem.M, problem.N, problem.dtype, problem.return_sum,
+                                   tuple(x.shape))
     return problem
 
-
-REFERENCE_COPIES = 3  # float64 arrays of x's size alive at once: the rows, their squares (or y), y
-
-
-def _reference_fits(p: RMSNormProblem, shape: tuple[int, ...]) -> None:
-    """Refuse, before any of it is allocated, a problem whose reference computation would not fit in
-    host RAM: its float64 rows and temporaries, and the result (and the sum) in x's dtype."""
-    outputs = 1 + p.return_sum
-    memory.require(p.M * p.N * (8 * REFERENCE_COPIES + outputs * dtypes.parse(p.dtype).itemsize), "cpu",
-                   "rms_norm", f"x of shape {shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of "
-                   "its size)")
 
 
 def rms_norm(x: Any, weight: Any = None, *, residual: Any = None, eps: float = 1e-6, return_sum: bool = False,

@@ -7,8 +7,9 @@ one its custom path runs, and with what grid and block.
 2) <prefix>2_block_vec{VPT}: a row per block of up to 512 threads, in registers; 16-byte accesses only.
 3) <prefix>3_loop: a row per 512-thread block, any n and alignment.
 
-It also holds the argument checks the row-normalizing ops (layer_norm, rms_norm, embedding's fused
-LayerNorm) share: a weight or bias vector against the rows, and eps.
+It also holds what the row-normalizing ops (layer_norm, rms_norm, embedding's fused LayerNorm) share
+on the host: the checks of a weight or bias vector against the rows, of eps, of a fused residual and
+return_sum, and the memory check of the float64 reference.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
+from libnn.runtime import memory
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -124,3 +126,29 @@ def check_eps(op: str, eps: Any) -> None:
         raise TypeError(f"{op}: eps must be a finite number > 0, got {type(eps).__name__} {eps!r}")
     if not eps > 0 or not math.isfinite(eps):
         raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
+
+
+def check_residual(op: str, residual: Any, x: Any, return_sum: Any) -> None:
+    """A fused residual of x's shape and dtype (or None), and return_sum, which needs one."""
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"{op}: residual has dtype {dtypes.short_name(residual.dtype)} but x has "
+                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+    if not isinstance(return_sum, (bool, np.bool_)):
+        raise TypeError(f"{op}: return_sum must be True or False, got {return_sum!r}")
+    if return_sum and residual is None:
+        raise ValueError(f"{op}: return_sum=True returns x + residual, but residual is None; pass "
+                         "residual=, or leave return_sum False")
+
+
+REFERENCE_COPIES = 3  # float64 arrays of x's size alive at once: the rows, a temporary (centered or squared), y
+
+
+def reference_fits(op: str, M: int, N: int, dtype: str, return_sum: bool, shape: tuple[int, ...]) -> None:
+    """Refuse, before any of it is allocated, a row normalization whose float64 reference would not fit
+    in host RAM: its rows and temporaries, and the result (and the sum) in x's dtype."""
+    outputs = 1 + return_sum
+    memory.require(M * N * (8 * REFERENCE_COPIES + outputs * dtypes.parse(dtype).itemsize), "cpu", op,
+                   f"x of shape {shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of its size)")
