@@ -18,9 +18,8 @@ and one write of y; the per-channel vectors stay in L1/L2.
    its column in a register, advanced by the grid stride mod N (no division in the loop); else a scalar
    grid-stride loop with a division per element. The kernel picks the path itself. The activation is
    compiled in, one kernel per activation: with the code as a run-time argument (versions up to the
-   sixth session) the chain of tests on it ran per element, and the pass over the MiniLM FFN's
-   32768 x 1536 fp16 reached 79% of copy bandwidth on the H100 against 85% compiled in; 4096 x 3072,
-   56% against 68% (benchmarks/RESULTS.md, seventh session). Linear used to run channel_epilogue here:
+   sixth session) the chain of tests on it ran per element, and the pass was measurably slower on the
+   H100 (benchmarks/RESULTS.md, seventh session). Linear used to run channel_epilogue here:
    one 2-byte element per thread and step and a 64-bit division for its channel ran the BERT FFN's GELU
    far below copy bandwidth.
 

@@ -33,8 +33,8 @@ the batch's rows) per step time, as a % of the device-to-device copy bandwidth m
 "%copy w+KV" adds the KV cache one step's attention reads at the median timed step's context (the same
 bytes for both rows: Hugging Face's cache copies itself as it grows, which is not counted). "x HF" is
 Hugging Face's per-call ms/step over libnn's: both decode loops are eager and bound by the host's time
-per step, and on the H100 the event pairs around Hugging Face's unsynchronised steps read 60 ms per
-step where the loop took 3.6 ms per step from Python (first run, --quick), so its GPU column is not
+per step, and on the H100 the event pairs around Hugging Face's unsynchronised steps read several times
+the time its loop took from Python (benchmarks/RESULTS.md, seventh session), so its GPU column is not
 used for the ratio. "greedy vs HF" (batch 1): how many of the first 8 tokens of
 libnn's `generate` equal Hugging Face's `generate(do_sample=False)` on the first prompt before the first
 difference, Hugging Face with fp32 accumulation in its fp16/bf16 GEMMs (reduced-precision reductions
