@@ -36,11 +36,16 @@ batch holds prompts of different lengths (right-padded input_ids: tokens first, 
 appends one token per sequence at its own position (rope position = its current length) and attends
 with seq_lens_kv = the new lengths.
 
-Eager only: each decode step launches its ops from Python one by one (about 12 per layer) and uploads
-its positions and lengths. Capturing the decode step into a CUDA graph per batch bucket is the next step
-(the cache is already one fixed buffer; positions and lengths would move into fixed device buffers
-advanced on the device); GPT-2 checkpoints, FP8 weights, a paged cache and `libnn bench generate` are not
-done yet.
+Decode steps as CUDA graphs (the default on the GPU, `decode_graphs=True`): a step launched op by op from
+Python costs about 12 launches per layer of host time, far more than the GPU's work at small batches, so
+each step is one replay of a graph captured per batch bucket (1, 2, 4, ... up to max_batch; a batch pads up
+to its bucket) through libnn.nn.graphs.GraphedModule. The graph reads the step's tokens and positions
+from its input buffers (copied in per step, a few bytes), and the cache is one fixed buffer, so one
+capture serves every step and every position. A bucket's padding rows repeat the last real sequence's
+token and position and write into cache rows no sequence of the batch owns. The first step of a bucket
+captures it (one eager pass with every check, warm-ups, the capture). New parameters or a move drop the
+graphs with the cache. `decode_graphs=False` runs every step eagerly; prefill is always eager.
+GPT-2 checkpoints, FP8 weights and a paged cache are not done yet.
 
 The reference path runs the whole model on the host (device="cpu", dtype fp32 or fp64): every op's
 float64 reference, what the CPU tests compare against an independent NumPy LLaMA.
@@ -63,6 +68,7 @@ from libnn.models import checkpoint
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.functional import gather_rows, on_device_of, op_path
+from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import RMSNorm
@@ -476,16 +482,19 @@ class CausalLM(Module):
       sequence's own position and returns the next logits (B, vocab_size).
     - `generate(...)` and `stream(...)`: the loop over both, greedy or sampled, stopping each sequence at
       its end token.
-    Eager: one launch per op (see the module docstring; CUDA graphs per decode step come next).
-    `path` goes to every op ("auto", a path name the ops that have it take, or a dict by op name)."""
+    On the GPU each decode step replays a CUDA graph per batch bucket (`decode_graphs=False`: eagerly, one
+    launch per op; see the module docstring). `path` goes to every op ("auto", a path name the ops that
+    have it take, or a dict by op name)."""
 
     def __init__(self, config: LlamaConfig, *, dtype: Any = "fp32", device: str = "cpu", max_batch: int = 1,
-                 max_len: int | None = None, path: str | dict[str, str] = "auto", init: bool = True):
+                 max_len: int | None = None, path: str | dict[str, str] = "auto", init: bool = True,
+                 decode_graphs: bool = True):
         """A model of `config` with random weights (PyTorch's default initialisers; RMSNorm weights 1),
         or with `init=False` uninitialised ones, for a loader that replaces every parameter (from_pretrained:
         no values are drawn, and the host memory check counts no float64 draws)."""
         super().__init__()
         init = checks.flag("CausalLM", "init", init)
+        self.decode_graphs = checks.flag("CausalLM", "decode_graphs", decode_graphs)
         max_batch, max_len = _check_fits("CausalLM", config, dtype, device, max_batch, max_len, "the config", init)
         checks.path("CausalLM", path, OPS, per_op=True)
         self.config, self.path = config, path
@@ -501,11 +510,13 @@ class CausalLM(Module):
     # -- loading ---------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp16", device: str = "gpu", max_batch: int = 1,
-                        max_len: int | None = None, path: str | dict[str, str] = "auto") -> CausalLM:
+                        max_len: int | None = None, path: str | dict[str, str] = "auto",
+                        decode_graphs: bool = True) -> CausalLM:
         """Load config.json and model.safetensors (or the shards model.safetensors.index.json lists) from
         `directory` into a CausalLM in `dtype` ("fp16", "bf16", "fp32"; "fp64" too on the CPU) on `device`
         ("gpu" or "cpu"), with a KV cache for `max_batch` sequences of `max_len` tokens (default
-        min(2048, max_position_embeddings)). The parameters and the cache are refused before anything is
+        min(2048, max_position_embeddings)); `decode_graphs` as for the constructor. The parameters and the
+        cache are refused before anything is
         read if they would not fit; a key, shape or dtype that does not match the config is an error
         naming the file and the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
@@ -513,12 +524,14 @@ class CausalLM(Module):
         config = LlamaConfig.from_dict(config_json, str(config_file))
         _check_fits(where, config, dtype, device, max_batch, max_len, str(config_file), False)
         checks.path(where, path, OPS, per_op=True)  # before the checkpoint is read, not after
+        checks.flag(where, "decode_graphs", decode_graphs)
         # each tensor in the shard its weight_map names
         raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
         state, report = _checkpoint_state(raw, config)
         report.files = files
         # every parameter is replaced by the checkpoint's, or the load fails
-        model = cls(config, dtype=dtype, device="cpu", max_batch=max_batch, max_len=max_len, path=path, init=False)
+        model = cls(config, dtype=dtype, device="cpu", max_batch=max_batch, max_len=max_len, path=path, init=False,
+                    decode_graphs=decode_graphs)
         checkpoint.load_state(model, state, f"{where}({str(directory)!r}): the checkpoint ({', '.join(files)}) does "
                                             f"not match its config ({config.num_hidden_layers} layers, hidden "
                                             f"{config.hidden_size}, tie_word_embeddings={config.tie_word_embeddings})")
@@ -557,6 +570,7 @@ class CausalLM(Module):
         """No sequence in the cache; the cache itself (and the rotary frequencies) made at the next
         prefill, on the parameters' device, in their dtype."""
         self._cache: KVCache | None = None  # its memory goes back before a new one is drawn
+        self._decode_graph: GraphedModule | None = None  # its captures bake in the cache's address
         self._inv_freq = None
         self._lengths = np.zeros(self.max_batch, np.int64)  # filled positions per cache row (host)
         self._batch = 0  # sequences of the last prefill; 0: none
@@ -606,8 +620,10 @@ class CausalLM(Module):
 
     def decode_step(self, tokens: Any) -> Any:
         """Append tokens (B,), one per sequence of the last prefill, each at its sequence's own position,
-        and return the logits of the next token, (B, vocab_size)."""
-        return self._decode(tokens, checked=False)
+        and return the logits of the next token, (B, vocab_size), an array of the caller's (the decode
+        graph's own output is copied: the next step overwrites it)."""
+        logits = self._decode(tokens, checked=False)
+        return logits.copy() if self._decode_graph is not None else logits
 
     def _decode(self, tokens: Any, checked: bool) -> Any:
         if not self._batch:
@@ -629,12 +645,30 @@ class CausalLM(Module):
             self._check_ids(tokens, "CausalLM.decode_step", "tokens")
         xp = array_module(like)
         at = xp.asarray(positions, dtype=xp.int32)
+        tokens = tokens.astype(xp.int64, copy=False)  # one capture per bucket, whatever integers came
+        step = self._step_logits
+        if self.decode_graphs and is_cupy(like):
+            if self._decode_graph is None:
+                self._decode_graph = GraphedModule(_DecodeStep(self), buckets=decode_buckets(self.max_batch))
+            step = self._decode_graph
+        logits = step(tokens, at)
+        self._lengths[:B] += 1
+        return logits
+
+    def decode_graph_stats(self) -> dict[tuple, Any]:
+        """Per batch bucket ((rows,)), the decode graph's captures, capture times, replays and pad waste
+        (GraphedModule.stats); empty while no step has run as a graph."""
+        return {} if self._decode_graph is None else self._decode_graph.stats()
+
+    def _step_logits(self, tokens: Any, at: Any) -> Any:
+        """One decode step of tokens (B,) written at cache positions `at` (B,) int32 of rows 0..B-1: the
+        next logits (B, vocab_size). Checked by the caller; what the decode graphs capture."""
+        B = tokens.shape[0]
+        xp = array_module(at)
         step = _Step(at[:, None], self._inv_freq, self._ready_cache(), causal=False,
                      seq_lens_kv=CheckedLengths(at + 1), rows=xp.arange(B), write_at=at)
         x = self._layers(tokens[:, None], step)
-        logits = self._logits(x.reshape(B, -1))
-        self._lengths[:B] += 1
-        return logits
+        return self._logits(x.reshape(B, -1))
 
     def _layers(self, ids: Any, step: _Step) -> Any:
         x = embedding(ids, self.model.embed_tokens.weight, path=_path_for(self.path, "embedding"))
@@ -795,10 +829,35 @@ class CausalLM(Module):
                   f"{memory.format_bytes(c.cache_bytes(self.max_batch, self.max_len, like.dtype))}"),
                  f"lm_head: {'tied to model.embed_tokens' if self.lm_head is None else 'its own weight'}, on each "
                  "sequence's last position only",
-                 "eager: one launch per op (CUDA graphs per decode step not yet)"]
+                 ("decode: one CUDA graph replay per step, captured per batch bucket "
+                  f"{list(decode_buckets(self.max_batch))}; prefill eager" if self.decode_graphs and is_cupy(like)
+                  else "eager: one launch per op")]
         if self.load_report is not None:
             lines += self.load_report.lines()
         return lines
+
+
+class _DecodeStep:
+    """A CausalLM's decode step as GraphedModule captures it: (tokens (B,) int64, positions (B,) int32) ->
+    logits (B, vocab_size), with the model's parameters and version (new parameters drop the captures)."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+
+    @property
+    def version(self) -> int:
+        return self.model.version
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        return self.model.named_parameters(prefix)
+
+    def __call__(self, tokens: Any, positions: Any) -> Any:
+        return self.model._step_logits(tokens, positions)
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch buckets decode steps are captured for: powers of two below max_batch, and max_batch."""
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch}))
 
 
 # --- sampling ----------------------------------------------------------------------------------------------
