@@ -34,6 +34,15 @@ def _int_at_least(minimum: int):
 positive_int, non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
+def token_ids(text: str) -> list[int]:
+    """An argparse type: token ids separated by commas ("1,15043,29892"); CausalLM checks their range."""
+    try:
+        return [int(piece) for piece in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas (1,15043,29892), "
+                                         f"got {text!r}") from None
+
+
 def _info(args: argparse.Namespace) -> int:
     found = device.info()
     print(json.dumps(found.as_dict(), indent=2) if args.json else found.table())
@@ -59,6 +68,14 @@ def _run(args: argparse.Namespace) -> int:
     from libnn.models.run_cnn import run
 
     return run(batch=args.batch, path=args.path, dtype=args.dtype)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from libnn.models.run_generate import run
+
+    return run(args.directory, args.prompts or [], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+               top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=args.eos_token_id, dtype=args.dtype,
+               device=args.device, max_len=args.max_len, stream=args.stream, warmup=args.warmup)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -145,6 +162,42 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="default fp32")
     s.set_defaults(func=_run)
 
+    s = sub.add_parser("generate", help="continue prompts with a LLaMA-architecture checkpoint: the new tokens, the "
+                       "time to the first token and tokens/s, on the GPU if there is one, else on the reference "
+                       "path on the CPU",
+                       description="Several prompts (--prompt-ids and --prompt, in the order given) make one batch. "
+                       "Greedy unless --temperature is above 0. Times are wall clock: prefill is the time to the "
+                       "first token, decode tokens/s counts the tokens of the steps after it.")
+    s.add_argument("directory", metavar="DIR", help="a Hugging Face LlamaForCausalLM checkpoint: config.json and "
+                   "model.safetensors (or its sharded index); tokenizer.json for --prompt")
+    s.add_argument("--prompt-ids", dest="prompts", action="append", type=token_ids, metavar="IDS",
+                   help="a prompt as token ids separated by commas, e.g. 1,15043,29892 (repeat for a batch)")
+    s.add_argument("--prompt", dest="prompts", action="append", metavar="TEXT",
+                   help="a prompt as text, encoded and the new tokens decoded with DIR/tokenizer.json "
+                   "(needs the optional `tokenizers` package; repeat for a batch)")
+    s.add_argument("--max-new-tokens", type=non_negative_int, default=32, metavar="N",
+                   help="tokens to generate per sequence, the end token included (default 32)")
+    s.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 for greedy (the default), "
+                   "else sample from softmax(logits / T)")
+    s.add_argument("--top-k", type=positive_int, metavar="K", help="sample among the K most likely tokens only")
+    s.add_argument("--top-p", type=float, metavar="P", help="sample among the fewest most likely tokens "
+                   "whose probabilities add up to P, in (0, 1]")
+    s.add_argument("--seed", type=non_negative_int, metavar="S", help="the sampler's seed, below 2**32 "
+                   "(default: fresh entropy)")
+    s.add_argument("--eos-token-id", type=non_negative_int, nargs="*", metavar="ID", help="end tokens "
+                   "(default: the config's eos_token_id); with no ID, no sequence ends early")
+    s.add_argument("--dtype", choices=["fp16", "bf16", "fp32"],
+                   help="the weights' and cache's dtype (default fp16 on the GPU, fp32 on the CPU)")
+    s.add_argument("--device", choices=["gpu", "cpu"], help="default: the GPU if there is one, else the CPU "
+                   "(every op's reference path)")
+    s.add_argument("--max-len", type=positive_int, metavar="L", help="the KV cache's tokens per sequence, prompt "
+                   "and new tokens (default min(2048, max_position_embeddings))")
+    s.add_argument("--stream", action="store_true", help="print each step's tokens as they come (and their "
+                   "text with --prompt), one line per step")
+    s.add_argument("--warmup", action="store_true", help="run the prefill and one decode step of the same prompts "
+                   "untimed first, so that kernel compiles, plan builds and the decode graph's capture are not timed")
+    s.set_defaults(func=_generate)
+
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
     s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead",
                                   "generate"],
@@ -203,10 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except Exception as exc:  # a user-facing command: the message, not a traceback
         # ModuleNotFoundError: an optional package this command needs is not installed (the message
-        # says which); the environment's problem, not a bug to show a traceback for
-        if not isinstance(exc, LibnnError | ValueError | TypeError | MemoryError | ModuleNotFoundError):
+        # says which); the environment's problem, not a bug to show a traceback for. FileNotFoundError
+        # and KeyError: a checkpoint directory without its files, or with keys its config does not
+        # name (the loaders' messages say which)
+        if not isinstance(exc, LibnnError | ValueError | TypeError | MemoryError | ModuleNotFoundError
+                          | FileNotFoundError | KeyError):
             raise
-        print(f"libnn {args.command}: {exc}", file=sys.stderr)
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # str() of a KeyError quotes it
+        print(f"libnn {args.command}: {message}", file=sys.stderr)
         return 2
 
 

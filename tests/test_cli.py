@@ -19,7 +19,7 @@ def libnn(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_help_lists_every_subcommand():
     out = libnn("--help").stdout
-    for command in ["info", "paths", "demo", "bench", "plans", "check-kernels", "run"]:
+    for command in ["info", "paths", "demo", "bench", "plans", "check-kernels", "run", "generate"]:
         assert command in out
 
 
