@@ -26,7 +26,8 @@ cos and sin to the activations' dtype and each product and the sum in it, so fp1
 from its by their dtype's rounding, not more.
 
 I/O in fp16, bf16 (raw 16-bit words, converted with PTX) or fp32; positions int32 or int64. It
-includes no CUDA toolkit header (only libnn's kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
+includes no CUDA toolkit header (only libnn's kernels/rope.cuh, the rotation of one row, which
+kernels/kv_append.cu shares, and kernels/common.cuh); sm_80 or newer (cvt.rn.bf16.f32).
 
 In place: y may be x itself (same pointer, same strides). Each element is read and written by one
 thread only, a pair's two loads before its two stores, so the rotation reads only the input; x and y
@@ -61,43 +62,23 @@ LAUNCH (every kernel takes the same parameters)
     1 <= H < 2^31, B, S >= 1; element offsets are 64-bit, and strides may be negative or (x only) 0.
 */
 
-#include "common.cuh"
+#include "rope.cuh"
 
 constexpr int ROPE_THREADS = 256;  // threads per block: the launch bound
 constexpr int ROPE_MAX_BX = 128;   // lanes over one (token, head) row's items: D up to 256 in one pass
 
 namespace ropek {
 
-using namespace libnn;
-
-__device__ __forceinline__ float to_float(int p) { return (float)p; }             // cvt.rn.f32.s32
-__device__ __forceinline__ float to_float(long long p) { return (float)p; }       // cvt.rn.f32.s64
-
 template <class DT, class P>
 __device__ __forceinline__ void rope_pairs(const typename DT::T* x, const P* __restrict__ positions,
                                            const float* __restrict__ inv_freq, typename DT::T* y, i64 B, i64 S,
                                            int H, int D, int R, i64 xb, i64 xs, i64 xh, i64 yb, i64 ys, i64 yh,
                                            i64 pb, i64 ps, int interleaved) {
-    typedef typename DT::T T;
-    const int half = R >> 1, items = half + (D - R);
     for (i64 b = blockIdx.z; b < B; b += gridDim.z) {
         for (int h = blockIdx.y; h < H; h += gridDim.y) {
             for (i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y; s < S; s += (i64)gridDim.x * blockDim.y) {
-                const float position = to_float(positions[b * pb + s * ps]);
-                const T* xr = x + b * xb + s * xs + h * xh;
-                T* yr = y + b * yb + s * ys + h * yh;
-                for (int j = threadIdx.x; j < items; j += blockDim.x) {
-                    if (j < half) {
-                        float sn, cs;
-                        sincosf(__fmul_rn(position, inv_freq[j]), &sn, &cs);
-                        const int j0 = interleaved ? 2 * j : j, j1 = interleaved ? 2 * j + 1 : j + half;
-                        const float a = DT::ld(xr[j0]), c = DT::ld(xr[j1]);
-                        yr[j0] = DT::st(a * cs - c * sn);
-                        yr[j1] = DT::st(c * cs + a * sn);
-                    } else {
-                        yr[j + half] = xr[j + half];  // element R + (j - half): passes through, bits unchanged
-                    }
-                }
+                rotate_row<DT>(x + b * xb + s * xs + h * xh, y + b * yb + s * ys + h * yh,
+                               to_float(positions[b * pb + s * ps]), inv_freq, D, R, interleaved);
             }
         }
     }
@@ -118,12 +99,6 @@ __device__ __forceinline__ void rope_pairs(const typename DT::T* x, const P* __r
         ropek::rope_pairs<ropek::DT, P>(x, positions, inv_freq, y, B, S, H, D, R, xb, xs, xh, yb, ys, yh, \
                                         pb, ps, interleaved);                                            \
     }
-
-namespace ropek {
-typedef libnn::dt_f16 f16;
-typedef libnn::dt_bf16 bf16;
-typedef libnn::dt_f32 f32;
-}  // namespace ropek
 
 ROPE1(f16, f16, i32, int)
 ROPE1(f16, f16, i64, long long)

@@ -288,12 +288,12 @@ def test_an_out_that_overlaps_itself_is_refused():
     out = np.broadcast_to(np.zeros((1, 3, 2, 8), np.float32), x.shape)
     with pytest.raises(ValueError, match=r"^rope: out must not overlap itself \(a broadcast view\)"):
         rope(x, np.zeros((2, 3), np.int32), rope_frequencies(8), out=out)
-    assert rope_module._overlaps_itself((2, 3), (4, 4), 4)        # element (1, 0) is element (0, 1)
-    assert rope_module._overlaps_itself((2, 3), (0, 4), 4)        # a broadcast row
-    assert not rope_module._overlaps_itself((2, 3), (12, 4), 4)   # contiguous
-    assert not rope_module._overlaps_itself((2, 3), (4, 8), 4)    # transposed
-    assert not rope_module._overlaps_itself((3, 2), (-8, 4), 4)   # reversed rows
-    assert not rope_module._overlaps_itself((1, 3), (0, 4), 4)    # a stride of a dimension of 1 is never taken
+    assert rope_module.overlaps_itself((2, 3), (4, 4), 4)        # element (1, 0) is element (0, 1)
+    assert rope_module.overlaps_itself((2, 3), (0, 4), 4)        # a broadcast row
+    assert not rope_module.overlaps_itself((2, 3), (12, 4), 4)   # contiguous
+    assert not rope_module.overlaps_itself((2, 3), (4, 8), 4)    # transposed
+    assert not rope_module.overlaps_itself((3, 2), (-8, 4), 4)   # reversed rows
+    assert not rope_module.overlaps_itself((1, 3), (0, 4), 4)    # a stride of a dimension of 1 is never taken
 
 
 # --- rope_frequencies -----------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ and up into one 2I x H weight, one GEMM each; the projections' parameters are vi
 What runs, per decoder layer (pre-norm; ops in libnn.ops, each on its `auto` path):
     n  = rms_norm(x, input_layernorm)
     q, k, v = views of linear(n, W_qkv)                      one GEMM
-    q, k = rope(q), rope(k) at each token's position         k written straight into the KV cache (prefill)
+    q = rope(q); kv_append(k, v)                              k rotated and v written into the KV cache at
+                                                             each token's position, one kernel
     o  = attention(q, K cache, V cache)                      causal + padding lengths (prefill); q of one
                                                              token against each sequence's cached length (decode)
     h  = linear(o, W_o, residual=x)                          the residual in the GEMM's epilogue
@@ -27,8 +28,9 @@ epilogues, so rms_norm runs plain (its residual/return_sum fusion would move the
 into the norm, the same traffic).
 
 KV cache: k and v are each (layers, max_batch, max_len, Hkv, D) in the model's dtype (BSHD per layer:
-the layout of the QKV projection's output, so prefill's rope writes k into a window of the cache with no
-copy, and attention reads the cache as a strided BSHD view), for `max_batch` sequences of up to `max_len`
+the layout of the QKV projection's output: kv_append writes each token's rotated k and its v into its
+sequence's row at its position, prefill and decode alike, and attention reads the cache as a strided BSHD
+view), for `max_batch` sequences of up to `max_len`
 tokens, allocated zeroed at the first prefill (anew after new parameters or a move) and refused before
 allocation when it would not fit (from_pretrained and the constructor check it first too). Sequence b of a
 batch lives in row b; `lengths` per sequence say how many positions of its row are filled, so one
@@ -74,6 +76,7 @@ from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import RMSNorm
 from libnn.ops.attention import CheckedLengths, attention
 from libnn.ops.embedding import embedding
+from libnn.ops.kv_append import kv_append
 from libnn.ops.linear import linear
 from libnn.ops.rope import SCALING_TYPES, rope, rope_frequencies
 from libnn.ops.swiglu import swiglu
@@ -84,7 +87,7 @@ from libnn.runtime.arrays import array_module, as_array, is_cupy, min_max
 MODEL_TYPES = ("llama",)
 ARCHITECTURES = ("LlamaForCausalLM",)
 HIDDEN_ACTS = ("silu",)
-OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "swiglu")  # the ops a forward pass calls
+OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "kv_append", "swiglu")  # the ops a forward pass calls
 # The config's sizes and the least each may be (no decoder layers leaves embeddings and lm_head, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1,
          "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 1}
@@ -371,9 +374,8 @@ class LlamaDecoderLayer(Module):
         qkv = linear(n, self.self_attn.packed(), path=_path_for(path, "linear"))
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
-        rope_path = _path_for(path, "rope")
-        q = rope(q, step.positions, step.inv_freq, path=rope_path)
-        keys, values = step.cache.store(index, step, k, v, rope_path)
+        q = rope(q, step.positions, step.inv_freq, path=_path_for(path, "rope"))
+        keys, values = step.cache.store(index, step, k, v, _path_for(path, "kv_append"))
         o = attention(q, keys, values, causal=step.causal, seq_lens_q=step.seq_lens_q,
                       seq_lens_kv=step.seq_lens_kv, layout="BSHD", path=_path_for(path, "attention"))
         h = self.self_attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
@@ -409,51 +411,43 @@ class LlamaModel(Module):
 
 # --- the KV cache and one forward pass's inputs ---------------------------------------------------------------
 class KVCache:
-    """k and v, each (layers, max_batch, max_len, Hkv, D), zeroed once. Writes go through views of the
-    same memory as unsigned integers of the element's width, so they are copies of bits in any dtype
-    (CuPy's arithmetic takes no bf16)."""
+    """k and v, each (layers, max_batch, max_len, Hkv, D), zeroed once (as unsigned integers of the
+    element's width: zero bits are 0.0 in every dtype, and CuPy makes no bf16 array); written by
+    kv_append, k rotated on the way."""
 
     def __init__(self, c: LlamaConfig, max_batch: int, max_len: int, like: Any):
         xp = array_module(like)
         shape = (c.num_hidden_layers, max_batch, max_len, c.num_key_value_heads, c.head_dim)
         bits = f"u{like.dtype.itemsize}"
-        self._k_bits, self._v_bits = xp.zeros(shape, bits), xp.zeros(shape, bits)  # zero bits: 0.0 in every dtype
-        self.k, self.v = self._k_bits.view(like.dtype), self._v_bits.view(like.dtype)
+        self.k, self.v = xp.zeros(shape, bits).view(like.dtype), xp.zeros(shape, bits).view(like.dtype)
         self.max_batch, self.max_len = max_batch, max_len
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def store(self, layer: int, step: _Step, k: Any, v: Any, rope_path: str) -> tuple[Any, Any]:
-        """Rotate k and write k and v of this pass into layer `layer`'s cache; return the keys and values
-        attention reads: the prefill's window (B, S, Hkv, D) of the cache, or for a decode step every
-        sequence's whole row (B, max_len, Hkv, D), its length in step.seq_lens_kv."""
+    def store(self, layer: int, step: _Step, k: Any, v: Any, path: str) -> tuple[Any, Any]:
+        """Write this pass's k (rotated) and v into layer `layer`'s cache rows 0..B-1 at their tokens'
+        positions; return the keys and values attention reads: the prefill's window (B, S, Hkv, D), or
+        for a decode step every sequence's whole row (B, max_len, Hkv, D), its length in step.seq_lens_kv.
+        The positions are the model's own (prefill: 0..S-1; decode: each sequence's length, below
+        max_len by the checks of _decode), so kv_append need not read them back."""
         B, S = k.shape[:2]
-        if step.causal:  # prefill: rows 0..B-1, positions 0..S-1; rope writes k in place
-            keys, values = self.k[layer, :B, :S], self.v[layer, :B, :S]
-            rope(k, step.positions, step.inv_freq, out=keys, path=rope_path)
-            self._v_bits[layer, :B, :S] = v.view(self._v_bits.dtype)
-            return keys, values
-        rotated = rope(k, step.positions, step.inv_freq, path=rope_path)
-        rows, at = step.rows, step.write_at
-        self._k_bits[layer][rows, at] = rotated.view(self._k_bits.dtype)[:, 0]
-        self._v_bits[layer][rows, at] = v.view(self._v_bits.dtype)[:, 0]
-        return self.k[layer, :B], self.v[layer, :B]
+        keys, values = self.k[layer, :B], self.v[layer, :B]
+        kv_append(k, v, step.positions, step.inv_freq, keys, values, checked=True, path=path)
+        return (keys[:, :S], values[:, :S]) if step.causal else (keys, values)
 
 
 @dataclass
 class _Step:
-    """What every layer of one forward pass reads: rope's positions (B, S) int32 and frequencies, the
-    attention's masks, the cache, and for a decode step where each sequence's new k and v go."""
+    """What every layer of one forward pass reads: the tokens' positions (B, S) int32 (rope and the
+    cache's rows) and rope's frequencies, the attention's masks and the cache."""
     positions: Any
     inv_freq: Any
     cache: KVCache
     causal: bool                  # prefill (causal, top-left) or a decode step (one query, no mask)
     seq_lens_q: Any = None
     seq_lens_kv: Any = None
-    rows: Any = None              # decode: 0..B-1 and each sequence's position, on the device
-    write_at: Any = None
 
 
 # --- the model --------------------------------------------------------------------------------------------
@@ -664,9 +658,8 @@ class CausalLM(Module):
         """One decode step of tokens (B,) written at cache positions `at` (B,) int32 of rows 0..B-1: the
         next logits (B, vocab_size). Checked by the caller; what the decode graphs capture."""
         B = tokens.shape[0]
-        xp = array_module(at)
         step = _Step(at[:, None], self._inv_freq, self._ready_cache(), causal=False,
-                     seq_lens_kv=CheckedLengths(at + 1), rows=xp.arange(B), write_at=at)
+                     seq_lens_kv=CheckedLengths(at + 1))
         x = self._layers(tokens[:, None], step)
         return self._logits(x.reshape(B, -1))
 
@@ -821,8 +814,8 @@ class CausalLM(Module):
         lines = [(f"CausalLM (LLaMA): {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} "
                   f"heads of {c.head_dim}, {c.num_key_value_heads} KV heads, intermediate {c.intermediate_size}, "
                   f"vocab {c.vocab_size}, {dtypes.short_name(like.dtype)} on the {'GPU' if is_cupy(like) else 'CPU'}"),
-                 (f"model.layers.{last}.self_attn: q_proj+k_proj+v_proj in one GEMM; rope on q and k (k written "
-                  f"into the KV cache); {attention_kind} attention from the cache; o_proj with the residual in its "
+                 (f"model.layers.{last}.self_attn: q_proj+k_proj+v_proj in one GEMM; rope on q; k rotated and "
+                  f"v written into the KV cache by one kernel (kv_append); {attention_kind} attention from the cache; o_proj with the residual in its "
                   "GEMM epilogue"),
                  "model.layers.*.mlp: gate_proj+up_proj in one GEMM, swiglu, down_proj with the residual in its epilogue",
                  (f"KV cache: k and v (layers, {self.max_batch}, {self.max_len}, {c.num_key_value_heads}, {c.head_dim}), "

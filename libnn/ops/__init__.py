@@ -4,6 +4,7 @@ from libnn.ops.attention import attention
 from libnn.ops.conv2d import conv2d
 from libnn.ops.embedding import embedding
 from libnn.ops.fft_conv import fft_conv1d, fft_conv2d
+from libnn.ops.kv_append import kv_append
 from libnn.ops.layer_norm import layer_norm
 from libnn.ops.linear import linear
 from libnn.ops.pool2d import avg_pool2d, max_pool2d
@@ -13,4 +14,5 @@ from libnn.ops.softmax import softmax
 from libnn.ops.swiglu import swiglu
 
 __all__ = ["attention", "linear", "conv2d", "max_pool2d", "avg_pool2d", "fft_conv2d", "fft_conv1d", "softmax",
-           "layer_norm", "rms_norm", "embedding", "rope", "rope_frequencies", "swiglu"]
+           "layer_norm", "rms_norm", "embedding", "rope", "rope_frequencies", "swiglu",
+           "kv_append"]

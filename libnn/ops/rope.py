@@ -103,7 +103,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+def overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     """Whether an array's elements may share bytes: dimensions sorted by |stride|, each must step over
     everything the dimensions inside it span (a sufficient test; a broadcast view fails it)."""
     span = itemsize
@@ -112,6 +112,36 @@ def _overlaps_itself(shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
             return True
         span += (n - 1) * stride
     return False
+
+
+def rotary_dim_of(name: str, arg: str, D: int, inv_freq: Any, style: Any, rotary_dim: Any) -> int:
+    """The checks of inv_freq, style and rotary_dim that rope and kv_append share, for a head dimension
+    D of the array `arg`; the rotary_dim R they give (D by default)."""
+    if inv_freq.dtype != np.float32 or inv_freq.ndim != 1:
+        raise TypeError(f"{name}: inv_freq must be a 1-D float32 array (rotary_dim / 2 frequencies, e.g. from "
+                        f"rope_frequencies), got a {inv_freq.ndim}-D {dtypes.short_name(inv_freq.dtype)} array")
+    if not isinstance(style, str) or style not in STYLES:
+        raise ValueError(f"{name}: style must be 'half' (Hugging Face LLaMA / GPT-NeoX) or 'interleaved' "
+                         f"(GPT-J, Meta's original), got {style!r}")
+    if rotary_dim is None:
+        if D % 2 or D < 2:
+            raise ValueError(f"{name}: rotary_dim defaults to {arg}'s head dimension D = {D}, which is "
+                             f"{'odd' if D % 2 else 'below 2'}; pass an even rotary_dim in [2, D] (the elements "
+                             "past it pass through)")
+        R = D
+    elif not _is_int(rotary_dim):
+        raise TypeError(f"{name}: rotary_dim must be an int or None, got {type(rotary_dim).__name__} {rotary_dim!r}")
+    elif rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
+        raise ValueError(f"{name}: rotary_dim must be even and in [2, D] for {arg}'s head dimension D = {D}, "
+                         f"got {rotary_dim}")
+    else:
+        R = int(rotary_dim)
+    if tuple(inv_freq.shape) != (R // 2,):
+        hint = "" if rotary_dim is not None or 2 * inv_freq.shape[0] > D else \
+            f" (for partial rotary, pass rotary_dim={2 * inv_freq.shape[0]})"
+        raise ValueError(f"{name}: inv_freq must have rotary_dim / 2 = {R // 2} frequencies (rotary_dim {R}), "
+                         f"got shape {tuple(inv_freq.shape)}{hint}")
+    return R
 
 
 def rope_problem(x, positions, inv_freq, style, rotary_dim, out) -> RopeProblem:
@@ -127,43 +157,19 @@ def rope_problem(x, positions, inv_freq, style, rotary_dim, out) -> RopeProblem:
         what = "(T,) for packed tokens x (T, H, D)" if packed else "(B, S) for x (B, S, H, D)"
         raise ValueError(f"rope: positions must have shape {expected}, {what} of shape {tuple(x.shape)}; "
                          f"got {tuple(positions.shape)}")
-    if inv_freq.dtype != np.float32 or inv_freq.ndim != 1:
-        raise TypeError(f"rope: inv_freq must be a 1-D float32 array (rotary_dim / 2 frequencies, e.g. from "
-                        f"rope_frequencies), got a {inv_freq.ndim}-D {dtypes.short_name(inv_freq.dtype)} array")
-    if not isinstance(style, str) or style not in STYLES:
-        raise ValueError(f"rope: style must be 'half' (Hugging Face LLaMA / GPT-NeoX) or 'interleaved' "
-                         f"(GPT-J, Meta's original), got {style!r}")
-    D = x.shape[-1]
-    if rotary_dim is None:
-        if D % 2 or D < 2:
-            raise ValueError(f"rope: rotary_dim defaults to x's head dimension D = {D}, which is "
-                             f"{'odd' if D % 2 else 'below 2'}; pass an even rotary_dim in [2, D] (the elements "
-                             "past it pass through)")
-        R = D
-    elif not _is_int(rotary_dim):
-        raise TypeError(f"rope: rotary_dim must be an int or None, got {type(rotary_dim).__name__} {rotary_dim!r}")
-    elif rotary_dim < 2 or rotary_dim % 2 or rotary_dim > D:
-        raise ValueError(f"rope: rotary_dim must be even and in [2, D] for x's head dimension D = {D}, "
-                         f"got {rotary_dim}")
-    else:
-        R = int(rotary_dim)
-    if tuple(inv_freq.shape) != (R // 2,):
-        hint = "" if rotary_dim is not None or 2 * inv_freq.shape[0] > D else \
-            f" (for partial rotary, pass rotary_dim={2 * inv_freq.shape[0]})"
-        raise ValueError(f"rope: inv_freq must have rotary_dim / 2 = {R // 2} frequencies (rotary_dim {R}), "
-                         f"got shape {tuple(inv_freq.shape)}{hint}")
+    R = rotary_dim_of("rope", "x", x.shape[-1], inv_freq, style, rotary_dim)
     if out is not None:
         if tuple(out.shape) != tuple(x.shape):
             raise ValueError(f"rope: out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
         if out.dtype != x.dtype:
             raise TypeError(f"rope: out has dtype {dtypes.short_name(out.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; the result is written in x's dtype")
-        if _overlaps_itself(tuple(out.shape), tuple(out.strides), out.itemsize):
+        if overlaps_itself(tuple(out.shape), tuple(out.strides), out.itemsize):
             raise ValueError(f"rope: out must not overlap itself (a broadcast view): shape {tuple(out.shape)}, "
                              f"strides {tuple(out.strides)} bytes")
     device = device_of({"x": x, "positions": positions, "inv_freq": inv_freq, "out": out}, "rope")
     B, S = (1, x.shape[0]) if packed else x.shape[:2]
-    return RopeProblem(B=B, S=S, H=x.shape[-2], D=D, packed=packed, rotary_dim=R, style=style,
+    return RopeProblem(B=B, S=S, H=x.shape[-2], D=x.shape[-1], packed=packed, rotary_dim=R, style=style,
                        dtype=dtypes.short_name(x.dtype), position_dtype=positions.dtype.name,
                        has_out=out is not None,
                        out_rows_contiguous=out is None or _kernel_layout(out, packed) is not None, device=device)

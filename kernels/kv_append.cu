@@ -1,0 +1,93 @@
+/*
+KV-cache append for decoders: each token's k rotated (RoPE, kernels/rope.cuh) and its v copied into the
+caches at the token's own position, in one pass, for prefill (positions 0..S-1) and decode steps (one
+token per sequence at its current length) alike.
+
+    k, v              (B, S, H, D), element strides (kb, ks, kh, 1) and (vb, vs, vh, 1)
+    positions         (B, S), int32 or int64, element strides (pb, ps) (0 for a broadcast dimension)
+    inv_freq          (R / 2,) fp32, contiguous
+    k_cache, v_cache  (B, L, H, D), both with element strides (cb, cs, ch, 1)
+
+    for token (b, s) at p = positions[b, s], 0 <= p < L, and head h:
+        k_cache[b, p, h] = rope(k[b, s, h], p)     as kernels/rope.cu computes it (style, rotary_dim R)
+        v_cache[b, p, h] = v[b, s, h]              the bits copied
+    a position outside [0, L) writes nothing: the kernel never writes outside the caches (the op checks
+    positions before launching unless its caller vouches for them).
+
+I/O in fp16, bf16 (raw 16-bit words) or fp32; positions int32 or int64. sm_80 or newer. k, v and the
+caches must not overlap (the launcher's checks); two tokens of one sequence at the same position race.
+
+Versions (libnn/ops/kv_append.py launches it):
+
+1) kv_append1_{f16,bf16,f32}_{i32,i64}   any strides with a contiguous last dimension
+   The geometry of rope1_pairs: a block of (BX, BY) threads, BX lanes over one (token, head) row, BY
+   tokens of one sequence; blockIdx.y the head, blockIdx.z the sequence. Each lane rotates its k pairs
+   (and pass-through elements), then copies its share of the v row.
+
+LAUNCH (every kernel takes the same parameters)
+    (const T* k, const T* v, const P* positions, const float* inv_freq, T* k_cache, T* v_cache,
+     long long B, long long S, int H, int D, int R, long long L, long long kb, long long ks, long long kh,
+     long long vb, long long vs, long long vh, long long cb, long long cs, long long ch, long long pb,
+     long long ps, int interleaved)
+    T = float (f32) or unsigned short (f16/bf16 bits); P = int (i32) or long long (i64).
+
+    kernel           block                                   grid
+    kv_append1_*     (BX, BY, 1)                             (min(ceil(S / BY), 65535), min(H, 65535), min(B, 65535))
+                     BX = min(KV_MAX_BX, max(32, power of 2 >= D))
+                     BY = min(KV_THREADS / BX, power of 2 >= S)
+
+    Tokens, heads and sequences are grid-strided and a row's elements block-strided: any grid >= 1 and
+    any block up to KV_THREADS threads are correct. Preconditions: R even, 2 <= R <= D < 2^31,
+    1 <= H < 2^31, B, S, L >= 1; element offsets are 64-bit.
+*/
+
+#include "rope.cuh"
+
+constexpr int KV_THREADS = 256;  // threads per block: the launch bound
+constexpr int KV_MAX_BX = 128;   // lanes over one (token, head) row
+
+namespace ropek {
+
+template <class DT, class P>
+__device__ __forceinline__ void kv_append(const typename DT::T* __restrict__ k, const typename DT::T* __restrict__ v,
+                                          const P* __restrict__ positions, const float* __restrict__ inv_freq,
+                                          typename DT::T* __restrict__ k_cache, typename DT::T* __restrict__ v_cache,
+                                          i64 B, i64 S, int H, int D, int R, i64 L, i64 kb, i64 ks, i64 kh, i64 vb,
+                                          i64 vs, i64 vh, i64 cb, i64 cs, i64 ch, i64 pb, i64 ps, int interleaved) {
+    for (i64 b = blockIdx.z; b < B; b += gridDim.z) {
+        for (int h = blockIdx.y; h < H; h += gridDim.y) {
+            for (i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y; s < S; s += (i64)gridDim.x * blockDim.y) {
+                const P p = positions[b * pb + s * ps];
+                if (p < 0 || p >= L) continue;
+                const i64 at = b * cb + (i64)p * cs + h * ch;
+                rotate_row<DT>(k + b * kb + s * ks + h * kh, k_cache + at, to_float(p), inv_freq, D, R, interleaved);
+                const typename DT::T* vr = v + b * vb + s * vs + h * vh;
+                for (int j = threadIdx.x; j < D; j += blockDim.x) v_cache[at + j] = vr[j];
+            }
+        }
+    }
+}
+
+}  // namespace ropek
+
+// ---------------------------------------------------------------------------------------------------
+// exported kernels (extern "C": the launcher looks them up by these names)
+#define KV_PARAMS(T, P)                                                                                   \
+    const T* k, const T* v, const P* __restrict__ positions, const float* __restrict__ inv_freq,          \
+        T* k_cache, T* v_cache, long long B, long long S, int H, int D, int R, long long L, long long kb,  \
+        long long ks, long long kh, long long vb, long long vs, long long vh, long long cb, long long cs,  \
+        long long ch, long long pb, long long ps, int interleaved
+
+#define KV1(SUFFIX, DT, PSUFFIX, P)                                                                       \
+    extern "C" __global__ void __launch_bounds__(KV_THREADS)                                              \
+        kv_append1_##SUFFIX##_##PSUFFIX(KV_PARAMS(ropek::DT::T, P)) {                                     \
+        ropek::kv_append<ropek::DT, P>(k, v, positions, inv_freq, k_cache, v_cache, B, S, H, D, R, L, kb, \
+                                       ks, kh, vb, vs, vh, cb, cs, ch, pb, ps, interleaved);              \
+    }
+
+KV1(f16, f16, i32, int)
+KV1(f16, f16, i64, long long)
+KV1(bf16, bf16, i32, int)
+KV1(bf16, bf16, i64, long long)
+KV1(f32, f32, i32, int)
+KV1(f32, f32, i64, long long)

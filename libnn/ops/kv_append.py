@@ -1,0 +1,209 @@
+"""kv_append: a decoder's new keys and values into its KV cache, k rotated (RoPE) on the way, in one pass.
+
+k and v are (B, S, H, D): the S new tokens of B sequences (one per sequence at a decode step, the prompt
+at prefill); positions (B, S) int32 or int64 are the tokens' absolute positions (each sequence its own);
+k_cache and v_cache are (B, L, H, D), one layer's cache rows for those sequences. For every token (b, s)
+at p = positions[b, s] and head h:
+
+    k_cache[b, p, h] = rope(k[b, s, h], p)      rope's function exactly (style, rotary_dim, inv_freq)
+    v_cache[b, p, h] = v[b, s, h]
+
+The caches are written in place; nothing is returned. Two tokens of one sequence at one position leave
+either's values there (which one is not defined).
+
+Positions must lie in [0, L): checked with one synchronisation (a read-back of their range) on every
+call, unless `checked=True`, the caller's word that they do (a decoder that tracks its sequences'
+lengths on the host, inside a CUDA graph above all). The kernel itself never writes outside the caches:
+a position out of range writes nothing there.
+
+Paths, in `auto` order (no library has this op):
+- custom:    kernels/kv_append.cu, rope.cu's geometry and its rotation (kernels/rope.cuh) with the cache
+             row addressed by the position, the v row copied by the same threads; strides as they come
+             where the last dimension is contiguous (k and v as views into one QKV projection, the cache
+             rows as views of a larger cache).
+- reference: rope's reference of k, then both written with NumPy's indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from libnn import dtypes
+from libnn.registry import Op, option_key
+from libnn.ops.rope import POSITION_DTYPES, overlaps_itself, rope, rotary_dim_of
+from libnn.runtime import contracts, launch
+from libnn.runtime.arrays import as_array, device_of, min_max, signature, stream_key
+
+GPU_DTYPES = ("fp16", "bf16", "fp32")
+
+op = Op("kv_append", order=("custom", "reference"))
+
+
+@dataclass(frozen=True)
+class KVAppendProblem:
+    """Everything that decides how a kv_append call runs."""
+    B: int                 # sequences
+    S: int                 # new tokens per sequence
+    H: int                 # KV heads
+    D: int                 # head dimension
+    L: int                 # cache positions per sequence
+    rotary_dim: int
+    style: str
+    dtype: str
+    position_dtype: str
+    checked: bool          # the caller vouches for the positions' range
+    device: str
+
+    def describe(self) -> str:
+        return (f"kv_append {self.style} k, v (B={self.B}, S={self.S}, H={self.H}, D={self.D}) into caches of "
+                f"{self.L} positions, {self.dtype}, positions {self.position_dtype}")
+
+
+def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked) -> KVAppendProblem:
+    if k.ndim != 4:
+        raise ValueError(f"kv_append: k must be (B, S, H, D), got shape {tuple(k.shape)}")
+    if not dtypes.is_float(k.dtype):
+        raise TypeError(f"kv_append: k must be a floating-point array (fp16, bf16, fp32, fp64), got {k.dtype}")
+    if tuple(v.shape) != tuple(k.shape) or v.dtype != k.dtype:
+        raise ValueError(f"kv_append: v must have k's shape {tuple(k.shape)} and dtype {dtypes.short_name(k.dtype)}, "
+                         f"got {tuple(v.shape)} {dtypes.short_name(v.dtype)}")
+    B, S, H, D = k.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.ndim != 4 or (cache.shape[0], cache.shape[2], cache.shape[3]) != (B, H, D):
+            raise ValueError(f"kv_append: {name} must be (B, L, H, D) = ({B}, L, {H}, {D}) for k of shape "
+                             f"{tuple(k.shape)}, got {tuple(cache.shape)}")
+        if cache.dtype != k.dtype:
+            raise TypeError(f"kv_append: {name} has dtype {dtypes.short_name(cache.dtype)} but k has "
+                            f"{dtypes.short_name(k.dtype)}")
+        if overlaps_itself(tuple(cache.shape), tuple(cache.strides), cache.itemsize):
+            raise ValueError(f"kv_append: {name} must not overlap itself (a broadcast view): shape "
+                             f"{tuple(cache.shape)}, strides {tuple(cache.strides)} bytes")
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or tuple(v_cache.strides) != tuple(k_cache.strides):
+        raise ValueError(f"kv_append: k_cache and v_cache must have one shape and strides, got {tuple(k_cache.shape)} "
+                         f"{tuple(k_cache.strides)} and {tuple(v_cache.shape)} {tuple(v_cache.strides)}")
+    if positions.dtype not in POSITION_DTYPES:
+        raise TypeError(f"kv_append: positions must be an int32 or int64 array, got dtype {positions.dtype}")
+    if tuple(positions.shape) != (B, S):
+        raise ValueError(f"kv_append: positions must have shape (B, S) = {(B, S)} for k of shape {tuple(k.shape)}, "
+                         f"got {tuple(positions.shape)}")
+    R = rotary_dim_of("kv_append", "k", D, inv_freq, style, rotary_dim)
+    if not isinstance(checked, bool):
+        raise TypeError(f"kv_append: checked must be True or False, got {type(checked).__name__} {checked!r}")
+    device = device_of({"k": k, "v": v, "positions": positions, "inv_freq": inv_freq, "k_cache": k_cache,
+                        "v_cache": v_cache}, "kv_append")
+    return KVAppendProblem(B=B, S=S, H=H, D=D, L=k_cache.shape[1], rotary_dim=R, style=style,
+                           dtype=dtypes.short_name(k.dtype), position_dtype=positions.dtype.name, checked=checked,
+                           device=device)
+
+
+def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cache: Any, *, style: str = "half",
+              rotary_dim: int | None = None, checked: bool = False, path: str = "auto") -> None:
+    """Write k rotated at `positions` (RoPE: see `rope`) and v into k_cache and v_cache (B, L, H, D) at
+    each token's position: k_cache[b, positions[b, s]] = rope(k[b, s]), v_cache[b, positions[b, s]] =
+    v[b, s], for k and v (B, S, H, D). Positions are checked to lie in [0, L) (one synchronisation)
+    unless `checked`. `path` is "auto" or one of `libnn.paths("kv_append")`."""
+    k, v = as_array(k, "kv_append", "k"), as_array(v, "kv_append", "v")
+    positions = as_array(positions, "kv_append", "positions")
+    inv_freq = as_array(inv_freq, "kv_append", "inv_freq")
+    k_cache, v_cache = as_array(k_cache, "kv_append", "k_cache"), as_array(v_cache, "kv_append", "v_cache")
+    key = (signature(k), signature(v), signature(positions), signature(inv_freq), signature(k_cache),
+           signature(v_cache), option_key(style), option_key(rotary_dim), option_key(checked), path, stream_key())
+    op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked),
+            path, k, v, positions, inv_freq, k_cache, v_cache)
+
+
+def _check_positions(problem: KVAppendProblem, positions, vouched: bool) -> None:
+    """Positions in [0, L), read back (one synchronisation on the GPU) unless `vouched` for; skipped while
+    a CUDA graph is captured (min_max gives None: the graph's checked first pass ran it)."""
+    if vouched or not positions.size:
+        return
+    ranges = min_max([positions])
+    if ranges and (ranges[0][0] < 0 or ranges[0][1] >= problem.L):
+        raise ValueError(f"kv_append: positions must lie in [0, {problem.L}) (the caches' length L), got values "
+                         f"from {ranges[0][0]} to {ranges[0][1]}")
+
+
+# --- custom path: kernels/kv_append.cu -----------------------------------------------------------------------
+_KV = contracts.params("kv_append.cu", "KV_PARAMS")  # every kv_append kernel's parameters
+KV_THREADS = contracts.constant("kv_append.cu", "KV_THREADS")
+KV_MAX_BX = contracts.constant("kv_append.cu", "KV_MAX_BX")
+_MAX_GRID = 65535  # tokens, heads and sequences are grid-strided: this many blocks a dimension fill any GPU
+_POSITION_SUFFIX = {"int32": "i32", "int64": "i64"}
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def custom_launch(problem: KVAppendProblem) -> tuple[str, tuple[int, int, int], tuple[int, int]]:
+    """(kernel name, grid, block) from kernels/kv_append.cu's LAUNCH table."""
+    bx = min(KV_MAX_BX, max(32, _pow2_at_least(problem.D)))
+    by = min(KV_THREADS // bx, _pow2_at_least(problem.S))
+    grid = (min(-(-problem.S // by), _MAX_GRID), min(problem.H, _MAX_GRID), min(problem.B, _MAX_GRID))
+    name = f"kv_append1_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
+    return name, grid, (bx, by)
+
+
+def _rows(a) -> tuple[int, int, int] | None:
+    """a's (B, S-or-L, H) strides in elements where its last dimension is contiguous, else None."""
+    if a.strides[3] != a.itemsize or any(s % a.itemsize for s in a.strides):
+        return None
+    return tuple(s // a.itemsize for s in a.strides[:3])
+
+
+def _custom_support(problem: KVAppendProblem) -> str | None:
+    if problem.dtype not in GPU_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
+    return None
+
+
+def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
+    """The runner of kernels/kv_append.cu for arrays of this signature: one packed launch; k, v or positions
+    the kernel cannot address as they lie are copied first, a cache it cannot address is declined."""
+    import cupy
+
+    cache_rows = _rows(k_cache)
+    if cache_rows is None:
+        raise ValueError("kv_append: the caches' last dimension must be contiguous on the GPU path (the kernel "
+                         f"writes rows of D elements), got strides {tuple(k_cache.strides)} bytes")
+    if problem.B * problem.S * problem.H == 0:
+        return lambda *arrays: None
+    contiguous = (problem.S * problem.H * problem.D, problem.H * problem.D, problem.D)
+    k_rows, v_rows = _rows(k), _rows(v)
+    position_strides = tuple(s // positions.itemsize for s in positions.strides)
+    copy_positions = any(s % positions.itemsize for s in positions.strides)
+    if copy_positions:
+        position_strides = (problem.S, 1)
+    name, grid, block = custom_launch(problem)
+    (kb, ks, kh), (vb, vs, vh), (cb, cs, ch) = k_rows or contiguous, v_rows or contiguous, cache_rows
+    A = launch.ARRAY
+    kernel = launch.bind("kv_append.cu", name, grid, block,
+                         _KV.pack(k=A, v=A, positions=A, inv_freq=A, k_cache=A, v_cache=A, B=problem.B, S=problem.S,
+                                  H=problem.H, D=problem.D, R=problem.rotary_dim, L=problem.L, kb=kb, ks=ks, kh=kh,
+                                  vb=vb, vs=vs, vh=vh, cb=cb, cs=cs, ch=ch, pb=position_strides[0],
+                                  ps=position_strides[1], interleaved=problem.style == "interleaved"))
+
+    copy_freq = not inv_freq.flags.c_contiguous
+
+    def run(k, v, positions, inv_freq, k_cache, v_cache):
+        _check_positions(problem, positions, problem.checked)
+        kernel(k if k_rows else cupy.ascontiguousarray(k), v if v_rows else cupy.ascontiguousarray(v),
+               cupy.ascontiguousarray(positions) if copy_positions else positions,
+               cupy.ascontiguousarray(inv_freq) if copy_freq else inv_freq, k_cache, v_cache)
+    return run
+
+
+op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)(bind_custom)
+
+
+# --- reference -----------------------------------------------------------------------------------------------
+@op.path("reference", kind="reference", device="cpu")
+def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
+    _check_positions(problem, positions, False)  # on the host it costs no synchronisation: NumPy would wrap a -1
+    rotated = rope(k, positions, inv_freq, style=problem.style, rotary_dim=problem.rotary_dim, path="reference")
+    rows = np.broadcast_to(np.arange(problem.B)[:, None], (problem.B, problem.S))
+    k_cache[rows, positions] = rotated
+    v_cache[rows, positions] = v

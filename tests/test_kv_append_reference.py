@@ -1,0 +1,96 @@
+"""kv_append on the CPU reference path: each token's k rotated exactly as rope's reference rotates it and
+its v copied, at its own position of its sequence's cache row, every other cache position untouched;
+positions out of [0, L) refused (checked=True included: on the host the check costs nothing); and the
+errors bad arguments get, each naming kv_append and the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from libnn.ops import kv_append, rope, rope_frequencies
+from conftest import random_normal
+
+B, S, H, D, L = 3, 5, 2, 8, 11
+
+
+def arrays(rng, dtype="fp32", S=S):
+    k, v = random_normal(rng, (B, S, H, D), dtype), random_normal(rng, (B, S, H, D), dtype)
+    positions = (rng.integers(0, L - S, (B, 1)) + np.arange(S)).astype(np.int32)
+    caches = random_normal(rng, (2, B, L, H, D), dtype)
+    return k, v, positions, rope_frequencies(D), caches[0], caches[1]
+
+
+@pytest.mark.parametrize("style, rotary_dim", [("half", None), ("interleaved", None), ("half", 4)])
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_tokens_land_at_their_positions_rotated_and_nothing_else_moves(rng, style, rotary_dim, dtype):
+    k, v, positions, _, k_cache, v_cache = arrays(rng, dtype)
+    inv_freq = rope_frequencies(rotary_dim or D)
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    assert kv_append(k, v, positions, inv_freq, k_cache, v_cache, style=style, rotary_dim=rotary_dim) is None
+    rotated = rope(k, positions, inv_freq, style=style, rotary_dim=rotary_dim, path="reference")
+    written = np.zeros((B, L), bool)
+    for b in range(B):
+        for s in range(S):
+            p = positions[b, s]
+            np.testing.assert_array_equal(k_cache[b, p], rotated[b, s])
+            np.testing.assert_array_equal(v_cache[b, p], v[b, s])
+            written[b, p] = True
+    np.testing.assert_array_equal(k_cache[~written], before_k[~written])
+    np.testing.assert_array_equal(v_cache[~written], before_v[~written])
+
+
+def test_a_decode_step_writes_one_position_per_sequence_and_broadcast_positions_work(rng):
+    k, v, _, inv_freq, k_cache, v_cache = arrays(rng, S=1)
+    at = np.array([[0], [7], [L - 1]], np.int64)
+    kv_append(k, v, at, inv_freq, k_cache, v_cache)
+    for b in range(B):
+        np.testing.assert_array_equal(v_cache[b, at[b, 0]], v[b, 0])
+    k2, v2 = k[:, :1].repeat(4, 1), v[:, :1].repeat(4, 1)
+    prefill = np.broadcast_to(np.arange(4, dtype=np.int32), (B, 4))  # what a prefill passes
+    kv_append(k2, v2, prefill, inv_freq, k_cache, v_cache)
+    np.testing.assert_array_equal(v_cache[:, :4], v2)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("bad", [-1, L])
+def test_positions_outside_the_cache_are_refused(rng, bad, checked):
+    k, v, positions, inv_freq, k_cache, v_cache = arrays(rng)
+    positions[1, 2] = bad
+    before = k_cache.copy()
+    extreme = "from -1 to" if bad < 0 else f"to {L}$"
+    with pytest.raises(ValueError, match=rf"kv_append: positions must lie in \[0, {L}\).* {extreme}"):
+        kv_append(k, v, positions, inv_freq, k_cache, v_cache, checked=checked)
+    np.testing.assert_array_equal(k_cache, before)
+
+
+def _bad(rng, **change):
+    k, v, positions, inv_freq, k_cache, v_cache = arrays(rng)
+    args = dict(k=k, v=v, positions=positions, inv_freq=inv_freq, k_cache=k_cache, v_cache=v_cache)
+    options = {name: change.pop(name) for name in ("style", "rotary_dim", "checked") if name in change}
+    args.update(change)
+    return lambda: kv_append(args["k"], args["v"], args["positions"], args["inv_freq"], args["k_cache"],
+                             args["v_cache"], **options)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(k=np.zeros((B, S, H * D), np.float32)), ValueError, r"kv_append: k must be \(B, S, H, D\), got shape"),
+    (dict(k=np.ones((B, S, H, D), np.int32)), TypeError, "kv_append: k must be a floating-point array"),
+    (dict(v=np.ones((B, S, H, D + 1), np.float32)), ValueError, "kv_append: v must have k's shape"),
+    (dict(v=np.ones((B, S, H, D), np.float64)), ValueError, "kv_append: v must have k's shape .* and dtype fp32"),
+    (dict(k_cache=np.ones((B, L, H + 1, D), np.float32)), ValueError, r"kv_append: k_cache must be \(B, L, H, D\)"),
+    (dict(v_cache=np.ones((B, L, H, D), np.float64)), TypeError, "kv_append: v_cache has dtype fp64 but k has fp32"),
+    (dict(v_cache=np.ones((B, L + 1, H, D), np.float32)), ValueError, "k_cache and v_cache must have one shape"),
+    (dict(k_cache=np.broadcast_to(np.ones((1, L, H, D), np.float32), (B, L, H, D))), ValueError,
+     "kv_append: k_cache must not overlap itself"),
+    (dict(positions=np.zeros((B, S), np.float32)), TypeError, "kv_append: positions must be an int32 or int64"),
+    (dict(positions=np.zeros((B, S + 1), np.int32)), ValueError, r"kv_append: positions must have shape \(B, S\)"),
+    (dict(inv_freq=np.ones(D // 2, np.float64)), TypeError, "kv_append: inv_freq must be a 1-D float32 array"),
+    (dict(style="neox"), ValueError, "kv_append: style must be 'half'"),
+    (dict(rotary_dim=3), ValueError, "kv_append: rotary_dim must be even and in \\[2, D\\] for k's head dimension"),
+    (dict(checked=1), TypeError, "kv_append: checked must be True or False"),
+    (dict(k="k"), TypeError, "kv_append: k must be an array"),
+])
+def test_bad_arguments_are_refused_naming_the_argument(rng, change, error, message):
+    with pytest.raises(error, match=message):
+        _bad(rng, **change)()
