@@ -784,12 +784,18 @@ class CausalLM(Module):
         done = np.zeros(len(lengths), bool)
         for step in range(max_new_tokens):
             tokens = sample(logits)
-            host = np.asarray(tokens.get() if is_cupy(tokens) else tokens, np.int64)
+            copy = _HostCopy(tokens)
+            last = step == max_new_tokens - 1
+            if not last:
+                # queued before the host waits for the tokens: the GPU runs the next step while the host
+                # reads these and yields them (after the last token every sequence has ended, the step
+                # was computed for nothing; its cache position is within max_len all the same)
+                logits = self._decode(tokens, checked=True)
+            host = copy.wait()
             yield np.where(done, -1, host)
             done |= np.isin(host, eos)
-            if done.all() or step == max_new_tokens - 1:
+            if done.all() or last:
                 return
-            logits = self._decode(tokens, checked=True)
 
     def generate(self, input_ids: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: Any = None,
@@ -851,6 +857,27 @@ class _DecodeStep:
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
     """The batch buckets decode steps are captured for: powers of two below max_batch, and max_batch."""
     return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch}))
+
+
+class _HostCopy:
+    """An int64 host copy of a (B,) token array, started now on the current stream (from the GPU into
+    pinned memory, without waiting) and waited for by `wait()`."""
+
+    def __init__(self, tokens: Any):
+        if not is_cupy(tokens):
+            self._host, self._done = np.asarray(tokens, np.int64), None
+            return
+        import cupy
+        import cupyx
+
+        self._host = cupyx.empty_pinned(tokens.shape, tokens.dtype)
+        tokens.get(out=self._host, blocking=False)
+        self._done = cupy.cuda.get_current_stream().record()
+
+    def wait(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        return np.array(self._host, np.int64)  # a copy: the pinned buffer goes back to its pool
 
 
 # --- sampling ----------------------------------------------------------------------------------------------
