@@ -11,11 +11,12 @@ and are imported here, so that every suite keeps calling `harness.time_gpu`.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from libnn.dtypes import bfloat16
 from libnn.ops.linear import linear
@@ -120,6 +121,63 @@ def time_paths(paths: dict[str, Callable[[Any], Any]], row: dict[str, Any], *, f
         if base and r.get("ms"):
             r[f"{baseline}/x"] = base / r["ms"]
     return rows
+
+
+# --- kernel time by category -------------------------------------------------------------------------
+# Kernel-name patterns (searched in the lower-cased name) the suites' splits share. cuDNN's SDPA kernels
+# carry "sm90_" as cuBLAS's GEMMs do, so a split lists attention before GEMM.
+ATTENTION_KERNELS = re.compile(r"sdpa|fmha|flash|attn|attention")
+GEMM_KERNELS = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|sm80_")
+KernelCategories = Sequence[tuple[str, re.Pattern[str]]]
+GLUE = "glue"  # every kernel no category's pattern finds
+TOP_GLUE = 3   # the costliest glue kernels a split names
+
+
+def kernel_category(name: str, categories: KernelCategories) -> str:
+    """The first category whose pattern finds the kernel `name` (case-insensitive), else glue."""
+    lowered = name.lower()
+    return next((category for category, pattern in categories if pattern.search(lowered)), GLUE)
+
+
+def split_kernel_times(times: Iterable[tuple[str, float]], categories: KernelCategories,
+                       calls: int) -> dict[str, Any]:
+    """ms per call by category from (kernel name, ms over `calls` calls) pairs: "<category> ms" for each
+    category and glue, "kernels ms" (the total), "glue %" (of the total) and "top glue" (the costliest
+    glue kernels, their names cut to 40 characters)."""
+    totals = {category: 0.0 for category, _ in categories} | {GLUE: 0.0}
+    glue: dict[str, float] = {}
+    for name, ms in times:
+        if ms <= 0:
+            continue
+        category = kernel_category(name, categories)
+        totals[category] += ms / calls
+        if category == GLUE:
+            glue[name[:40]] = glue.get(name[:40], 0.0) + ms / calls
+    total = sum(totals.values())
+    split: dict[str, Any] = {f"{category} ms": ms for category, ms in totals.items()}
+    split["kernels ms"] = total
+    split["glue %"] = 100 * totals[GLUE] / total if total else None
+    split["top glue"] = ", ".join(f"{k} {v:.3f}" for k, v in sorted(glue.items(), key=lambda kv: -kv[1])[:TOP_GLUE])
+    return split
+
+
+def kernel_split(fn: Callable[[Any], Any], categories: KernelCategories, replays: int = 5) -> dict[str, Any]:
+    """split_kernel_times of `replays` calls of `fn(None)` after one untimed call, from torch.profiler
+    (CUPTI sees every kernel in the process, CuPy's and CUDA graph replays included); {"note": ...}
+    where torch is not installed."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return {"note": "torch is not installed: no profiler"}
+    fn(None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn(None)
+        torch.cuda.synchronize()
+    return split_kernel_times(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), categories,
+                              replays)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:

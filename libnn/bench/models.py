@@ -60,10 +60,8 @@ SHAPES = {"MiniLM": ENCODER,
 SEQ = 128
 SHORTEST = 4  # padded batches: lengths uniform in SHORTEST..SEQ
 BLOCK = {"N": 32, "C": 64, "K": 64, "HW": 56}
-# kernel-name patterns of the split, tried in order (attention first: cuDNN's SDPA kernels carry
-# "sm90_" like cuBLAS's GEMMs); everything else is glue
-KERNEL_CATEGORIES = (("attention", re.compile(r"sdpa|fmha|flash|attn|attention")),
-                     ("GEMM", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|sm80_")),
+# the kernel-time split's categories (harness.kernel_split), tried in order; everything else is glue
+KERNEL_CATEGORIES = (("attention", harness.ATTENTION_KERNELS), ("GEMM", harness.GEMM_KERNELS),
                      ("LayerNorm", re.compile(r"layernorm|layer_norm|^ln\d|_ln_|ln1_")))
 
 
@@ -246,43 +244,10 @@ def _rows_for(case: Case, checkpoint: str | None) -> tuple[list[dict[str, Any]],
     split = None
     if case.model in SHAPES:
         graph = timings[0][1]
-        split = {"model": case.model, "batch": case.batch, "dtype": case.dtype, **_kernel_split(graph)}
+        split = {"model": case.model, "batch": case.batch, "dtype": case.dtype,
+                 **harness.kernel_split(graph, KERNEL_CATEGORIES)}
         rows[0]["cos vs HF fp32"] = _cosine_to_hf(case, checkpoint, graph(None).last_hidden_state)
     return rows, split
-
-
-def _kernel_split(fn: Callable[[Any], Any], replays: int = 5) -> dict[str, Any]:
-    """ms of kernel time per call of `fn` by category (KERNEL_CATEGORIES, the rest glue), from
-    torch.profiler (CUPTI sees every kernel in the process, CuPy's graph replays included), with the
-    three costliest glue kernels named."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        return {"note": "torch is not installed: no profiler"}
-    fn(None)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            fn(None)
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {name: 0.0 for name, _ in KERNEL_CATEGORIES} | {"glue": 0.0}
-    glue: dict[str, float] = {}
-    for e in prof.key_averages():
-        ms = e.self_device_time_total / 1e3 / replays
-        if ms <= 0:
-            continue
-        name = e.key.lower()
-        category = next((c for c, pattern in KERNEL_CATEGORIES if pattern.search(name)), "glue")
-        totals[category] += ms
-        if category == "glue":
-            glue[e.key[:40]] = glue.get(e.key[:40], 0.0) + ms
-    total = sum(totals.values())
-    split = {f"{c} ms": v for c, v in totals.items()}
-    split["kernels ms"] = total
-    split["glue %"] = 100 * totals["glue"] / total if total else None
-    split["top glue"] = ", ".join(f"{k} {v:.3f}" for k, v in sorted(glue.items(), key=lambda kv: -kv[1])[:3])
-    return split
 
 
 def _cosine_to_hf(case: Case, checkpoint: str, hidden: Any) -> float | None:
