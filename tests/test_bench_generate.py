@@ -1,12 +1,14 @@
 """`libnn bench generate`'s arithmetic, on the CPU: the bytes a decode step reads, the context of the
-median timed step, the rates against the copy bandwidth, the greedy-token comparison, the targets'
-verdicts, and the plans the bench runs. Its timings belong to the benchmark, not to a test."""
+median timed step, the rates against the copy bandwidth, the greedy-token comparison, libnn's ratios
+against the Hugging Face rows, which rows a case has, the table's columns, the decode step's kernel
+categories, one-line errors, the targets' verdicts, and the plans the bench runs. Its timings belong to
+the benchmark, not to a test."""
 
 import statistics
 
 import pytest
 
-from libnn.bench import generate
+from libnn.bench import generate, harness
 from libnn.cli import parser
 from libnn.models.llama import LlamaConfig
 
@@ -80,11 +82,100 @@ def test_plans_fit_their_cache_and_read_as_libnn_configs(plan):
     assert plan.max_len == plan.prompt + plan.steps <= config.max_position_embeddings
     assert 0 <= plan.warmup < plan.steps and plan.prefill_runs >= 1
     assert config.head_dim == 64 and set(plan.dtypes) <= {"fp16", "bf16"}
+    assert plan.compile_dtypes == ("fp16",)  # a compile per case: one dtype's worth
 
 
 def test_the_cache_holds_the_greedy_comparison_after_a_short_decode():
     plan = generate.Plan(TINY, ("fp16",), (1,), prompt=10, steps=3, warmup=1)
     assert plan.max_len == 10 + generate.GREEDY_TOKENS - 1
+
+
+def test_the_cache_holds_the_kernel_splits_steps_after_the_warm_up():
+    plan = generate.Plan(TINY, ("fp16",), (1,), prompt=10, steps=8, warmup=4)
+    assert plan.max_len == 10 + 4 + 1 + generate.SPLIT_STEPS  # warm-up, one untimed step, the profiled ones
+
+
+# --- the rows and their columns --------------------------------------------------------------------------
+def test_a_case_has_the_compiled_peer_only_where_the_plan_compiles_its_dtype_and_compile_is_on():
+    plan = generate.Plan(TINY, ("fp16", "bf16"), (1,), prompt=4, steps=8, warmup=2, compile_dtypes=("fp16",))
+    everything = (generate.LIBNN, generate.LIBNN_EAGER, generate.HF, generate.HF_COMPILED)
+    assert generate.case_paths(plan, "fp16", hf_compile=True) == everything
+    assert generate.case_paths(plan, "bf16", hf_compile=True) == everything[:3]
+    assert generate.case_paths(plan, "fp16", hf_compile=False) == everything[:3]
+
+
+def test_libnn_rows_get_each_peers_per_call_time_over_theirs():
+    rows = [{"path": generate.LIBNN, "per-call ms/step": 2.0},
+            {"path": generate.LIBNN_EAGER, "per-call ms/step": 8.0},
+            {"path": generate.HF, "per-call ms/step": 12.0},
+            {"path": generate.HF_COMPILED, "per-call ms/step": 3.0}]
+    generate.add_speedups(rows)
+    assert rows[0]["x HF"] == pytest.approx(6.0) and rows[0]["x HF compile"] == pytest.approx(1.5)
+    assert rows[1]["x HF"] == pytest.approx(1.5) and rows[1]["x HF compile"] == pytest.approx(0.375)
+    assert not any(key.startswith("x ") for r in rows[2:] for key in r)  # the peers compare with no one
+
+
+def test_a_peer_or_a_libnn_row_that_did_not_run_gives_no_ratio():
+    rows = [{"path": generate.LIBNN, "per-call ms/step": 2.0},
+            {"path": generate.LIBNN_EAGER, "note": "not run: MemoryError: out of memory"},
+            {"path": generate.HF, "per-call ms/step": 12.0},
+            {"path": generate.HF_COMPILED, "note": "not run: BackendCompilerFailed: backend='inductor' raised"}]
+    generate.add_speedups(rows)
+    assert rows[0]["x HF"] == pytest.approx(6.0) and "x HF compile" not in rows[0]
+    assert not any(key.startswith("x ") for key in rows[1])
+    without_compile = [dict(rows[0]), rows[2]]
+    without_compile[0].pop("x HF")
+    generate.add_speedups(without_compile)  # --no-compile: no compiled row at all
+    assert without_compile[0]["x HF"] == pytest.approx(6.0) and "x HF compile" not in without_compile[0]
+
+
+def test_the_table_has_a_column_for_every_figure_a_row_gets():
+    produced = {"model", "dtype", "batch", "path", "note", "greedy vs HF", "compile s",
+                *generate.rates(1, 1, 1, 1.0, 1.0), *generate.SPEEDUPS.values(),
+                "prefill ms", "decode ms/step", "per-call ms/step"}  # measure's three
+    assert set(generate.COLUMNS) == produced and len(generate.COLUMNS) == len(produced)
+    columns = list(generate.COLUMNS)
+    assert columns.index("per-call ms/step") < columns.index("x HF") < columns.index("x HF compile") < \
+        columns.index("compile s")
+
+
+def test_the_split_table_has_a_column_per_category_and_for_what_the_split_adds():
+    split = harness.split_kernel_times([("nvjet_tst_64x8", 2.0)], generate.SPLIT_CATEGORIES, calls=2)
+    produced = {"model", "dtype", "batch", "decode ms/step", "note", *split}
+    assert set(generate.SPLIT_COLUMNS) == produced
+    assert [c for c in generate.SPLIT_COLUMNS if c.endswith(" ms") and c != "decode ms/step"] == \
+        ["attention ms", "norms ms", "GEMM ms", "glue ms", "kernels ms"]
+
+
+# --- the decode step's kernel categories -------------------------------------------------------------------
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_hsh_64x8_64x16_2x1_v_bz_splitK_TNT", "GEMM"),
+    ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize64x64x64", "GEMM"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __half>", "GEMM"),
+    ("cutlass::Kernel2<cutlass_80_tensorop_h16816gemm>", "GEMM"),
+    ("gemm3_mma_f16", "GEMM"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("attn2_flash_f16", "attention"),
+    ("attn_zero_empty_batches", "attention"),
+    ("rms1_warp_vec8_f16", "norms"),
+    ("rms2_block_vec4_bf16", "norms"),
+    ("rms3_loop_f32", "norms"),
+    ("cudnn_generated_rmsnorm_fwd_sm90_kernel", "norms"),  # norms before GEMM's sm90_
+    ("rope1_pairs_f16_i32", "glue"),
+    ("kv_append1_f16_i64", "glue"),
+    ("swiglu2_vec_bf16", "glue"),
+    ("emb1_warp_vec8_f16", "glue"),
+    ("cupy_argmax_float32_int64", "glue"),
+    ("cupy_copy__float16_float16", "glue"),
+])
+def test_decode_kernels_fall_in_their_category(name, category):
+    assert harness.kernel_category(name, generate.SPLIT_CATEGORIES) == category
+
+
+def test_why_puts_an_exception_on_one_line():
+    exc = RuntimeError("backend='inductor' raised:\n  CalledProcessError:   gcc    failed\n")
+    assert generate.why(exc) == "RuntimeError: backend='inductor' raised: CalledProcessError: gcc failed"
+    assert generate.why(ValueError("x" * 200), chars=10) == "ValueError: " + "x" * 10
 
 
 def test_the_full_plan_is_the_issues_1b_shape_and_quick_a_smoke_test():

@@ -1,4 +1,5 @@
-"""`libnn bench generate`: LLaMA-architecture decoding, libnn's CausalLM against Hugging Face eager.
+"""`libnn bench generate`: LLaMA-architecture decoding, libnn's CausalLM (decode steps as CUDA graphs,
+and eager) against Hugging Face's, eager and with its static cache and torch.compile.
 
 The model: the LLaMA architecture with random weights, Hugging Face's own
 `transformers.LlamaForCausalLM(config)` made on the GPU (every matrix normal with std 0.02 from seed 0,
@@ -11,16 +12,28 @@ run the same weights.
   and 8, prompts of 128 tokens, 32 decode steps.
 
 Rows per (dtype, batch):
-- libnn eager: `prefill` of the prompts, then `decode_step` after `decode_step`, each fed the argmax
-  of the last logits (greedy). `decode_step` checks its token ids against the vocabulary, one
-  synchronisation per step (`generate` has one too: it reads each step's tokens back for its end
-  tokens), so the queue never runs ahead and libnn's GPU time per step includes its host time.
+- libnn graph: `prefill` of the prompts, then `decode_step` after `decode_step`, each fed the argmax of
+  the last logits (greedy), as `from_pretrained` makes the model: each decode step one CUDA graph replay
+  (captured per batch bucket at the first step). `decode_step` checks its token ids against the
+  vocabulary, one synchronisation per step (`generate` has one too: it reads each step's tokens back for
+  its end tokens), so the queue never runs ahead and libnn's GPU time per step includes its host time.
+- libnn eager: the same checkpoint loaded with `decode_graphs=False`: every op of a step launched from
+  Python.
 - HF eager: Hugging Face's forward in `torch.inference_mode()` (its default attention implementation,
   named in the note): prefill is one forward over the prompts with use_cache (logits of the last
   position only, as its `generate` asks for), a decode step one forward of one token per sequence with
   its cache (`past_key_values`; `cache` in recent transformers 5 releases), then the argmax. This is
   what HF's `generate` runs per step, without its logits processors and stopping checks (which
   synchronise every step).
+- HF static+compile: transformers' documented recipe for fast decoding, on the dtypes the plan names
+  (`compile_dtypes`; none with `hf_compile=False`): a `StaticCache` made once per case for the batch and
+  the plan's max_len (its tensors keep their addresses, which the compiled graphs bake in; each prefill
+  resets it in place), the prompts through the eager forward (the recipe compiles no prefill), each decode
+  step through `torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, inductor's kernels
+  replayed as a CUDA graph. Each case compiles afresh (the last case's compiled code and graphs dropped
+  first). The compile, the graph's recording and its first replay happen in 3 decode steps before any
+  timing; their seconds are the "compile s" column, outside every other. Where the compile or the run
+  fails, the row's note says why and the bench goes on.
 
 Columns: "prefill ms" is the median of 3 prefills after one untimed (CUDA events around it). "decode
 ms/step" is GPU time: one event pair around each step of a loop of every decode step after a prefill of
@@ -31,26 +44,33 @@ per step. "tokens/s" is batch / decode ms/step. "%copy weights" is the weight by
 must read (`decode_bytes`: every parameter once, except that an untied embedding table is read only at
 the batch's rows) per step time, as a % of the device-to-device copy bandwidth measured in the same run;
 "%copy w+KV" adds the KV cache one step's attention reads at the median timed step's context (the same
-bytes for both rows: Hugging Face's cache copies itself as it grows, which is not counted). "x HF" is
-Hugging Face's per-call ms/step over libnn's: both decode loops are eager and bound by the host's time
-per step, and on the H100 the event pairs around Hugging Face's unsynchronised steps read several times
-the time its loop took from Python (benchmarks/RESULTS.md, seventh session), so its GPU column is not
-used for the ratio. "greedy vs HF" (batch 1): how many of the first 8 tokens of
-libnn's `generate` equal Hugging Face's `generate(do_sample=False)` on the first prompt before the first
-difference, Hugging Face with fp32 accumulation in its fp16/bf16 GEMMs (reduced-precision reductions
-off); near-ties in fp16/bf16 may part them, so a mismatch is reported, not fatal. A case that runs out
+bytes for every row: Hugging Face's dynamic cache copies itself as it grows, which is not counted). "x HF"
+and "x HF compile" (on libnn's rows) are the Hugging Face row's per-call ms/step over libnn's: Hugging
+Face's eager loop is bound by the host's time per step, and on the H100 the event pairs around its
+unsynchronised steps read several times the time its loop took from Python (benchmarks/RESULTS.md,
+seventh session), so the GPU columns are not used for the ratios. "greedy vs HF" (batch 1): how many of
+the first 8 tokens agree, before the first difference, with Hugging Face's `generate(do_sample=False)`
+on the first prompt (Hugging Face with fp32 accumulation in its fp16/bf16 GEMMs, reduced-precision
+reductions off): libnn's `generate` on each libnn row, the compiled loop's own prefill and steps on its
+row; near-ties in fp16/bf16 may part them, so a mismatch is reported, not fatal. A case that runs out
 of memory or that a library declines gets the reason in its note.
+
+Kernel time per decode step of the libnn graph rows, by category (`harness.kernel_split`, torch.profiler,
+as `bench models` splits its encoders): GEMM, attention, norms (RMSNorm) and glue (everything else: rope,
+swiglu, the embedding gather, the KV cache's writes, the argmax, copies), over 5 decode steps after a new
+prefill, the warm-up steps and one untimed step, beside the row's GPU ms per step; the costliest glue
+kernels named.
 
 Targets (issue 16, H100, the 1B shape): batch-1 decode at >= 80% of copy bandwidth in fp16 (weights
 per step over step time); >= 3x Hugging Face eager tokens/s at batch 1. Not measured here yet: FP8
-decode, decode attention at batch 64 and context 4096, Hugging Face with its static cache and
-torch.compile, the GPT-2 small shape, and the kernel-time split per category.
+decode, decode attention at batch 64 and context 4096, the GPT-2 small shape.
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
+import re
 import statistics
 import tempfile
 import time
@@ -71,10 +91,25 @@ QUICK_SHAPE = {**SHAPE, "hidden_size": 1024, "intermediate_size": 2816, "num_hid
                "num_attention_heads": 16, "num_key_value_heads": 4}
 INIT_STD = 0.02    # the weight matrices' standard deviation (Hugging Face's initializer_range)
 GREEDY_TOKENS = 8   # tokens of libnn's generate compared with Hugging Face's at batch 1
-LIBNN, HF = "libnn eager", "HF eager"
+LIBNN, LIBNN_EAGER, HF, HF_COMPILED = "libnn graph", "libnn eager", "HF eager", "HF static+compile"
+PATHS = (LIBNN, LIBNN_EAGER, HF, HF_COMPILED)
+SPEEDUPS = {HF: "x HF", HF_COMPILED: "x HF compile"}  # the peers libnn's rows are compared with
+COMPILE_WARMUP = 3  # compiled decode steps before any timing: the compile, the graph's recording, a replay
 # What a case that fails may raise: libnn declining it, running out of GPU memory (CuPy's
-# OutOfMemoryError is a MemoryError, torch's a RuntimeError), a library's own error.
+# OutOfMemoryError is a MemoryError, torch's a RuntimeError), a library's own error. The compiled peer
+# may fail in any way torch.compile can (dynamo, inductor, triton, the host compiler): anything it
+# raises is its row's note.
 CASE_ERRORS = (LibnnError, MemoryError, RuntimeError)
+PATH_ERRORS = {LIBNN: CASE_ERRORS, LIBNN_EAGER: CASE_ERRORS, HF: CASE_ERRORS, HF_COMPILED: (Exception,)}
+# The decode step's kernel-time split (harness.kernel_split), tried in order; everything else is glue.
+# Norms before GEMM: GEMM's pattern takes any "sm90_" kernel, which a cuDNN norm kernel could be too.
+NORM_KERNELS = re.compile(r"norm|^rms\d_|^ln\d_")
+SPLIT_CATEGORIES = (("attention", harness.ATTENTION_KERNELS), ("norms", NORM_KERNELS), ("GEMM", harness.GEMM_KERNELS))
+SPLIT_STEPS = 5  # decode steps profiled
+COLUMNS = ("model", "dtype", "batch", "path", "prefill ms", "decode ms/step", "per-call ms/step", "tokens/s",
+           "%copy weights", "%copy w+KV", *SPEEDUPS.values(), "compile s", "greedy vs HF", "note")
+SPLIT_COLUMNS = ("model", "dtype", "batch", "decode ms/step", *(f"{c} ms" for c, _ in SPLIT_CATEGORIES),
+                 f"{harness.GLUE} ms", "kernels ms", "glue %", "top glue", "note")
 
 
 @dataclass(frozen=True)
@@ -86,14 +121,17 @@ class Plan:
     steps: int           # decode steps after the prefill
     warmup: int          # decode steps left out of the timings
     prefill_runs: int = 3
+    compile_dtypes: tuple[str, ...] = ("fp16",)  # where the HF static+compile peer runs (a compile per case)
 
     @property
     def max_len(self) -> int:
-        """The KV cache's length: the prompt and every decode step's token, or the greedy comparison's
-        (generate appends all its tokens but the last)."""
-        return self.prompt + max(self.steps, GREEDY_TOKENS - 1)
+        """The KV cache's length: the prompt and every decode step's token, the greedy comparison's
+        (generate appends all its tokens but the last), or the kernel split's (the warm-up steps, one
+        untimed step and the profiled ones), whichever is most."""
+        return self.prompt + max(self.steps, GREEDY_TOKENS - 1, self.warmup + 1 + SPLIT_STEPS)
 
 
+# The compiled peer in fp16 only on the full plan: each case's compile takes far longer than its timing.
 FULL = Plan(SHAPE, ("fp16", "bf16"), (1, 8, 64), prompt=512, steps=256, warmup=8)
 QUICK = Plan(QUICK_SHAPE, ("fp16",), (1, 8), prompt=128, steps=32, warmup=4)
 
@@ -140,6 +178,30 @@ def matching_prefix(ours: Sequence[int], theirs: Sequence[int]) -> int:
 def model_label(config: LlamaConfig) -> str:
     params = config.parameter_count()
     return f"LLaMA {params / 1e9:.2f}B" if params >= 1e9 else f"LLaMA {params / 1e6:.3g}M"
+
+
+def case_paths(plan: Plan, dtype: str, hf_compile: bool) -> tuple[str, ...]:
+    """The rows of one case, in PATHS' order: the compiled peer only where it is on and the plan
+    compiles this dtype."""
+    return tuple(p for p in PATHS if p != HF_COMPILED or (hf_compile and dtype in plan.compile_dtypes))
+
+
+def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
+    """On each libnn row of one case, for each peer row that has a per-call time (SPEEDUPS): the peer's
+    per-call ms/step over the row's."""
+    per_call = {r["path"]: r.get("per-call ms/step") for r in rows}
+    for r in rows:
+        if r["path"] not in (LIBNN, LIBNN_EAGER) or not r.get("per-call ms/step"):
+            continue
+        for peer, column in SPEEDUPS.items():
+            if per_call.get(peer):
+                r[column] = per_call[peer] / r["per-call ms/step"]
+
+
+def why(exc: BaseException, chars: int = 90) -> str:
+    """An exception on one line: its type and the start of its message, whitespace collapsed (torch.compile
+    puts the cause on the lines after a first one such as "backend='inductor' raised:")."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:chars]}"
 
 
 # --- timing -------------------------------------------------------------------------------------------------
@@ -190,7 +252,7 @@ def measure(runner: Runner, plan: Plan) -> dict[str, float]:
     return {"prefill ms": statistics.median(prefills), "decode ms/step": step_ms, "per-call ms/step": per_call}
 
 
-# --- the two frameworks -------------------------------------------------------------------------------------
+# --- the frameworks ---------------------------------------------------------------------------------------
 def _greedy(logits: Any) -> Any:
     """argmax over the vocabulary of (B, vocab) CuPy logits; bf16 through its bits as float32 (CuPy's
     arithmetic takes no bf16)."""
@@ -225,6 +287,50 @@ def _hf_runner(hf: Any, ids: Any) -> Runner:
         return out.logits[:, -1].argmax(-1)
 
     return Runner(prefill, step)
+
+
+def _hf_compiled_runner(hf: Any, ids: Any, max_len: int) -> tuple[Runner, dict[str, float]]:
+    """Hugging Face's static cache and compiled decode step (the module docstring) for the prompts ids
+    (B, S), and {"compile s": the seconds of the first prefill and COMPILE_WARMUP steps}. Under
+    torch.no_grad, as Hugging Face's generate runs: CUDA graph trees then start a new generation at each
+    call, so a step's outputs may be overwritten by the next (each is reduced to its argmax first)."""
+    import torch
+    from transformers import StaticCache
+
+    keep, cache_name = _forward_names(hf)
+    cache = {cache_name: StaticCache(config=hf.config, max_cache_len=max_len)}
+    compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    # a forward that takes cache_position (transformers 4.x) is given the positions the pass writes, kept on
+    # the device so that the compiled step reads them without a synchronisation; one that does not (5.24)
+    # counts them in the StaticCache itself
+    takes_positions = "cache_position" in inspect.signature(hf.forward).parameters
+    state: dict[str, Any] = {}
+
+    def at(positions: Any) -> dict[str, Any]:
+        """The forward's cache_position argument (where it takes one); the next pass's position kept."""
+        if not takes_positions:
+            return {}
+        state["next"] = positions[-1:] + 1
+        return {"cache_position": positions}
+
+    def prefill():
+        cache[cache_name].reset()  # in place: the compiled step's graphs keep the cache's addresses
+        with torch.no_grad():
+            out = hf(input_ids=ids, use_cache=True, **cache, **keep,
+                     **at(torch.arange(ids.shape[1], device=ids.device)))
+        return out.logits[:, -1].argmax(-1)
+
+    def step(tokens):
+        with torch.no_grad():
+            out = compiled(input_ids=tokens[:, None], use_cache=True, **cache, **keep, **at(state.get("next")))
+        return out.logits[:, -1].argmax(-1)
+
+    start = time.perf_counter()
+    tokens = prefill()
+    for _ in range(COMPILE_WARMUP):
+        tokens = step(tokens)
+    torch.cuda.synchronize()
+    return Runner(prefill, step), {"compile s": time.perf_counter() - start}
 
 
 def _forward_names(hf: Any) -> tuple[dict[str, int], str]:
@@ -264,8 +370,16 @@ def _torch_dtype(dtype: str) -> Any:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
 
-def _models(plan: Plan, dtype: str) -> tuple[Any, CausalLM, dict[str, Any]]:
-    """The Hugging Face model and libnn's CausalLM of the same checkpoint (a temporary directory), with
+@dataclass
+class Models:
+    """One dtype's models of the same checkpoint."""
+    hf: Any                     # transformers' LlamaForCausalLM, the peer
+    libnn: dict[str, CausalLM]  # LIBNN and LIBNN_EAGER: loaded with decode graphs and without
+    load: dict[str, Any]        # seconds per part, and Hugging Face's attention implementation
+
+
+def _models(plan: Plan, dtype: str) -> Models:
+    """The Hugging Face model and libnn's CausalLMs of the same checkpoint (a temporary directory), with
     the seconds each part took."""
     import torch
 
@@ -273,6 +387,7 @@ def _models(plan: Plan, dtype: str) -> tuple[Any, CausalLM, dict[str, Any]]:
     hf = _hf_model(plan.shape, dtype)
     torch.cuda.synchronize()
     made = time.perf_counter()
+    loads, models = {}, {}
     with tempfile.TemporaryDirectory() as directory:
         # safetensors: the default since transformers 4.35 and the only format in 5, which no longer
         # takes safe_serialization=
@@ -282,19 +397,33 @@ def _models(plan: Plan, dtype: str) -> tuple[Any, CausalLM, dict[str, Any]]:
             raise RuntimeError(f"bench generate: save_pretrained wrote no safetensors checkpoint (found "
                                f"{sorted(p.name for p in Path(directory).iterdir())})")
         saved = time.perf_counter()
-        model = CausalLM.from_pretrained(directory, dtype=dtype, device="gpu", max_batch=max(plan.batches),
-                                         max_len=plan.max_len)
-    loaded = time.perf_counter()
-    return hf, model, {"made s": made - start, "saved s": saved - made, "libnn load s": loaded - saved,
-                       "attention": getattr(hf.config, "_attn_implementation", None)}
+        for path in (LIBNN, LIBNN_EAGER):
+            begin = time.perf_counter()
+            models[path] = CausalLM.from_pretrained(directory, dtype=dtype, device="gpu", max_batch=max(plan.batches),
+                                                    max_len=plan.max_len, decode_graphs=path == LIBNN)
+            loads[f"{path} load s"] = time.perf_counter() - begin
+    return Models(hf, models, {"made s": made - start, "saved s": saved - made, **loads,
+                               "attention": getattr(hf.config, "_attn_implementation", None)})
 
 
-def _greedy_vs_hf(model: CausalLM, hf: Any, prompt: Any) -> str:
-    """'k/8': the first 8 greedy tokens of libnn's generate and Hugging Face's on one prompt (1, S), NumPy
-    int64, agreeing up to the first difference (Hugging Face with fp32 accumulation in its GEMMs)."""
+def _runner(path: str, models: Models, prompts: Any, plan: Plan) -> tuple[Runner, dict[str, Any]]:
+    """`path`'s generation loop over the prompts (B, S) (NumPy int64), with what making it reported."""
+    import cupy
     import torch
 
-    ours = model.generate(prompt, GREEDY_TOKENS, eos_token_id=())[0]
+    if path in models.libnn:
+        return _libnn_runner(models.libnn[path], cupy.asarray(prompts)), {}
+    ids = torch.from_numpy(prompts).cuda()
+    if path == HF:
+        return _hf_runner(models.hf, ids), {}
+    return _hf_compiled_runner(models.hf, ids, plan.max_len)
+
+
+def _hf_greedy(hf: Any, prompt: Any) -> list[int]:
+    """The first GREEDY_TOKENS tokens of Hugging Face's generate(do_sample=False) on one prompt (1, S),
+    NumPy int64, with fp32 accumulation in its fp16/bf16 GEMMs."""
+    import torch
+
     matmul = torch.backends.cuda.matmul
     saved = {name: getattr(matmul, name) for name in ("allow_fp16_reduced_precision_reduction",
                                                       "allow_bf16_reduced_precision_reduction")}
@@ -308,53 +437,122 @@ def _greedy_vs_hf(model: CausalLM, hf: Any, prompt: Any) -> str:
     finally:
         for name, value in saved.items():
             setattr(matmul, name, value)
-    theirs = out[0, prompt.shape[1]:].tolist()
-    return f"{matching_prefix(ours.tolist(), theirs)}/{GREEDY_TOKENS}"
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def _first_tokens(path: str, models: Models, prompt: Any, runner: Runner) -> list[int]:
+    """The first GREEDY_TOKENS greedy tokens of `path` on one prompt (1, S): libnn's generate, or the
+    compiled loop's own prefill and steps (`runner`, the case's, of batch 1)."""
+    if path in models.libnn:
+        return models.libnn[path].generate(prompt, GREEDY_TOKENS, eos_token_id=())[0].tolist()
+    tokens = [runner.prefill()]
+    while len(tokens) < GREEDY_TOKENS:
+        tokens.append(runner.step(tokens[-1]))
+    return [int(t[0]) for t in tokens]
+
+
+def _decode_split(runner: Runner, plan: Plan) -> dict[str, Any]:
+    """Kernel time per decode step by category (harness.kernel_split of SPLIT_STEPS steps after a new
+    prefill, the warm-up steps and one untimed step)."""
+    tokens = runner.prefill()
+    for _ in range(plan.warmup):
+        tokens = runner.step(tokens)
+    state = {"tokens": tokens}
+
+    def step(_):
+        state["tokens"] = runner.step(state["tokens"])
+
+    return harness.kernel_split(step, SPLIT_CATEGORIES, replays=SPLIT_STEPS)
 
 
 # --- one case -----------------------------------------------------------------------------------------------
-def _case_rows(plan: Plan, dtype: str, batch: int, model: CausalLM, hf: Any, attention: str | None,
-               ceilings: harness.Ceilings) -> list[dict[str, Any]]:
-    import cupy
-    import numpy as np
-    import torch
+@dataclass
+class Case:
+    """One (dtype, batch): its prompts, the bytes a decode step reads, and its rows' common columns."""
+    plan: Plan
+    models: Models
+    prompts: Any                   # (batch, prompt) NumPy int64
+    nbytes: tuple[int, int]        # decode_bytes at the median timed step's context
+    base: dict[str, Any]           # model, dtype, batch
+    reference: list[int] | str | None  # Hugging Face's greedy tokens at batch 1, or why there are none
 
-    vocab = model.config.vocab_size
-    prompts = np.random.default_rng(batch).integers(0, vocab, (batch, plan.prompt), dtype=np.int64)
-    weight_bytes, kv_bytes = decode_bytes(model.config, batch, median_context(plan.prompt, plan.steps, plan.warmup),
-                                          dtypes.parse(dtype).itemsize)
-    base = {"model": model_label(model.config), "dtype": dtype, "batch": batch}
-    rows = []
-    for path, make in ((LIBNN, lambda: _libnn_runner(model, cupy.asarray(prompts))),
-                       (HF, lambda: _hf_runner(hf, torch.from_numpy(prompts).cuda()))):
-        row = {**base, "path": path}
-        try:
-            row.update(measure(make(), plan))
-            row.update(rates(weight_bytes, kv_bytes, batch, row["decode ms/step"], ceilings.copy_gbs))
-        except CASE_ERRORS as exc:
-            row["note"] = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
-        if path == HF and "note" not in row:
-            row["note"] = f"attention {attention}"
-        rows.append(row)
-        _free()
-    libnn_row, hf_row = rows
-    if libnn_row.get("per-call ms/step") and hf_row.get("per-call ms/step"):
-        libnn_row["x HF"] = hf_row["per-call ms/step"] / libnn_row["per-call ms/step"]
+
+def _case_rows(plan: Plan, dtype: str, batch: int, models: Models, ceilings: harness.Ceilings,
+               hf_compile: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The case's rows (case_paths) and the kernel split of libnn's graph decode step."""
+    import numpy as np
+
+    config = models.libnn[LIBNN].config
+    prompts = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, plan.prompt), dtype=np.int64)
+    nbytes = decode_bytes(config, batch, median_context(plan.prompt, plan.steps, plan.warmup),
+                          dtypes.parse(dtype).itemsize)
+    reference: list[int] | str | None = None
     if batch == 1:
         try:
-            libnn_row["greedy vs HF"] = _greedy_vs_hf(model, hf, prompts[:1])
+            reference = _hf_greedy(models.hf, prompts[:1])
         except CASE_ERRORS as exc:
-            libnn_row["greedy vs HF"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+            reference = f"failed (HF generate): {why(exc, 60)}"
         _free()
-    return rows
+    case = Case(plan, models, prompts, nbytes, {"model": model_label(config), "dtype": dtype, "batch": batch},
+                reference)
+    rows, split = [], {**case.base, "note": "not run"}
+    for path in case_paths(plan, dtype, hf_compile):
+        row, path_split = _path_row(case, path, ceilings)
+        if path in (HF, HF_COMPILED) and "note" not in row:
+            row["note"] = f"attention {models.load['attention']}"
+        rows.append(row)
+        split = path_split or split
+        _free()
+    add_speedups(rows)
+    return rows, split
+
+
+def _path_row(case: Case, path: str, ceilings: harness.Ceilings) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One path's row of the case (or its note saying why not) and, for libnn's graph, its kernel split;
+    the path's runner (its caches, its compiled graphs) goes with the return."""
+    row = {**case.base, "path": path}
+    try:
+        runner, made = _runner(path, case.models, case.prompts, case.plan)
+        row.update(made)
+        row.update(measure(runner, case.plan))
+        row.update(rates(*case.nbytes, row["batch"], row["decode ms/step"], ceilings.copy_gbs))
+    except PATH_ERRORS[path] as exc:
+        row["note"] = f"not run: {why(exc)}"
+        return row, None
+    if case.reference is not None and path != HF:
+        row["greedy vs HF"] = _greedy_vs_hf(case, path, runner)
+    if path != LIBNN:
+        return row, None
+    split = {**case.base, "decode ms/step": row["decode ms/step"]}
+    try:
+        split.update(_decode_split(runner, case.plan))
+    except CASE_ERRORS as exc:
+        split["note"] = f"not run: {why(exc)}"
+    return row, split
+
+
+def _greedy_vs_hf(case: Case, path: str, runner: Runner) -> str:
+    """'k/8': how many of `path`'s first greedy tokens on the first prompt agree with Hugging Face's
+    generate before the first difference; or why not."""
+    if isinstance(case.reference, str):
+        return case.reference
+    try:
+        ours = _first_tokens(path, case.models, case.prompts[:1], runner)
+    except PATH_ERRORS[path] as exc:
+        return f"failed: {why(exc, 60)}"
+    return f"{matching_prefix(ours, case.reference)}/{GREEDY_TOKENS}"
 
 
 def _free() -> None:
-    """Both allocators' cached blocks back to the device, so that the next framework has the memory."""
+    """Both allocators' cached blocks back to the device, so that the next framework has the memory; the
+    compiled peer's code, guards and CUDA graphs (and their memory pool) go too, so that each case
+    compiles afresh, as a new process would, and no earlier case's batch shape makes dynamo recompile
+    with dynamic shapes."""
     import cupy
     import torch
 
     gc.collect()
+    torch._dynamo.reset()
     cupy.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
 
@@ -371,7 +569,8 @@ def _peer_versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any]]:
+def run(quick: bool = False, json_path: str | None = None, hf_compile: bool = True) -> list[dict[str, Any]]:
+    """The bench (the module docstring); `hf_compile=False` leaves out the HF static+compile rows."""
     import cupy
 
     peers = _peer_versions()
@@ -386,43 +585,51 @@ def run(quick: bool = False, json_path: str | None = None) -> list[dict[str, Any
           f"{config.num_attention_heads} heads of {config.head_dim}, {config.num_key_value_heads} KV heads, FFN "
           f"{config.intermediate_size}, vocab {config.vocab_size}; prompts of {plan.prompt} random tokens, "
           f"{plan.steps} greedy decode steps (timed: steps {plan.warmup}..{plan.steps - 1}, median context {context})")
+    compiled = [d for d in plan.dtypes if hf_compile and d in plan.compile_dtypes]
+    print(f"{HF_COMPILED}: " + (f"{', '.join(compiled)}, a compile per case (its first prefill and "
+                                f"{COMPILE_WARMUP} steps, in 'compile s', outside the timings)" if compiled else "off"))
     total = len(plan.dtypes) * (1 + len(plan.batches))
     done = 0
     rows: list[dict[str, Any]] = []
+    splits: list[dict[str, Any]] = []
     loads = []
     for dtype in plan.dtypes:
         done += 1
-        harness.progress(done, total, f"{dtype}: random-weight checkpoint (transformers) and libnn's load")
+        harness.progress(done, total, f"{dtype}: random-weight checkpoint (transformers) and libnn's loads")
         try:
-            hf, model, load = _models(plan, dtype)
+            models = _models(plan, dtype)
         except CASE_ERRORS as exc:  # e.g. out of memory: this dtype's rows say so, the next dtype runs
-            note = f"no model: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
+            note = f"no model: {why(exc)}"
             rows += [{"model": model_label(config), "dtype": dtype, "batch": batch, "path": path, "note": note}
-                     for batch in plan.batches for path in (LIBNN, HF)]
+                     for batch in plan.batches for path in case_paths(plan, dtype, hf_compile)]
             done += len(plan.batches)
             _free()
             continue
-        weights, _ = decode_bytes(model.config, 1, 0, dtypes.parse(dtype).itemsize)
-        load = {"dtype": dtype, **load}
+        weights, _ = decode_bytes(config, 1, 0, dtypes.parse(dtype).itemsize)
+        load = {"dtype": dtype, **models.load}
         loads.append(load)
         print(f"{dtype}: {config.parameter_count()} parameters, "
               f"{memory.format_bytes(config.parameter_count() * dtypes.parse(dtype).itemsize)}; a batch-1 decode "
               f"step reads {memory.format_bytes(weights)} of them; made {load['made s']:.1f} s, saved "
-              f"{load['saved s']:.1f} s, loaded by libnn {load['libnn load s']:.1f} s")
+              f"{load['saved s']:.1f} s, loaded by libnn {load[f'{LIBNN} load s']:.1f} s (and "
+              f"{load[f'{LIBNN_EAGER} load s']:.1f} s without decode graphs)")
         for batch in plan.batches:
             done += 1
             harness.progress(done, total, f"{dtype} batch {batch}")
-            rows += _case_rows(plan, dtype, batch, model, hf, load["attention"], ceilings)
-        del hf, model
+            case_rows, split = _case_rows(plan, dtype, batch, models, ceilings, hf_compile)
+            rows += case_rows
+            splits.append(split)
+        del models
         _free()
-    print(harness.format_table(rows, ["model", "dtype", "batch", "path", "prefill ms", "decode ms/step",
-                                      "per-call ms/step", "tokens/s", "%copy weights", "%copy w+KV", "x HF",
-                                      "greedy vs HF", "note"]))
+    print(harness.format_table(rows, COLUMNS))
+    if splits:
+        print(f"kernel time per decode step of {LIBNN}, ms by category (torch.profiler, {SPLIT_STEPS} steps):")
+        print(harness.format_table(splits, SPLIT_COLUMNS))
     print(targets(rows, quick))
     print(f"bench generate took {time.perf_counter() - started:.0f} s")
     if json_path:
         harness.save_json(json_path, {"ceilings": ceilings, "plan": asdict(plan), "context": context,
-                                      "loads": loads, "rows": rows})
+                                      "loads": loads, "rows": rows, "kernel_split": splits})
     return rows
 
 
@@ -431,7 +638,7 @@ def targets(rows: Sequence[dict[str, Any]], quick: bool) -> str:
     def verdict(ok: bool) -> str:
         return "met" if ok else "MISSED"
 
-    lines = ["targets (issue 16; libnn eager decode, GPU time per step; Hugging Face eager in the same run):"]
+    lines = [f"targets (issue 16; {LIBNN} decode, GPU time per step; Hugging Face eager in the same run):"]
     if quick:
         lines.append("  (--quick runs the small model: the targets are set for the 1B shape)")
     for r in rows:
@@ -444,6 +651,5 @@ def targets(rows: Sequence[dict[str, Any]], quick: bool) -> str:
             lines.append(f"  batch-1 decode {r['dtype']}: {speedup:.2f}x Hugging Face eager's tokens/s, per call "
                          f"(target >= 3x: {verdict(speedup >= 3)})")
     lines.append("  not measured here yet: FP8 decode (>= 1.7x fp16 tokens/s at batch 1), decode attention at "
-                 ">= 90% of copy bandwidth on the cache read (batch 64, context 4096), Hugging Face with its "
-                 "static cache and torch.compile, the GPT-2 small shape, the kernel-time split per category")
+                 ">= 90% of copy bandwidth on the cache read (batch 64, context 4096), the GPT-2 small shape")
     return "\n".join(lines)
