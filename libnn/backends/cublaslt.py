@@ -22,9 +22,13 @@ inference plan does not need.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from libnn import dtypes
 from libnn.config import config
 from libnn.errors import LibraryError
 from libnn.runtime.cache import PlanCache
@@ -182,5 +186,219 @@ def bind_linear(problem, x, w, b, r=None):
     def run(x, w, b, r):
         y = cupy.empty(shape, dtype)  # pool memory: always 256-byte aligned, as at planning
         matmul(x, w, b, y, r)
+        return y
+    return run
+
+
+# --- FP8 (E4M3) GEMMs, for linear_fp8 --------------------------------------------------------------------
+# nvmath's Matmul takes an operand's data type from its array's dtype, and FP8 operands only as torch
+# float8 tensors (or arrays whose dtype is named float8_e4m3fn); libnn keeps E4M3 codes in uint8 CuPy
+# arrays, which it would take for integers, and MatmulOptions has no field that retypes an operand. So the
+# FP8 GEMM is planned here through nvmath's low-level cuBLASLt bindings (descriptor, layouts, preference,
+# heuristic), one plan per key like GemmPlan, and run as GemmPlan's hot call is: one cublasLtMatmul.
+#
+# Layout (cuBLASLt's FP8 GEMMs take A transposed and B not: "TN", both operands K-major). libnn's
+#     y.T (N, M) = w (N, K) @ x.T (K, M)
+# is that product as the row-major arrays lie: A is w's bytes read as a column-major (K, N) matrix with
+# op(A) = A^T, B is xq's bytes read as a column-major (K, M) matrix, C and D are the row-major (M, N)
+# residual and output read as column-major (N, M). cuBLASLt's m, n, k are libnn's N, M, K, and the bias
+# epilogue adds its vector along D's rows: the output features.
+#
+# Scales are device pointers to float32: A's the weight's scale, B's the activations' (x_scale, which the
+# quantiser rewrites on the GPU at every call). D = act(scaleA · scaleB · A·B + β·C + bias); D is
+# fp16/bf16, so no D scale. A weight scale per output channel uses cuBLASLt's outer-vector scaling
+# (A_SCALE_MODE = B_SCALE_MODE = OUTER_VEC_32F, cuBLAS 12.9 and newer), in which both operands' scales are
+# vectors, of cuBLASLt's m (N, the weight's) and n (M, one per row of x) elements: the quantiser then
+# writes its one activation scale M times. A GPU or cuBLASLt that has no such kernel for the problem
+# declines it in the heuristic or the call, which raises LibraryError (linear_fp8's auto then runs custom).
+_fp8_plans: PlanCache = PlanCache("cublaslt fp8 plans")
+_FP8_OUTPUT_TYPES = {"fp16": "CUDA_R_16F", "bf16": "CUDA_R_16BF"}
+_FP8_HEURISTIC_LIMIT = 8
+
+
+def _fp8_epilogue(has_bias: bool, activation: str | None):
+    from nvmath.bindings import cublasLt
+
+    name = {(False, None): "DEFAULT", (False, "relu"): "RELU", (False, "gelu"): "GELU",
+            (True, None): "BIAS", (True, "relu"): "RELU_BIAS", (True, "gelu"): "GELU_BIAS"}[has_bias, activation]
+    return getattr(cublasLt.Epilogue, name)
+
+
+def _attribute_setter(set_attribute, dtype_of, target: int):
+    """put(attribute, value): one cuBLASLt attribute of `target` (a descriptor or preference), the value
+    in the width nvmath's bindings give for the attribute."""
+    def put(attribute, value) -> None:
+        buffer = np.array([int(value)], dtype=dtype_of(attribute))
+        set_attribute(target, attribute, buffer.ctypes.data, buffer.itemsize)
+    return put
+
+
+def _destroy_fp8_plan(desc: int, layouts: tuple[int, ...]) -> None:
+    from nvmath.bindings import cublasLt
+
+    for layout in layouts:
+        cublasLt.matrix_layout_destroy(layout)
+    cublasLt.matmul_desc_destroy(desc)
+
+
+class Fp8GemmPlan:
+    """One cuBLASLt FP8 GEMM of `problem` (linear_fp8's: M, N, K, dtype, per_channel, has_bias,
+    activation, has_residual, device), planned once: its descriptor, layouts, the heuristic's candidates
+    and the one it runs. The descriptors are freed with the plan."""
+
+    def __init__(self, problem: Any, w, w_scale, x_scale, b, r) -> None:
+        import time
+
+        from nvmath import CudaDataType
+        from nvmath.bindings import cublas, cublasLt
+
+        start = time.perf_counter()
+        self.problem = problem
+        self.handle = cublaslt_handle()
+        self._device_id = int(problem.device.split(":")[1])
+        M, N, K = problem.M, problem.N, problem.K
+        fp8, out = CudaDataType.CUDA_R_8F_E4M3, getattr(CudaDataType, _FP8_OUTPUT_TYPES[problem.dtype])
+        self.desc = cublasLt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F)
+        a, b_, d = (cublasLt.matrix_layout_create(fp8, K, N, K), cublasLt.matrix_layout_create(fp8, K, M, K),
+                    cublasLt.matrix_layout_create(out, N, M, N))
+        self.layouts = (a, b_, d)  # C is laid out as D
+        weakref.finalize(self, _destroy_fp8_plan, self.desc, self.layouts).atexit = False
+        A = cublasLt.MatmulDescAttribute
+        put = _attribute_setter(cublasLt.matmul_desc_set_attribute, cublasLt.get_matmul_desc_attribute_dtype,
+                                self.desc)
+        put(A.TRANSA, cublas.Operation.T)
+        put(A.TRANSB, cublas.Operation.N)
+        put(A.EPILOGUE, _fp8_epilogue(problem.has_bias, problem.activation))
+        if problem.has_bias:
+            put(A.BIAS_DATA_TYPE, out)
+        if problem.per_channel:
+            put(A.A_SCALE_MODE, cublasLt.MatmulMatrixScale.OUTER_VEC_32F)
+            put(A.B_SCALE_MODE, cublasLt.MatmulMatrixScale.OUTER_VEC_32F)
+        # the pointers that change between calls live in these slots, each set into the descriptor when
+        # it differs from the one set last (reading the slots' addresses once: .ctypes costs microseconds)
+        self._pointers = np.zeros(3, np.uint64)
+        self._pointer_attributes = (A.A_SCALE_POINTER, A.B_SCALE_POINTER, A.BIAS_POINTER)
+        self._pointer_addresses = [self._pointers.ctypes.data + 8 * i for i in range(3)]
+        self.set_pointers(w_scale, x_scale, b)
+        self.candidates = self._heuristic(r, w, b)
+        self._alpha = np.ones(1, np.float32)
+        self._beta = np.full(1, 0.0 if r is None else 1.0, np.float32)
+        self._workspace_bytes = max(int(self.candidates[i].workspace_size) for i in range(self.count))
+        self.choose(0)
+        self.plan_seconds = time.perf_counter() - start
+
+    def _heuristic(self, r, w, b):
+        from nvmath.bindings import cublasLt
+
+        P = cublasLt.MatmulPreferenceAttribute
+        preference = cublasLt.matmul_preference_create()
+        try:
+            put = _attribute_setter(cublasLt.matmul_preference_set_attribute,
+                                    cublasLt.get_matmul_preference_attribute_dtype, preference)
+            put(P.MAX_WORKSPACE_BYTES, config.cublaslt_workspace_bytes)
+            # B (xq) and D (y) come from CuPy's pool, 256-byte aligned; C is the residual, or D
+            put(P.MIN_ALIGNMENT_A_BYTES, _alignment(w))
+            put(P.MIN_ALIGNMENT_B_BYTES, 256)
+            put(P.MIN_ALIGNMENT_C_BYTES, 256 if r is None else _alignment(r))
+            put(P.MIN_ALIGNMENT_D_BYTES, 256)
+            results = cublasLt.MatmulHeuristicResult(_FP8_HEURISTIC_LIMIT)
+            count = np.zeros(1, np.int32)
+            a, b_, d = self.layouts
+            cublasLt.matmul_algo_get_heuristic(self.handle, self.desc, a, b_, d, d, preference, _FP8_HEURISTIC_LIMIT,
+                                               results.ptr, count.ctypes.data)
+        except cublasLt.cuBLASLtError as exc:
+            raise LibraryError(f"cuBLASLt cannot plan {self.problem.describe()}: {exc}") from exc
+        finally:
+            cublasLt.matmul_preference_destroy(preference)
+        self.count = int(count[0])
+        if self.count == 0:
+            raise LibraryError(f"cuBLASLt has no FP8 algorithm for {self.problem.describe()} on this GPU")
+        return results
+
+    def choose(self, index: int) -> None:
+        """Run candidate `index` (0: the heuristic's first choice) from now on."""
+        self.chosen = index
+        self._algo = self.candidates[index]["algo"].ctypes.data
+
+    def set_pointers(self, w_scale, x_scale, b) -> None:
+        """Set the scale and bias pointers into the descriptor where they changed since the last call."""
+        from nvmath.bindings import cublasLt
+
+        for i, a in enumerate((w_scale, x_scale, b)):
+            if a is not None and a.data.ptr != self._pointers[i]:
+                self._pointers[i] = a.data.ptr
+                cublasLt.matmul_desc_set_attribute(self.desc, self._pointer_attributes[i], self._pointer_addresses[i], 8)
+
+    def runner(self, stream_ptr: int, x_scale):
+        """run(xq, w, w_scale, b, y, r=None) on `stream_ptr`: one cublasLtMatmul with the activations'
+        scale `x_scale` (the quantiser's buffer), the workspace of that stream, the residual r as C
+        (planned for) or else y."""
+        from nvmath.bindings import cublasLt
+
+        matmul, error, set_pointers = cublasLt.matmul, cublasLt.cuBLASLtError, self.set_pointers
+        handle, desc, (a_layout, b_layout, d_layout) = self.handle, self.desc, self.layouts
+        alpha, beta, size = self._alpha.ctypes.data, self._beta.ctypes.data, self._workspace_bytes
+        space = workspace(size, self._device_id, stream_ptr)  # held: its pointer stays valid
+        space_ptr = space.data.ptr
+
+        def run(xq, w, w_scale, b, y, r=None):
+            set_pointers(w_scale, x_scale, b)
+            y_ptr = y.data.ptr
+            try:
+                matmul(handle, desc, alpha, w.data.ptr, a_layout, xq.data.ptr, b_layout, beta,
+                       y_ptr if r is None else r.data.ptr, d_layout, y_ptr, d_layout, self._algo, space_ptr, size,
+                       stream_ptr)
+            except error as exc:
+                raise LibraryError(f"cuBLASLt FP8 matmul failed for {self.problem.describe()}: {exc}") from exc
+        run.workspace = space
+        return run
+
+    def autotune(self, xq, w, w_scale, x_scale, b, y, r=None, runs: int = 10) -> list[float]:
+        """Time every candidate on these operands (median of `runs`, CUDA events), keep the fastest and
+        return the times in milliseconds."""
+        run = self.runner(current_stream().ptr, x_scale)
+        times = []
+        for index in range(self.count):
+            self.choose(index)
+            times.append(time_gpu(lambda _: run(xq, w, w_scale, b, y, r), [None], warmup=2, runs=runs).median_ms)
+        self.choose(min(range(self.count), key=times.__getitem__))
+        return times
+
+
+def fp8_plan_for(problem, xq, w, w_scale, x_scale, b, y, stream_ptr: int, r=None) -> Fp8GemmPlan:
+    """The FP8 plan for `problem` with these operands' alignment on the given stream (planned with
+    these scale and bias pointers; a call with others sets them first)."""
+    key = (problem, _alignment(w), b is not None and _alignment(b), r is not None and _alignment(r), stream_ptr)
+
+    def build() -> Fp8GemmPlan:
+        plan = Fp8GemmPlan(problem, w, w_scale, x_scale, b, r)
+        if config.autotune and plan.count > 1:
+            plan.autotune(xq, w, w_scale, x_scale, b, y, r)
+        return plan
+    return _fp8_plans.get(key, build)
+
+
+def bind_linear_fp8(problem, xq, w, w_scale, x_scale, b, r=None):
+    """The runner y = act(x_scale · w_scale · (xq @ w.T) + b + r) on cuBLASLt's FP8 GEMM, run(xq, w,
+    w_scale, b, r) -> y, for C-contiguous CuPy arrays of this signature: xq (M, K) and w (N, K) E4M3
+    codes (uint8), w_scale float32 (1,) or (N,) with problem.per_channel, x_scale the quantiser's float32
+    device buffer (M values with per_channel, else 1) that every call reads, b (N,) and r (M, N) in the
+    output's dtype (fp16, bf16) or None. LibraryError where cuBLASLt declines, or an operand is not
+    16-byte aligned (FP8 GEMMs need it)."""
+    import cupy
+
+    misaligned = [name for name, a in (("w", w), ("w_scale", w_scale), ("b", b), ("residual", r))
+                  if a is not None and a.data.ptr % 16]
+    if misaligned:
+        raise LibraryError(f"cuBLASLt's FP8 GEMMs need 16-byte aligned buffers; {', '.join(misaligned)} "
+                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    shape, dtype = (problem.M, problem.N), dtypes.parse(problem.dtype)
+    stream_ptr = current_stream().ptr
+    plan = fp8_plan_for(problem, xq, w, w_scale, x_scale, b, cupy.empty(shape, dtype), stream_ptr, r)
+    matmul = plan.runner(stream_ptr, x_scale)
+
+    def run(xq, w, w_scale, b, r):
+        y = cupy.empty(shape, dtype)  # pool memory: 256-byte aligned, as planned
+        matmul(xq, w, w_scale, b, y, r)
         return y
     return run

@@ -23,6 +23,7 @@ import numpy as np
 from libnn import dtypes, registry
 from libnn.nn import checks, weights
 from libnn.nn.graphs import GraphedModule
+from libnn.ops.quantize_fp8 import check_quantize
 from libnn.runtime.arrays import as_array, is_cupy
 
 
@@ -106,6 +107,11 @@ class Module:
             if tuple(value.shape) != tuple(own[key].shape):
                 raise ValueError(f"{where}: {key} has shape {tuple(value.shape)}, the layer expects "
                                  f"{tuple(own[key].shape)}")
+            if own[key].dtype.kind in "iu" and value.dtype.kind not in "iu":
+                # a quantised layer's codes (FP8 in uint8): floats cast to them would be rounded to integers
+                raise TypeError(f"{where}: {key} holds {own[key].dtype} codes (a quantised layer) but the state "
+                                f"has {value.dtype} values; load float weights before quantize(), or the state of "
+                                "a model quantised the same way")
             # the layer's own array again (a state_dict() round trip) is kept: nothing to copy, and the
             # version (what CUDA graphs check) stays
             converted[key] = value if value is own[key] else _like(value, own[key], copy)
@@ -138,7 +144,29 @@ class Module:
             target = _target_dtype(where, target)
         for key, value in list(self.named_parameters()):
             owner, name = self._owner_of(key)
-            owner.register_parameter(name, _moved(value, target))
+            if isinstance(target, str) or not owner.keeps_dtype(name):
+                owner.register_parameter(name, _moved(value, target))
+        return self
+
+    def keeps_dtype(self, name: str) -> bool:
+        """Whether parameter `name` keeps its dtype when the module is cast (`to(dtype)`): a quantised
+        layer's codes and scales do (nn.Linear after quantize()); every other parameter is cast."""
+        return False
+
+    def quantize(self, dtype: str = "fp8", *, per_channel: bool = True) -> "Module":
+        """Quantise in place the weights of every layer below this module that can hold them in `dtype`,
+        and return the module. "fp8": E4M3 codes with float32 scales, one per output channel
+        (`per_channel`, the default: the more accurate, and layers whose weights are stacked along their
+        outputs stay exact) or one per weight (libnn.ops.quantize_fp8); those layers' GEMMs then run
+        linear_fp8, which needs a GPU of compute capability 8.9 or newer (or the CPU's reference path).
+        A GPU below that is refused here, before anything changes. Layers already quantised are left as
+        they are; biases, norms and embeddings keep their dtype. nn.Linear is the layer that quantises:
+        a module that reads its Linear children's weights itself (stacking them into one GEMM) needs
+        FP8 code of its own."""
+        check_quantize(f"{type(self).__name__}.quantize", dtype, per_channel,
+                       [a for _, a in self.named_parameters()])
+        for child in list(self._children.values()):
+            child.quantize(dtype, per_channel=per_channel)
         return self
 
     def use_path(self, path: str) -> "Module":

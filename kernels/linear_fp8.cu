@@ -1,0 +1,142 @@
+/*
+linear_fp8's custom path: y = act(sx * sw[n] * (xq @ wq.T) + bias + residual) for E4M3 codes xq (M, K) and
+wq (N, K), row-major bytes, in the style of llm.c dev/cuda. The path libnn/ops/linear_fp8.py races against
+cuBLASLt's FP8 GEMM; not tuned.
+
+    xq  (M, K) E4M3 codes of x / sx (kernels/quantize_fp8.cu wrote them, and sx to x_scale[0])
+    wq  (N, K) E4M3 codes of the weight; w_scale[0] (per tensor) or w_scale[n] (per output channel)
+    y[m, n] = act(x_scale[0] * w_scale[n or 0] * sum_k e4m3(xq[m, k]) * e4m3(wq[n, k]) + bias[n] + residual[m, n])
+
+Numerics: each code is decoded exactly to fp32 (a table of the 256 values in shared memory; 0x7f and 0xff
+are NaN, which propagates), every product of two E4M3 values is exact in fp32 (4 significant bits each),
+and the products are summed in fp32 by FFMA, in K order per thread. The scales, bias, residual and
+activation (kernels/common.cuh's apply_act: none, relu, gelu, gelu_erf) are applied in fp32 and the result
+rounded once to T (fp16 or bf16; raw 16-bit words converted with PTX, no toolkit header). bias and
+residual are in T, or null.
+
+Version 1 (the only one): fp8_gemm1_tiled_{f16,bf16}
+    A block computes a BM x BN tile of y with 256 threads (16 x 16), each a 4 x 4 grid of outputs spaced 16
+    apart (rows ty + 16i, columns tx + 16j: a warp's stores are 16 consecutive columns). K is walked BK
+    codes at a time: each thread decodes 8 codes of x's tile and 8 of w's into shared memory (fp32,
+    k-major), with one 8-byte load where the 8 codes are in range and 8-byte aligned (K % 8 == 0 and the
+    pointers 8-byte aligned), byte by byte with zeros past M, N and K otherwise.
+
+LAUNCH
+    (const unsigned char* xq, const unsigned char* wq, const float* x_scale, const float* w_scale,
+     const T* bias, const T* residual, T* y, int M, int N, int K, int per_channel, int act)
+    block (FP8_GEMM_THREADS, 1, 1), grid (ceil(M / FP8_GEMM_BM), ceil(N / FP8_GEMM_BN), 1), no dynamic
+    shared memory. Preconditions: M, N, K >= 1; N <= 65535 * FP8_GEMM_BN; y does not overlap the inputs;
+    element offsets are 64-bit.
+*/
+#include "common.cuh"
+
+constexpr int FP8_GEMM_THREADS = 256;
+constexpr int FP8_GEMM_BM = 64;   // rows of y per block
+constexpr int FP8_GEMM_BN = 64;   // columns of y per block
+constexpr int FP8_GEMM_BK = 32;   // codes of K per step: BM * BK / 8 = one 8-code group per thread
+
+namespace fp8g {
+
+using namespace libnn;
+
+constexpr int PAD = 4;            // keeps the k-major tiles' rows off one bank
+constexpr unsigned ACTS = ACT_LINEAR | (1u << ACT_GELU_ERF);
+
+// the value of E4M3 code c: exact in fp32
+__device__ __forceinline__ float e4m3_value(u32 c) {
+    const u32 e = (c >> 3) & 15u, m = c & 7u;
+    float v;
+    if (e == 0u) v = (float)m * 0.001953125f;                 // subnormal: m * 2^-9
+    else if (e == 15u && m == 7u) v = u32_as_f32(0x7fc00000u);  // NaN
+    else v = u32_as_f32(((e + 120u) << 23) | (m << 20));      // (1 + m/8) * 2^(e - 7)
+    return (c & 0x80u) ? -v : v;
+}
+
+struct Smem {
+    float lut[256];
+    float xs[FP8_GEMM_BK][FP8_GEMM_BM + PAD];
+    float ws[FP8_GEMM_BK][FP8_GEMM_BN + PAD];
+};
+
+// codes k0 .. k0+7 of row `row` of a (rows, K) matrix, decoded into tile[k - kt][r]; zeros outside it
+__device__ __forceinline__ void load_group(const unsigned char* __restrict__ a, int rows, int K, bool vec, int row,
+                                           int kt, int k0, int r, float (*tile)[FP8_GEMM_BM + PAD], const float* lut) {
+    const int k = kt + k0;
+    if (row < rows && vec && k + 8 <= K) {
+        const u64 word = *reinterpret_cast<const u64*>(a + (i64)row * K + k);
+#pragma unroll
+        for (int j = 0; j < 8; j++) tile[k0 + j][r] = lut[(u32)(word >> (8 * j)) & 0xffu];
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        tile[k0 + j][r] = (row < rows && k + j < K) ? lut[a[(i64)row * K + k + j]] : 0.f;
+}
+
+template <class DT>
+__device__ __forceinline__ void gemm1(const unsigned char* __restrict__ xq, const unsigned char* __restrict__ wq,
+                                      const float* __restrict__ x_scale, const float* __restrict__ w_scale,
+                                      const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ residual,
+                                      typename DT::T* __restrict__ y, int M, int N, int K, int per_channel, int act) {
+    static_assert(FP8_GEMM_BM == FP8_GEMM_BN, "one load pattern serves both tiles");
+    __shared__ Smem sm;
+    const int t = threadIdx.x, tx = t & 15, ty = t >> 4;
+    const int m0 = blockIdx.x * FP8_GEMM_BM, n0 = blockIdx.y * FP8_GEMM_BN;
+    sm.lut[t] = e4m3_value((u32)t);   // FP8_GEMM_THREADS == 256: one code each
+    const bool vec_x = (K & 7) == 0 && ((u64)xq & 7) == 0, vec_w = (K & 7) == 0 && ((u64)wq & 7) == 0;
+    const int r = t >> 2, k0 = (t & 3) * 8;   // this thread's row of each tile and its 8 codes of K
+    float acc[4][4] = {};
+    __syncthreads();
+    for (int kt = 0; kt < K; kt += FP8_GEMM_BK) {
+        load_group(xq, M, K, vec_x, m0 + r, kt, k0, r, sm.xs, sm.lut);
+        load_group(wq, N, K, vec_w, n0 + r, kt, k0, r, sm.ws, sm.lut);
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < FP8_GEMM_BK; kk++) {
+            float a[4], b[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) a[i] = sm.xs[kk][ty + 16 * i];
+#pragma unroll
+            for (int j = 0; j < 4; j++) b[j] = sm.ws[kk][tx + 16 * j];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();   // every thread is done with the tiles before the next step overwrites them
+    }
+    const float sx = x_scale[0];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int n = n0 + tx + 16 * j;
+        if (n >= N) continue;
+        const float s = sx * w_scale[per_channel ? n : 0];
+        const float b = bias ? DT::ld(bias[n]) : 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int m = m0 + ty + 16 * i;
+            if (m >= M) continue;
+            const i64 o = (i64)m * N + n;
+            float v = acc[i][j] * s + b;
+            if (residual) v += DT::ld(residual[o]);
+            y[o] = DT::st(apply_act<ACTS>(v, act));
+        }
+    }
+}
+
+}  // namespace fp8g
+
+// ---------------------------------------------------------------------------------------------------
+// exported kernels (extern "C": the launcher looks them up by these names)
+#define FP8_GEMM_PARAMS(T) const unsigned char* __restrict__ xq, const unsigned char* __restrict__ wq, \
+    const float* __restrict__ x_scale, const float* __restrict__ w_scale, const T* __restrict__ bias,  \
+    const T* __restrict__ residual, T* __restrict__ y, int M, int N, int K, int per_channel, int act
+
+#define FP8_GEMM1(SUFFIX, DT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMM_THREADS)                                       \
+        fp8_gemm1_tiled_##SUFFIX(FP8_GEMM_PARAMS(libnn::DT::T)) {                                        \
+        fp8g::gemm1<libnn::DT>(xq, wq, x_scale, w_scale, bias, residual, y, M, N, K, per_channel, act); \
+    }
+
+FP8_GEMM1(f16, dt_f16)
+FP8_GEMM1(bf16, dt_bf16)
