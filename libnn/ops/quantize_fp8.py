@@ -8,7 +8,9 @@ each with a float32 scale: the value is scale · e4m3(code).
 - `encode_e4m3(q)` / `decode_e4m3(codes)`: codes of fp32 values (round to nearest even; |q| beyond 448
   saturates to ±448; NaN and ±inf become NaN, E4M3 having no infinity) and back, exactly. The same array
   operations in NumPy and CuPy, and the same fp32 operations as kernels/quantize_fp8.cu, whose opening
-  comment gives the formula: the three agree bit for bit.
+  comment gives the formula: NumPy and the kernel agree bit for bit. (CuPy compiles its elementwise
+  kernels to flush fp32 subnormals to zero: a weight row whose largest magnitude is below 448 · 2^-126,
+  whose scale would be subnormal, quantises to zeros there; nothing else differs.)
 - `quantize_weight(w, per_channel=True)` → `Fp8Weight(data, scale)`: a weight (N, K) quantised once, at
   load, with one scale per output channel (scale (N,): w[n] / (max|w[n]| / 448)) or per tensor (scale (1,)),
   on w's device (CuPy's elementwise ops on the GPU). Per channel is the default: it is more accurate and
