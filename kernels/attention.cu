@@ -56,6 +56,22 @@ attention):
    elements (a 16-byte copy may read up to 7 elements past Lk), bias rows 16-byte aligned.
    -DATTN2_WARPS=4 or 8 (default 8) sets the block (4 spills in the bias kernels at DB = 128).
 
+3) attn3_decode_{f16,bf16} + attn3_combine_{f16,bf16}
+   Split-K decoding ("flash-decoding", Dao et al., 2023) for one query row per sequence (Sq = 1: a
+   decoder's step reading its KV cache), no bias, no causal mask (one row sees every key below Lk).
+   The keys of each (b, kv head) are cut into splits of CHUNK keys, one block per (split, kv head, b),
+   so that short batches still fill the GPU; a block serves the g = Hq / Hkv query heads of its kv head
+   at once, so each K and V row is read from memory once for all of them (GQA). Scores: lanes split a
+   key row in 16-byte vectors (D / (16 / sizeof T) lanes per key, several keys per warp), each lane's
+   partial dot products with the g scaled query rows (kept in shared memory as fp32) summed by
+   shuffles; the split's softmax (m, l) per head in shared memory; then P V with a thread per 16-byte
+   vector of a V row and rows strided over the block, its g accumulators reduced across the block
+   through shared memory. Each split writes fp32 (m, l, o unnormalised) partials; attn3_combine merges
+   a head's splits (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros where no key
+   is allowed (Lk = 0, or Lq = 0). Preconditions (the launcher checks them): fp16 or bf16 (an fp32
+   build spilled on sm_80 and decoders keep 16-bit caches), D / 8 a power of two from 1 to 32 (D in 8,
+   16, 32, ..., 256), g <= ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any strides.
+
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
 
    attn_softmax_{f32,f16,bf16}  (suffix: the bias dtype)
@@ -88,13 +104,22 @@ ZERO_THREADS from this file)
                                                                      (over 48 KB: set the max dynamic
                                                                      smem attribute first)
     attn_softmax_*         (128, 1, 1)       B*Hq*Sq                 0
+    attn3_decode_*         (ATTN3_THREADS)   (splits, Hkv, B)        4 * (g * D + max(g * chunk, g * ATTN3_THREADS * 16 / sizeof T))
+        (const T* q, const T* k, const T* v, float* part_o, float* part_ml, const int* lens_q_or_null,
+         const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D, int chunk, int splits, float scale_log2,
+         long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss)
+        part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
+    attn3_combine_*        (ATTN3_THREADS)   B * Hq                  0
+        (const float* part_o, const float* part_ml, const int* lens_q_or_null, T* o, int Hq, int D,
+         int splits, long long o_sb, long long o_sh)
+        splits = ceil(Skv / chunk); dynamic shared memory at most 48 KB
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
     attn_zero_empty_batches (256, 1, 1)       B                       0
         (const int* lens_kv, unsigned short* o, long long words)
 
-    Every kernel needs exactly its grid (a missing block leaves rows unwritten). Grids are 1-D: the
-    block count must stay below 2^31. Hq % Hkv == 0; o must not alias q, k, v or bias.
+    Every kernel needs exactly its grid (a missing block leaves rows unwritten). Grids are 1-D (attn3_decode's
+    3-D: splits < 2^31, Hkv and B < 65536): the block count must stay below 2^31. Hq % Hkv == 0; o must not alias q, k, v or bias.
 */
 
 #include "common.cuh"
@@ -480,6 +505,192 @@ __device__ __forceinline__ void softmax_body(float* s, const typename DT::T* bia
     for (int j = threadIdx.x; j < Skv; j += SOFTMAX_THREADS) sr[j] = j < jend && l > 0.f ? exp2f(logit(j) - m) * inv : 0.f;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// 3) split-K decoding: one query row per (b, query head), the keys of a (b, kv head) in splits
+constexpr int ATTN3_THREADS = 128;
+constexpr int ATTN3_WARPS = ATTN3_THREADS / 32;
+constexpr int ATTN3_MAX_G = 8;     // query heads per kv head a block serves (its accumulators: registers)
+constexpr int ATTN3_UNROLL = 4;    // K and V rows a thread loads before it uses the first: loads in flight
+
+// The 16 bytes at p (16-byte aligned) as fp32 values.
+template <class DT>
+__device__ __forceinline__ void load_vec(const typename DT::T* p, float* x) {
+    const u32x4 raw = *reinterpret_cast<const u32x4*>(p);
+    const u32 w[4] = {raw.a, raw.b, raw.c, raw.d};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if constexpr (sizeof(typename DT::T) == 2) {  // two 16-bit values a word, the first in the low half
+            x[2 * i] = DT::ld((typename DT::T)(w[i] & 0xffffu));
+            x[2 * i + 1] = DT::ld((typename DT::T)(w[i] >> 16));
+        } else {
+            x[i] = __uint_as_float(w[i]);
+        }
+    }
+}
+
+template <class DT>
+__device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
+                                             const typename DT::T* __restrict__ v, float* __restrict__ part_o,
+                                             float* __restrict__ part_ml, const int* __restrict__ lens_q,
+                                             const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
+                                             int chunk, int splits, float scale_log2, i64 q_sb, i64 q_sh, i64 k_sb,
+                                             i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
+    typedef typename DT::T T;
+    constexpr int EPV = 16 / sizeof(T);            // elements per 16-byte vector
+    extern __shared__ float smem3[];
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int Lk = lens_kv ? lens_kv[b] : Skv;
+    const int live = lens_q ? (lens_q[b] > 0) : 1;
+    const int start = split * chunk, end = live ? imin(Lk, start + chunk) : 0, n = end - start;
+    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head g at + g * splits * 2
+    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head g at + g * splits * D
+    if (n <= 0) {  // no key of this split: a part that weighs nothing in the merge
+        for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
+            ml[(i64)g * splits * 2] = neg_inf();
+            ml[(i64)g * splits * 2 + 1] = 0.f;
+        }
+        return;
+    }
+    float* const qs = smem3;                  // (G, D): the query rows, times scale * log2(e)
+    float* const ss = smem3 + G * D;          // (G, chunk): scores, then their exponentials; then P V's partials
+    __shared__ float m_s[ATTN3_MAX_G], l_s[ATTN3_MAX_G];
+    for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
+        const int g = i / D, d = i - g * D;
+        qs[i] = DT::ld(q[b * q_sb + (hk * G + g) * q_sh + d]) * scale_log2;
+    }
+    __syncthreads();
+
+    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
+    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
+    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
+    for (int base = start + warp * per_warp + sub; base - sub < end; base += ATTN3_UNROLL * step) {
+        float x[ATTN3_UNROLL][EPV];  // every load of the iteration issued before any is used
+#pragma unroll
+        for (int u = 0; u < ATTN3_UNROLL; u++) {
+            if (base + u * step < end) load_vec<DT>(kh + (base + u * step) * k_ss, x[u]);
+            else {
+#pragma unroll
+                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const float* qg = qs + g * D + part * EPV;
+#pragma unroll
+            for (int u = 0; u < ATTN3_UNROLL; u++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < EPV; e++) dot = fmaf(qg[e], x[u][e], dot);
+                for (int off = lanes >> 1; off; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                const int j = base + u * step;
+                if (part == 0 && j < end) ss[g * chunk + (j - start)] = dot;
+            }
+        }
+    }
+    __syncthreads();
+
+    for (int g = warp; g < G; g += ATTN3_WARPS) {  // the split's softmax, a warp per head
+        float* sg = ss + g * chunk;
+        float m = neg_inf();
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
+#pragma unroll
+        for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        float l = 0.f;
+        if (m != neg_inf()) {
+            for (int j = lane; j < n; j += 32) {
+                const float p = exp2f(sg[j] - m);
+                sg[j] = p;
+                l += p;
+            }
+        } else {
+            for (int j = lane; j < n; j += 32) sg[j] = 0.f;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            m_s[g] = m;
+            l_s[g] = l;
+        }
+    }
+    __syncthreads();
+
+    // P V: thread t takes vector `vpart` of rows r, r + rows, ... of the split
+    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
+    float acc[ATTN3_MAX_G][EPV];
+#pragma unroll
+    for (int g = 0; g < ATTN3_MAX_G; g++)
+#pragma unroll
+        for (int e = 0; e < EPV; e++) acc[g][e] = 0.f;
+    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV;
+    for (int j0 = r; j0 < n; j0 += ATTN3_UNROLL * rows) {
+        float x[ATTN3_UNROLL][EPV];
+#pragma unroll
+        for (int u = 0; u < ATTN3_UNROLL; u++) {
+            if (j0 + u * rows < n) load_vec<DT>(vh + (start + j0 + u * rows) * v_ss, x[u]);
+            else {
+#pragma unroll
+                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATTN3_UNROLL; u++) {
+            const int j = j0 + u * rows;
+            if (j < n) {
+#pragma unroll
+                for (int g = 0; g < ATTN3_MAX_G; g++) {
+                    if (g < G) {
+                        const float p = ss[g * chunk + j];
+#pragma unroll
+                        for (int e = 0; e < EPV; e++) acc[g][e] = fmaf(p, x[u][e], acc[g][e]);
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // the scores are read: their space takes the partials (rows, G, D)
+    float* const red = ss;
+#pragma unroll
+    for (int g = 0; g < ATTN3_MAX_G; g++) {
+        if (g < G) {
+#pragma unroll
+            for (int e = 0; e < EPV; e++) red[(r * G + g) * D + vpart * EPV + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
+        const int g = i / D, d = i - g * D;
+        float sum = 0.f;
+        for (int rr = 0; rr < rows; rr++) sum += red[(rr * G + g) * D + d];
+        po[(i64)g * splits * D + d] = sum;
+    }
+    for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
+        ml[(i64)g * splits * 2] = m_s[g];
+        ml[(i64)g * splits * 2 + 1] = l_s[g];
+    }
+}
+
+// o[b, h] from the splits' partials of head (b, h): one block per head
+template <class DT>
+__device__ __forceinline__ void decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                               const int* __restrict__ lens_q, typename DT::T* __restrict__ o, int Hq,
+                                               int D, int splits, i64 o_sb, i64 o_sh) {
+    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
+    const float* ml = part_ml + (i64)bh * splits * 2;
+    const float* po = part_o + (i64)bh * splits * D;
+    float m = neg_inf();
+    for (int s = 0; s < splits; s++) m = fmaxf(m, ml[2 * s]);
+    float l = 0.f;
+    if (m != neg_inf())
+        for (int s = 0; s < splits; s++) l += ml[2 * s + 1] * exp2f(ml[2 * s] - m);
+    const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
+    typename DT::T* orow = o + b * o_sb + h * o_sh;
+    for (int d = threadIdx.x; d < D; d += ATTN3_THREADS) {
+        float sum = 0.f;
+        for (int s = 0; s < splits; s++)  // a split without keys wrote no o: never read it
+            if (ml[2 * s + 1] > 0.f) sum += po[(i64)s * D + d] * exp2f(ml[2 * s] - m);
+        orow[d] = DT::st(sum * inv);
+    }
+}
+
 }  // namespace at
 
 // ---------------------------------------------------------------------------------------------------
@@ -538,3 +749,21 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
     unsigned short* ob = o + (long long)blockIdx.x * words;
     for (long long j = threadIdx.x; j < words; j += ZERO_THREADS) ob[j] = 0;
 }
+
+#define ATTN3(SUFFIX, DT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_decode_##SUFFIX(                      \
+        const at::DT::T* __restrict__ q, const at::DT::T* __restrict__ k, const at::DT::T* __restrict__ v,      \
+        float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
+        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int chunk, int splits,                \
+        float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
+        at::i64 v_sh, at::i64 v_ss) {                                                                          \
+        at::decode_split<at::DT>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, chunk, splits,     \
+                                 scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);                   \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_combine_##SUFFIX(                     \
+        const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ lens_q,    \
+        at::DT::T* __restrict__ o, int Hq, int D, int splits, at::i64 o_sb, at::i64 o_sh) {                     \
+        at::decode_combine<at::DT>(part_o, part_ml, lens_q, o, Hq, D, splits, o_sb, o_sh);                     \
+    }
+ATTN3(f16, dt_f16)
+ATTN3(bf16, dt_bf16)

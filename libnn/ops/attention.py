@@ -46,8 +46,8 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
-from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, flash_fits,
-                                        flash_supports)
+from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, decode_fits,
+                                        flash_fits, flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
@@ -583,14 +583,16 @@ def _custom_support(problem: AttentionProblem) -> str | None:
 
 def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[str, ...]:
     """The numbered kernels of kernels/attention.cu that can run `problem`, baseline first (for tests and
-    the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, and
-    attn2_flash where it fits. `aligned`: whether o's rows start on 16 bytes too (q's, k's and v's are
-    the problem's; a misaligned bias counts against attn2 here, though flash_attention would copy it)."""
-    if flash_supports(problem.dtype, problem.D):
+    the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, attn2_flash
+    where it fits and attn3_decode where it fits. `aligned`: whether o's rows start on 16 bytes too (q's,
+    k's and v's are the problem's; a misaligned bias counts against attn2 here, though flash_attention
+    would copy it)."""
+    p = problem
+    if flash_supports(p.dtype, p.D):
         return ()
-    fits = aligned and problem.aligned and flash_fits(problem.dtype, problem.D, problem.bias_shape is not None,
-                                                      problem.scale)
-    return ("attn1_naive", "attn2_flash") if fits else ("attn1_naive",)
+    flash = aligned and p.aligned and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale)
+    decode = p.aligned and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal)
+    return ("attn1_naive",) + (("attn2_flash",) if flash else ()) + (("attn3_decode",) if decode else ())
 
 
 def _kernel_views(problem: AttentionProblem, q, k, v, o, bias) -> tuple:

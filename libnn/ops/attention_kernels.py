@@ -1,9 +1,11 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
-`bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn2_flash
-(FlashAttention-2 on tensor cores) when the problem fits it — fp16/bf16, head dim D <= 128 with
-D % 8 == 0, q, k, v, o rows 16-byte aligned, scale != 0 under a bias — otherwise attn1_naive (one warp
-per query row, any D <= 256, fp32 too). `bind_unfused` binds the same in three steps that hold the
+`bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn3_decode
+(split-K decoding, then attn3_combine) for one query row per sequence without bias or top-left mask —
+a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
+when the problem fits it — fp16/bf16, head dim D <= 128 with D % 8 == 0, q, k, v, o rows 16-byte
+aligned, scale != 0 under a bias — otherwise attn1_naive (one warp per query row, any D <= 256, fp32
+too). `bind_unfused` binds the same in three steps that hold the
 (Sq, Skv) scores in memory: S = q kᵀ on cuBLAS (cupy.matmul in fp32), our masked softmax kernel in
 place, O = P v on cuBLAS. A bind reads the arrays' shapes, strides and alignment once (the kernel, its
 grid and its scalars are packed then, runtime/launch.py) and keeps none of them; its runner takes each
@@ -25,19 +27,25 @@ from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import is_cupy
 
 _FILE = "attention.cu"
-_VERSIONS = ("attn1_naive", "attn2_flash")   # 1) baseline, 2) default where it applies
+_VERSIONS = ("attn1_naive", "attn2_flash", "attn3_decode")  # 1) baseline, 2) and 3) where they apply
 _CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
 MAX_HEAD_DIM = 256            # attn1: 8 elements per lane
 FLASH_BUCKETS = (32, 64, 96, 128)
 _ATTN = contracts.params(_FILE, "ATTN_PARAMS")  # attn1's and attn2's parameters
 _SOFTMAX = contracts.params(_FILE, "attn_softmax_##SUFFIX")
 _ZERO = contracts.params(_FILE, "attn_zero_empty_batches")
+_DECODE = contracts.params(_FILE, "attn3_decode_##SUFFIX")
+_COMBINE = contracts.params(_FILE, "attn3_combine_##SUFFIX")
 _K = contracts.constants(_FILE)
 FLASH_WARPS = _K["ATTN2_WARPS"]
 _BN = _K["ATTN2_BN"]          # keys per attn2 tile
 _ROWS_PER_ATTN1_BLOCK = _K["ATTN1_THREADS"] // 32  # a warp per query row
 _SOFTMAX_THREADS = _K["SOFTMAX_THREADS"]
 _ZERO_THREADS = _K["ZERO_THREADS"]
+DECODE_THREADS, DECODE_MAX_GROUP = _K["ATTN3_THREADS"], _K["ATTN3_MAX_G"]
+DECODE_SMEM = 48 * 1024       # attn3_decode's dynamic shared memory stays below the default limit
+DECODE_BLOCKS_PER_SM = 4      # the splits are sized to give about this many blocks per SM
+DECODE_CHUNKS = (64, 128, 256, 512)  # keys per split
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -73,11 +81,73 @@ def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:
             and (not has_bias or scale != 0))
 
 
-def flash_version(q, k, v, o, bias=None, scale: float = 1.0) -> str:
-    """The kernel `flash_attention` runs for these arrays: attn2_flash where it applies, else attn1_naive."""
-    fits = (flash_fits(dtypes.short_name(q.dtype), q.shape[3], bias is not None, scale)
-            and all(_rows_aligned(a) for a in (q, k, v, o)))
+def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, causal: str | None) -> bool:
+    """Whether attn3_decode takes a problem, alignment aside (q's, k's and v's rows must start on 16
+    bytes): fp16 or bf16, one query row, no bias, no top-left mask (with one row, bottom-right masks
+    nothing), the row in 1 to 32 16-byte vectors (a power of two: D = 8, 16, 32, ..., 256), at most
+    DECODE_MAX_GROUP query heads per kv head."""
+    vectors = head_dim // 8  # 16-byte vectors of 16-bit elements
+    return (dtype in ("fp16", "bf16") and Sq == 1 and not has_bias and causal != "top_left"
+            and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and 1 <= vectors <= 32
+            and vectors & (vectors - 1) == 0)
+
+
+def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None = None) -> str:
+    """The kernel `flash_attention` runs for these arrays: attn3_decode where it applies, else attn2_flash
+    where it applies, else attn1_naive."""
+    dtype, D = dtypes.short_name(q.dtype), q.shape[3]
+    if (decode_fits(dtype, D, q.shape[2], q.shape[1] // k.shape[1], bias is not None, causal)
+            and all(_rows_aligned(a) for a in (q, k, v))):
+        return "attn3_decode"
+    fits = flash_fits(dtype, D, bias is not None, scale) and all(_rows_aligned(a) for a in (q, k, v, o))
     return "attn2_flash" if fits else "attn1_naive"
+
+
+def decode_chunk(B: int, Hkv: int, Skv: int, group: int, itemsize: int, head_dim: int, sms: int) -> int:
+    """attn3_decode's keys per split: the smallest of DECODE_CHUNKS whose blocks (splits x Hkv x B) stay
+    within DECODE_BLOCKS_PER_SM per SM of `sms`, and whose scores fit its shared memory."""
+    pairs = B * Hkv
+    fitting = [c for c in DECODE_CHUNKS if _decode_smem(group, head_dim, c, itemsize) <= DECODE_SMEM]
+    return next((c for c in fitting if pairs * -(-Skv // c) <= DECODE_BLOCKS_PER_SM * sms), fitting[-1])
+
+
+def _decode_smem(group: int, head_dim: int, chunk: int, itemsize: int) -> int:
+    """attn3_decode's dynamic shared memory (kernels/attention.cu's LAUNCH table)."""
+    return 4 * (group * head_dim + max(group * chunk, group * DECODE_THREADS * 16 // itemsize))
+
+
+def _bind_decode(q, k, v, o, scale: float):
+    """run(q, k, v, o, bias, lens_q, lens_kv): attn3_decode's splits into fp32 partials (from CuPy's pool
+    at each call), then attn3_combine into o."""
+    import cupy
+
+    B, Hq, _, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    group, itemsize = Hq // Hkv, q.itemsize
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    chunk = decode_chunk(B, Hkv, Skv, group, itemsize, D, sms)
+    splits = -(-Skv // chunk)
+    suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
+    (q_sb, q_sh), (k_sb, k_sh, k_ss), (v_sb, v_sh, v_ss) = (_kernel_strides(q)[:2], _kernel_strides(k)[:3],
+                                                            _kernel_strides(v)[:3])
+    o_sb, o_sh = _kernel_strides(o)[:2]
+    A = launch.ARRAY
+    split = launch.bind(_FILE, f"attn3_decode_{suffix}", (splits, Hkv, B), (DECODE_THREADS,),
+                        _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
+                                     D=D, chunk=chunk, splits=splits, scale_log2=scale * math.log2(math.e),
+                                     q_sb=q_sb, q_sh=q_sh, k_sb=k_sb, k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh,
+                                     v_ss=v_ss),
+                        shared_mem=_decode_smem(group, D, chunk, itemsize))
+    combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (DECODE_THREADS,),
+                          _COMBINE.pack(part_o=A, part_ml=A, lens_q=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb,
+                                        o_sh=o_sh))
+
+    def run(q, k, v, o, bias, lens_q, lens_kv):
+        part_o = cupy.empty((B, Hq, splits, D), cupy.float32)
+        part_ml = cupy.empty((B, Hq, splits, 2), cupy.float32)
+        split(q, k, v, part_o, part_ml, lens_q, lens_kv)
+        combine(part_o, part_ml, lens_q, o)
+    return run
 
 
 def _bias_staged(bias) -> bool:
@@ -147,10 +217,14 @@ def bind_flash(q, k, v, o, bias=None, *, scale: float, causal: str | None, versi
     B, Hq, Sq, D = q.shape
     if B * Hq * Sq == 0:
         return _nothing
-    chosen = flash_version(q, k, v, o, bias, scale)
-    if version not in (None, chosen, "attn1_naive"):
+    chosen = flash_version(q, k, v, o, bias, scale, causal)
+    flash = flash_fits(dtypes.short_name(q.dtype), D, bias is not None, scale) and all(
+        _rows_aligned(a) for a in (q, k, v, o))
+    if version not in (None, chosen, "attn1_naive") and not (version == "attn2_flash" and flash):
         raise ValueError(f"attention: kernel {version!r} does not take this problem (it would run {chosen}); "
                          f"choose from {_VERSIONS}")
+    if (version or chosen) == "attn3_decode":
+        return _bind_decode(q, k, v, o, scale)
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
     if (version or chosen) == "attn1_naive":
         blocks = -(-B * Hq * Sq // _ROWS_PER_ATTN1_BLOCK)

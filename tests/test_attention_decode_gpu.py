@@ -1,0 +1,102 @@
+"""Split-K decoding (kernels/attention.cu's attn3_decode + attn3_combine, the custom path's kernel for one
+query row per sequence) against the float64 reference on the GPU: a decoder's step reading its KV cache
+(q (B, 1, Hq, D), k and v one layer's cache rows (B, L, Hkv, D) with each sequence's length), MHA, GQA and
+MQA groups up to 8, head dims from 32 to 256, caches from 1 to 4099 positions (splits of every size, the
+last one partial), lengths 0 (zeros out), 1 and full, fp16 and bf16 (fp32 goes to attn2/attn1), outputs
+poisoned. The op's
+custom path picks attn3 for these problems and attn2/attn1 still run them when forced. Tolerances:
+relative L2 error fp16/bf16 1e-2 (dtypes.TOLERANCE)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from libnn import dtypes
+from libnn.ops import attention
+from libnn.ops.attention import CheckedLengths
+from conftest import random_normal, rel_error
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_gpu_memory")]
+
+# (B, Hq, Hkv, D, L)
+SHAPES = [(1, 4, 4, 64, 1), (3, 32, 8, 64, 333), (2, 8, 1, 128, 1000), (5, 12, 4, 32, 64), (1, 2, 1, 256, 4099),
+          (7, 6, 6, 64, 97)]
+
+
+def case_id(case):
+    return "B{}-Hq{}-Hkv{}-D{}-L{}".format(*case)
+
+
+def lengths_for(rng, B: int, L: int) -> np.ndarray:
+    """Random lengths with an empty sequence, a one-token one and a full one where the batch has room."""
+    lengths = rng.integers(1, L + 1, B)
+    for b, fixed in zip(range(B), (L, 1, 0)):
+        lengths[b] = fixed if B > 2 else max(1, fixed)
+    return lengths.astype(np.int32)
+
+
+def decode_inputs(rng, case, dtype):
+    B, Hq, Hkv, D, L = case
+    q = random_normal(rng, (B, 1, Hq, D), dtype)
+    k, v = (random_normal(rng, (B, L, Hkv, D), dtype) for _ in range(2))
+    return q, k, v, lengths_for(rng, B, L)
+
+
+def reference(q, k, v, lengths):
+    return attention(*(a.astype(np.float64) for a in (q, k, v)), layout="BSHD", seq_lens_kv=lengths,
+                     path="reference")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", SHAPES, ids=case_id)
+def test_split_decoding_matches_the_reference(rng, case, dtype):
+    import cupy
+    from libnn.ops.attention_kernels import flash_version
+
+    q, k, v, lengths = decode_inputs(rng, case, dtype)
+    gq, gk, gv = (cupy.asarray(a) for a in (q, k, v))
+    views = [a.transpose(0, 2, 1, 3) for a in (gq, gk, gv)]
+    assert flash_version(*views, cupy.empty_like(views[0])) == "attn3_decode"
+    got = attention(gq, gk, gv, layout="BSHD", seq_lens_kv=CheckedLengths(cupy.asarray(lengths)),
+                    path="custom").get()
+    expected = reference(q, k, v, lengths)
+    empty = lengths == 0
+    assert np.all(got[empty] == 0), "a sequence with no key gives zeros"
+    assert rel_error(got[~empty], expected[~empty]) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("version", ["attn1_naive", "attn2_flash", "attn3_decode"])
+def test_every_version_the_problem_takes_agrees(rng, version):
+    import cupy
+    from libnn.ops.attention_kernels import flash_attention
+
+    case = (3, 32, 8, 64, 333)
+    q, k, v, lengths = decode_inputs(rng, case, "fp16")
+    views = [cupy.asarray(a).transpose(0, 2, 1, 3) for a in (q, k, v)]
+    o = cupy.empty_like(views[0])
+    flash_attention(*views, o, scale=1 / 8, causal=None, seq_lens_kv=cupy.asarray(lengths), version=version)
+    expected = reference(q, k, v, lengths)
+    got = o.transpose(0, 2, 1, 3).get()
+    empty = lengths == 0
+    assert np.all(got[empty] == 0)
+    assert rel_error(got[~empty], expected[~empty]) <= 1e-2
+
+
+def test_a_bias_a_top_left_mask_or_two_query_rows_are_not_split_decoded(rng):
+    import cupy
+    from libnn.ops.attention_kernels import flash_version
+
+    q, k, v = (cupy.asarray(random_normal(rng, (2, 8, S, 64), "fp16")) for S in (1, 40, 40))
+    o = cupy.empty_like(q)
+    assert flash_version(q, k, v, o) == "attn3_decode"
+    assert flash_version(q, k, v, o, causal="bottom_right") == "attn3_decode"  # one row: nothing masked
+    assert flash_version(q, k, v, o, causal="top_left") == "attn2_flash"
+    assert flash_version(q, k, v, o, bias=cupy.zeros((2, 8, 1, 40), q.dtype)) == "attn2_flash"
+    q2 = cupy.asarray(random_normal(rng, (2, 8, 2, 64), "fp16"))
+    assert flash_version(q2, k, v, cupy.empty_like(q2)) == "attn2_flash"
+    q32 = q.astype(cupy.float32)
+    assert flash_version(q32, k.astype(cupy.float32), v.astype(cupy.float32), cupy.empty_like(q32)) == "attn1_naive"
+    group9 = cupy.asarray(random_normal(rng, (2, 9, 1, 64), "fp16"))
+    k1 = k[:, :1]
+    assert flash_version(group9, k1, v[:, :1], cupy.empty_like(group9)) == "attn2_flash"  # 9 heads per kv head
