@@ -272,22 +272,30 @@ class Fp8GemmPlan:
         if problem.has_bias:
             put(A.BIAS_DATA_TYPE, out)
         if problem.per_channel:
-            put(A.A_SCALE_MODE, cublasLt.MatmulMatrixScale.OUTER_VEC_32F)
-            put(A.B_SCALE_MODE, cublasLt.MatmulMatrixScale.OUTER_VEC_32F)
+            outer = getattr(getattr(cublasLt, "MatmulMatrixScale", None), "OUTER_VEC_32F", None)
+            if outer is None:
+                raise LibraryError(f"cuBLASLt cannot plan {problem.describe()}: this nvmath-python's bindings have no "
+                                   "outer-vector scaling (MatmulMatrixScale.OUTER_VEC_32F) for per-channel scales")
+            put(A.A_SCALE_MODE, outer)
+            put(A.B_SCALE_MODE, outer)
         # the pointers that change between calls live in these slots, each set into the descriptor when
         # it differs from the one set last (reading the slots' addresses once: .ctypes costs microseconds)
         self._pointers = np.zeros(3, np.uint64)
         self._pointer_attributes = (A.A_SCALE_POINTER, A.B_SCALE_POINTER, A.BIAS_POINTER)
         self._pointer_addresses = [self._pointers.ctypes.data + 8 * i for i in range(3)]
         self.set_pointers(w_scale, x_scale, b)
-        self.candidates = self._heuristic(r, w, b)
+        self.candidates, self.count = self._heuristic(w, r)
         self._alpha = np.ones(1, np.float32)
         self._beta = np.full(1, 0.0 if r is None else 1.0, np.float32)
         self._workspace_bytes = max(int(self.candidates[i].workspace_size) for i in range(self.count))
+        if self._workspace_bytes and (problem.has_bias or problem.activation):
+            self._workspace_bytes += 16  # as nvmath's Matmul.plan pads it with an epilogue ("library issue")
         self.choose(0)
         self.plan_seconds = time.perf_counter() - start
 
-    def _heuristic(self, r, w, b):
+    def _heuristic(self, w, r):
+        """(the heuristic's candidates, how many it found) for these operands' alignment; LibraryError
+        where it finds none."""
         from nvmath.bindings import cublasLt
 
         P = cublasLt.MatmulPreferenceAttribute
@@ -310,10 +318,9 @@ class Fp8GemmPlan:
             raise LibraryError(f"cuBLASLt cannot plan {self.problem.describe()}: {exc}") from exc
         finally:
             cublasLt.matmul_preference_destroy(preference)
-        self.count = int(count[0])
-        if self.count == 0:
+        if count[0] == 0:
             raise LibraryError(f"cuBLASLt has no FP8 algorithm for {self.problem.describe()} on this GPU")
-        return results
+        return results, int(count[0])
 
     def choose(self, index: int) -> None:
         """Run candidate `index` (0: the heuristic's first choice) from now on."""
