@@ -5,11 +5,12 @@ token per sequence at its current length) alike.
 
     k, v              (B, S, H, D), element strides (kb, ks, kh, 1) and (vb, vs, vh, 1)
     positions         (B, S), int32 or int64, element strides (pb, ps) (0 for a broadcast dimension)
-    inv_freq          (R / 2,) fp32, contiguous
+    inv_freq          (R / 2,) fp32, contiguous; may be null when R = 0 (never read then)
     k_cache, v_cache  (B, L, H, D), both with element strides (cb, cs, ch, 1)
 
     for token (b, s) at p = positions[b, s], 0 <= p < L, and head h:
-        k_cache[b, p, h] = rope(k[b, s, h], p)     as kernels/rope.cu computes it (style, rotary_dim R)
+        k_cache[b, p, h] = rope(k[b, s, h], p)     as kernels/rope.cu computes it (style, rotary_dim R);
+                                                   R = 0 (learned positions, GPT-2): the bits copied
         v_cache[b, p, h] = v[b, s, h]              the bits copied
     a position outside [0, L) writes nothing: the kernel never writes outside the caches (the op checks
     positions before launching unless its caller vouches for them).
@@ -37,8 +38,9 @@ LAUNCH (every kernel takes the same parameters)
                      BY = min(KV_THREADS / BX, power of 2 >= S)
 
     Tokens, heads and sequences are grid-strided and a row's elements block-strided: any grid >= 1 and
-    any block up to KV_THREADS threads are correct. Preconditions: R even, 2 <= R <= D < 2^31,
-    1 <= H < 2^31, B, S, L >= 1; element offsets are 64-bit.
+    any block up to KV_THREADS threads are correct. Preconditions: R even, 0 <= R <= D < 2^31 (R = 0: no
+    pairs, every element of the k row passes through), 1 <= H < 2^31, B, S, L >= 1; element offsets are
+    64-bit.
 */
 
 #include "rope.cuh"

@@ -4,8 +4,10 @@ int32 and int64 positions, each sequence at its own offset; k and v as the slice
 projection and the caches as one layer's rows of a larger cache (strided views, no copies). The caches
 are poisoned (NaN bits) first: every position a token writes must hold exactly the reference's bits
 (k: the custom rope's bits, the rotation kernels/rope.cu shares, and within the dtype's tolerance of the
-reference, rotated in float64; v: the reference's bits, copied), and every other position its poison. Positions out of range are refused unless checked; with
-checked=True an out-of-range position writes nothing (the kernel never writes outside the caches)."""
+reference, rotated in float64; v: the reference's bits, copied), and every other position its poison. Without
+inv_freq (rotary_dim 0, GPT-2's learned positions) k's bits are copied as v's. Positions out of range are
+refused unless checked; with checked=True an out-of-range position writes nothing (the kernel never writes
+outside the caches)."""
 
 from __future__ import annotations
 
@@ -68,6 +70,32 @@ def test_custom_writes_the_references_bits_and_nothing_else(rng, case, style, dt
     assert rel_error(got_k[rows, positions], expected_k[rows, positions]) <= dtypes.TOLERANCE[dtype]
     for layer in (layers[0], v_layers[0]):  # the other layer's rows: untouched
         np.testing.assert_array_equal(layer.get().view(bits), untouched.view(bits))
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("case", SHAPES, ids=case_id)
+def test_custom_without_inv_freq_copies_k_and_v_bits_and_nothing_else(rng, case, dtype):
+    """inv_freq None: a null pointer the kernel never reads (rotary_dim 0); k and v as views of one packed
+    projection, the caches one layer's rows of two."""
+    import cupy
+
+    B, S, H, D, L, _, position_dtype = case
+    qkv = random_normal(rng, (B, S, 3 * H, D), dtype)
+    positions = (rng.integers(0, L - S + 1, (B, 1)) + np.arange(S)).astype(position_dtype)
+    k_layers, v_layers = poisoned((2, B, L, H, D), dtype), poisoned((2, B, L, H, D), dtype)
+    gq = cupy.asarray(qkv)
+    kv_append(gq[:, :, H:2 * H], gq[:, :, 2 * H:], cupy.asarray(positions), None, k_layers[1], v_layers[1])
+    assert libnn.get_op("kv_append").last_decision.path == "custom"
+    bits = f"u{dtypes.parse(dtype).itemsize}"
+    untouched = poisoned((B, L, H, D), dtype).get().view(bits)
+    rows = np.arange(B)[:, None]
+    written = np.zeros((B, L), bool)
+    written[rows, positions] = True
+    for layers, source in ((k_layers, qkv[:, :, H:2 * H]), (v_layers, qkv[:, :, 2 * H:])):
+        got = layers[1].get().view(bits)
+        np.testing.assert_array_equal(got[rows, positions], source.view(bits))
+        np.testing.assert_array_equal(got[~written], untouched[~written])
+        np.testing.assert_array_equal(layers[0].get().view(bits), untouched)
+
 
 def test_positions_out_of_range_are_refused_or_with_checked_write_nothing(rng):
     import cupy

@@ -1,7 +1,8 @@
 """kv_append on the CPU reference path: each token's k rotated exactly as rope's reference rotates it and
 its v copied, at its own position of its sequence's cache row, every other cache position untouched;
-positions out of [0, L) refused (checked=True included: on the host the check costs nothing); and the
-errors bad arguments get, each naming kv_append and the argument."""
+without inv_freq (learned positions, GPT-2) k copied as v is; positions out of [0, L) refused
+(checked=True included: on the host the check costs nothing); and the errors bad arguments get, each naming
+kv_append and the argument."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def test_a_decode_step_writes_one_position_per_sequence_and_broadcast_positions_
     np.testing.assert_array_equal(v_cache[:, :4], v2)
 
 
+@pytest.mark.parametrize("rotary_dim", [None, 0])
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_without_inv_freq_k_is_copied_unrotated_like_v(rng, rotary_dim, dtype):
+    k, v, positions, _, k_cache, v_cache = arrays(rng, dtype)
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    kv_append(k, v, positions, None, k_cache, v_cache, rotary_dim=rotary_dim)
+    rows = np.arange(B)[:, None]
+    np.testing.assert_array_equal(k_cache[rows, positions], k)
+    np.testing.assert_array_equal(v_cache[rows, positions], v)
+    written = np.zeros((B, L), bool)
+    written[rows, positions] = True
+    np.testing.assert_array_equal(k_cache[~written], before_k[~written])
+    np.testing.assert_array_equal(v_cache[~written], before_v[~written])
+
+
 @pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("bad", [-1, L])
 def test_positions_outside_the_cache_are_refused(rng, bad, checked):
@@ -88,6 +104,9 @@ def _bad(rng, **change):
     (dict(inv_freq=np.ones(D // 2, np.float64)), TypeError, "kv_append: inv_freq must be a 1-D float32 array"),
     (dict(style="neox"), ValueError, "kv_append: style must be 'half'"),
     (dict(rotary_dim=3), ValueError, "kv_append: rotary_dim must be even and in \\[2, D\\] for k's head dimension"),
+    (dict(inv_freq=None, rotary_dim=4), ValueError, r"kv_append: rotary_dim 4 needs inv_freq .* with inv_freq None k is "
+                                                    r"written unrotated"),
+    (dict(inv_freq=None, rotary_dim=False), ValueError, r"kv_append: rotary_dim False needs inv_freq"),
     (dict(checked=1), TypeError, "kv_append: checked must be True or False"),
     (dict(k="k"), TypeError, "kv_append: k must be an array"),
 ])

@@ -9,7 +9,8 @@ at p = positions[b, s] and head h:
     v_cache[b, p, h] = v[b, s, h]
 
 The caches are written in place; nothing is returned. Two tokens of one sequence at one position leave
-either's values there (which one is not defined).
+either's values there (which one is not defined). With inv_freq None, k is written as it comes (rotary_dim
+0: a decoder with learned positions, GPT-2): k_cache[b, p, h] = k[b, s, h], the bits copied, as v's.
 
 Positions must lie in [0, L): checked with one synchronisation (a read-back of their range) on every
 call, unless `checked=True`, the caller's word that they do (a decoder that tracks its sequences'
@@ -21,7 +22,7 @@ Paths, in `auto` order (no library has this op):
              row addressed by the position, the v row copied by the same threads; strides as they come
              where the last dimension is contiguous (k and v as views into one QKV projection, the cache
              rows as views of a larger cache).
-- reference: rope's reference of k, then both written with NumPy's indexing.
+- reference: rope's reference of k (k itself without inv_freq), then both written with NumPy's indexing.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class KVAppendProblem:
     device: str
 
     def describe(self) -> str:
-        return (f"kv_append {self.style} k, v (B={self.B}, S={self.S}, H={self.H}, D={self.D}) into caches of "
+        k = f"{self.style} k" if self.rotary_dim else "k (no rotation)"
+        return (f"kv_append {k}, v (B={self.B}, S={self.S}, H={self.H}, D={self.D}) into caches of "
                 f"{self.L} positions, {self.dtype}, positions {self.position_dtype}")
 
 
@@ -89,7 +91,7 @@ def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary
     if tuple(positions.shape) != (B, S):
         raise ValueError(f"kv_append: positions must have shape (B, S) = {(B, S)} for k of shape {tuple(k.shape)}, "
                          f"got {tuple(positions.shape)}")
-    R = rotary_dim_of("kv_append", "k", D, inv_freq, style, rotary_dim)
+    R = _rotary_dim(D, inv_freq, style, rotary_dim)
     if not isinstance(checked, bool):
         raise TypeError(f"kv_append: checked must be True or False, got {type(checked).__name__} {checked!r}")
     device = device_of({"k": k, "v": v, "positions": positions, "inv_freq": inv_freq, "k_cache": k_cache,
@@ -103,16 +105,29 @@ def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cac
               rotary_dim: int | None = None, checked: bool = False, path: str = "auto") -> None:
     """Write k rotated at `positions` (RoPE: see `rope`) and v into k_cache and v_cache (B, L, H, D) at
     each token's position: k_cache[b, positions[b, s]] = rope(k[b, s]), v_cache[b, positions[b, s]] =
-    v[b, s], for k and v (B, S, H, D). Positions are checked to lie in [0, L) (one synchronisation)
-    unless `checked`. `path` is "auto" or one of `libnn.paths("kv_append")`."""
+    v[b, s], for k and v (B, S, H, D). inv_freq None writes k unrotated (rotary_dim None or 0 then; style
+    is not read). Positions are checked to lie in [0, L) (one synchronisation) unless `checked`. `path`
+    is "auto" or one of `libnn.paths("kv_append")`."""
     k, v = as_array(k, "kv_append", "k"), as_array(v, "kv_append", "v")
     positions = as_array(positions, "kv_append", "positions")
-    inv_freq = as_array(inv_freq, "kv_append", "inv_freq")
+    inv_freq = None if inv_freq is None else as_array(inv_freq, "kv_append", "inv_freq")
     k_cache, v_cache = as_array(k_cache, "kv_append", "k_cache"), as_array(v_cache, "kv_append", "v_cache")
     key = (signature(k), signature(v), signature(positions), signature(inv_freq), signature(k_cache),
            signature(v_cache), option_key(style), option_key(rotary_dim), option_key(checked), path, stream_key())
     op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked),
             path, k, v, positions, inv_freq, k_cache, v_cache)
+
+
+def _rotary_dim(D: int, inv_freq, style, rotary_dim) -> int:
+    """rope's checks of inv_freq, style and rotary_dim, and the rotary_dim R they give (D by default); 0
+    without inv_freq, where rotary_dim must be None or 0."""
+    if inv_freq is not None:
+        return rotary_dim_of("kv_append", "k", D, inv_freq, style, rotary_dim)
+    if rotary_dim is not None and not (isinstance(rotary_dim, (int, np.integer)) and not isinstance(rotary_dim, bool)
+                                       and rotary_dim == 0):
+        raise ValueError(f"kv_append: rotary_dim {rotary_dim!r} needs inv_freq (rotary_dim / 2 frequencies); with "
+                         "inv_freq None k is written unrotated (rotary_dim None or 0)")
+    return 0
 
 
 def _check_positions(problem: KVAppendProblem, positions, vouched: bool) -> None:
@@ -186,7 +201,7 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                                   vb=vb, vs=vs, vh=vh, cb=cb, cs=cs, ch=ch, pb=position_strides[0],
                                   ps=position_strides[1], interleaved=problem.style == "interleaved"))
 
-    copy_freq = not inv_freq.flags.c_contiguous
+    copy_freq = inv_freq is not None and not inv_freq.flags.c_contiguous  # None: a null pointer, never read (R = 0)
 
     def run(k, v, positions, inv_freq, k_cache, v_cache):
         _check_positions(problem, positions, problem.checked)
@@ -203,7 +218,8 @@ op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=T
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
     _check_positions(problem, positions, False)  # on the host it costs no synchronisation: NumPy would wrap a -1
-    rotated = rope(k, positions, inv_freq, style=problem.style, rotary_dim=problem.rotary_dim, path="reference")
+    rotated = k if not problem.rotary_dim else rope(k, positions, inv_freq, style=problem.style,
+                                                     rotary_dim=problem.rotary_dim, path="reference")
     rows = np.broadcast_to(np.arange(problem.B)[:, None], (problem.B, problem.S))
     k_cache[rows, positions] = rotated
     v_cache[rows, positions] = v
