@@ -504,14 +504,90 @@ def _build_swiglu(p, rng) -> Case:
     return Case("swiglu", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
 
 
+# --- linear_fp8 -------------------------------------------------------------------------------------------
+FP8_SIZES = st.one_of(SMALL, st.sampled_from([16, 32, 48, 64]))  # cuBLASLt's FP8 GEMMs take N, K multiples of 16
+
+
+@st.composite
+def linear_fp8_specs(draw):
+    from libnn.ops.linear_fp8 import ACTIVATIONS, GPU_DTYPES as FP8_DTYPES
+
+    p = dict(lead=draw(st.lists(SMALL, min_size=0, max_size=2)), N=draw(FP8_SIZES), K=draw(FP8_SIZES),
+             dtype=draw(st.sampled_from(FP8_DTYPES)), per_channel=draw(st.booleans()), bias=draw(st.booleans()),
+             activation=draw(st.sampled_from(ACTIVATIONS)), residual=draw(st.booleans()),
+             x_view=draw(st.sampled_from(VIEWS)), w_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("linear_fp8", p)
+
+
+def _build_linear_fp8(p, rng) -> Case:
+    """x in fp16/bf16, the weight drawn in fp32 and quantised (per channel or per tensor): the op takes its
+    E4M3 codes (uint8) and scales (float32), which the reference dequantises as the GPU paths do."""
+    from libnn.ops.linear_fp8 import linear_fp8
+    from libnn.ops.quantize_fp8 import quantize_weight
+
+    lead, N, K, dtype = tuple(p["lead"]), p["N"], p["K"], p["dtype"]
+    weight = quantize_weight(normal(rng, (N, K), "fp32", 1 / math.sqrt(K)), per_channel=p["per_channel"])
+    arrays = {"x": normal(rng, (*lead, K), dtype), "w": weight.data, "w_scale": weight.scale,
+              "b": normal(rng, (N,), dtype) if p["bias"] else None,
+              "residual": normal(rng, (*lead, N), dtype) if p["residual"] else None}
+
+    def call(a, path, activation=p["activation"]):
+        return linear_fp8(a["x"], a["w"], a["w_scale"], a["b"], activation, residual=a["residual"], path=path)
+
+    def magnitude(a):  # |x| quantises to x's codes with the sign bit cleared, under the same scale
+        absolute = {k: _host_abs(v) for k, v in a.items()} | {"w": a["w"] & 0x7F, "w_scale": a["w_scale"]}
+        return call(absolute, "reference", activation=None)
+
+    return Case("linear_fp8", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"], "w": p["w_view"]},
+                magnitude=magnitude)
+
+
+# --- kv_append ----------------------------------------------------------------------------------------
+@st.composite
+def kv_append_specs(draw, dtypes_=GPU_DTYPES):
+    D = draw(st.sampled_from([2, 8, 32, 64, 80, 128]))
+    S = draw(SMALL)
+    p = dict(B=draw(TINY), S=S, H=draw(TINY), D=D, L=S + draw(st.integers(0, 40)),
+             rotary_dim=draw(st.one_of(st.none(), st.integers(1, D // 2).map(lambda half: 2 * half))),
+             style=draw(st.sampled_from(["half", "interleaved"])), dtype=draw(st.sampled_from(dtypes_)),
+             position_dtype=draw(st.sampled_from(["int32", "int64"])), k_view=draw(st.sampled_from(VIEWS)),
+             seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("kv_append", p)
+
+
+def _build_kv_append(p, rng) -> Case:
+    """The output is both caches after the append, side by side (their bits, so that CuPy, which has no
+    bf16 kernels, can join them): written positions and untouched ones are compared alike."""
+    from libnn.ops import kv_append, rope_frequencies
+
+    B, S, H, D, L, dtype = p["B"], p["S"], p["H"], p["D"], p["L"], p["dtype"]
+    positions = (rng.integers(0, L - S + 1, (B, 1)) + np.arange(S)).astype(p["position_dtype"])
+    arrays = {"k": normal(rng, (B, S, H, D), dtype), "v": normal(rng, (B, S, H, D), dtype), "positions": positions,
+              "inv_freq": rope_frequencies(p["rotary_dim"] or D), "k_cache": normal(rng, (B, L, H, D), dtype),
+              "v_cache": normal(rng, (B, L, H, D), dtype)}
+
+    def call(a, path):
+        k_cache, v_cache = a["k_cache"].copy(), a["v_cache"].copy()
+        kv_append(a["k"], a["v"], a["positions"], a["inv_freq"], k_cache, v_cache, style=p["style"],
+                  rotary_dim=p["rotary_dim"], path=path)
+        bits = f"u{k_cache.itemsize}"
+        xp = np if isinstance(k_cache, np.ndarray) else __import__("cupy")
+        return xp.concatenate([k_cache.view(bits), v_cache.view(bits)]).view(k_cache.dtype)
+
+    return Case("kv_append", call, arrays, dtype, tolerance(dtype), views={"k": p["k_view"]})
+
+
 STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": attention_specs,
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
               "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs,
-              "rms_norm": rms_norm_specs, "swiglu": swiglu_specs}
+              "rms_norm": rms_norm_specs, "swiglu": swiglu_specs, "linear_fp8": linear_fp8_specs,
+              "kv_append": kv_append_specs}
 _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _build_attention,
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
              "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope,
-             "rms_norm": _build_rms_norm, "swiglu": _build_swiglu}
+             "rms_norm": _build_rms_norm, "swiglu": _build_swiglu, "linear_fp8": _build_linear_fp8,
+             "kv_append": _build_kv_append}
 
 
 def build(spec: Spec, base_seed: int) -> Case:
