@@ -273,7 +273,7 @@ def test_sampling_is_seeded_and_top_k_1_or_a_tiny_top_p_is_greedy(rng, checkpoin
 def test_top_k_and_top_p_keep_only_their_tokens(rng):
     """The sampler alone on fixed logits: every draw lies in the top-k set, or the smallest set of most
     likely tokens whose mass before each is below top_p."""
-    from libnn.models.llama import _Sampler
+    from libnn.models.decoder import _Sampler
 
     logits = np.log(np.array([[0.5, 0.3, 0.1, 0.06, 0.04]] * 64, np.float32))
     k2 = _Sampler("test", 1.0, 2, None, 7, 5)
@@ -288,7 +288,7 @@ def test_top_k_and_top_p_keep_only_their_tokens(rng):
 def test_a_tiny_temperature_samples_the_most_likely_token():
     """Logits near 40 divided by 1e-37 would pass float32's range and tie every token at inf: each row's
     largest logit is subtracted first, so the leader stays finite and the draw is the argmax."""
-    from libnn.models.llama import _Sampler
+    from libnn.models.decoder import _Sampler
 
     logits = np.array([[40.0, 41.0, 39.5, 40.9], [12.0, -3.0, 11.0, 12.5]], np.float32)
     for top_p in (None, 0.5):
@@ -371,8 +371,9 @@ def test_rope_parameters_of_transformers_5_read_as_rope_theta_and_rope_scaling()
 
 
 BAD_CONFIGS = [
-    ({"model_type": "mistral"}, ValueError, r"model_type 'mistral' is not supported \(supported: \['llama'\]"),
-    ({"model_type": "gpt2"}, ValueError, r"model_type 'gpt2' is not supported .*GPT-2 is not supported yet"),
+    ({"model_type": "mistral"}, ValueError, r"model_type 'mistral' is not supported \(supported: \['llama', 'gpt2'\]"),
+    ({"model_type": "gpt2"}, ValueError,  # GPT-2's config, which this one's architectures do not match
+     r"architectures \['LlamaForCausalLM'\] are not supported \(supported: \['GPT2LMHeadModel'\]"),
     ({"architectures": ["LlamaForSequenceClassification"]}, ValueError,
      r"architectures \['LlamaForSequenceClassification'\] are not supported \(supported: \['LlamaForCausalLM'\]"),
     ({"architectures": "LlamaForCausalLM"}, TypeError, r"architectures must be a list of class names"),
