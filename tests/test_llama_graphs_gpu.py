@@ -116,3 +116,15 @@ def test_decode_steps_result_is_the_callers(rng, checkpoint):
     graphed.decode_step(greedy(first))
     assert (first == kept).all()
     assert V == first.shape[1]
+
+
+def test_unchecked_decode_steps_give_the_checked_ones_logits(rng, checkpoint):
+    graphed, _ = pair(checkpoint[0], "fp32")
+    ids, lengths = padded(prompts(rng, (3, 5)))
+    tokens = greedy(graphed.prefill(ids, lengths))
+    checked = graphed.decode_step(tokens)
+    graphed.prefill(ids, lengths)
+    unchecked = graphed.decode_step(tokens, check_ids=False)
+    assert (checked == unchecked).all()
+    with pytest.raises(TypeError, match="CausalLM.decode_step: check_ids must be"):
+        graphed.decode_step(tokens, check_ids="no")

@@ -491,11 +491,17 @@ class CausalLM(Module):
         self._lengths[:B], self._batch = lengths, B
         return logits
 
-    def decode_step(self, tokens: Any) -> Any:
+    def decode_step(self, tokens: Any, *, check_ids: bool = True) -> Any:
         """Append tokens (B,), one per sequence of the last prefill, each at its sequence's own position,
         and return the logits of the next token, (B, vocab_size), an array of the caller's (the decode
-        graph's own output is copied: the next step overwrites it)."""
-        logits = self._decode(tokens, checked=False)
+        graph's own output is copied: the next step overwrites it). The token ids are checked against the
+        vocabulary, which reads them back (one synchronisation a step: the host then waits for the GPU
+        every step); `check_ids=False` is the caller's word that they lie in [0, vocab_size) (the argmax
+        of this model's logits, say), and the step is queued without waiting. An id out of range then
+        gives NaN logits for its sequence (the embedding's GPU paths write NaN rows), never a read
+        outside the table."""
+        checks.flag("CausalLM.decode_step", "check_ids", check_ids)
+        logits = self._decode(tokens, checked=not check_ids)
         return logits.copy() if self._decode_graph is not None else logits
 
     def _decode(self, tokens: Any, checked: bool) -> Any:
