@@ -1754,8 +1754,8 @@ def test_causal_lm_checks_a_config_built_by_hand(change, error, match):
 
     with pytest.raises(error, match="^CausalLM: " + match):
         CausalLM(dataclasses.replace(llama_config(), **change))
-    with pytest.raises(TypeError, match=r"^CausalLM: config must be a LlamaConfig \(LlamaConfig.from_dict\(...\)\), "
-                                        r"got dict"):
+    with pytest.raises(TypeError, match=r"^CausalLM: config must be a LlamaConfig or a GPT2Config \(built by its "
+                                        r"from_dict\(...\)\), got dict"):
         CausalLM(LLAMA)
 
 
