@@ -78,9 +78,10 @@ NUMPY_ACTS = {"gelu": lambda v: 0.5 * v * (1 + erf(v / math.sqrt(2))),
               "relu": lambda v: np.maximum(v, 0)}
 
 
-def numpy_bert(state, config, input_ids, attention_mask=None, token_type_ids=None):
+def numpy_bert(state, config, input_ids, attention_mask=None, token_type_ids=None, dense_input=None):
     """Hugging Face's BertModel forward in float64, from the state dict's keys: returns
-    (last_hidden_state, mean-pooled over the mask, pooler_output or None)."""
+    (last_hidden_state, mean-pooled over the mask, pooler_output or None). `dense_input`, a function,
+    maps each dense layer's input before its product (tests/test_fp8_models.py: the E4M3 round trip)."""
     g = {k: np.asarray(v, np.float64) for k, v in state.items()}
     B, S = input_ids.shape
     Hd, nh = config["hidden_size"], config["num_attention_heads"]
@@ -94,7 +95,7 @@ def numpy_bert(state, config, input_ids, attention_mask=None, token_type_ids=Non
         return (x - mean) / np.sqrt(var + eps) * g[p + ".weight"] + g[p + ".bias"]
 
     def dense(x, p):
-        return x @ g[p + ".weight"].T + g[p + ".bias"]
+        return (x if dense_input is None else dense_input(x)) @ g[p + ".weight"].T + g[p + ".bias"]
 
     x = (g["embeddings.word_embeddings.weight"][input_ids] + g["embeddings.position_embeddings.weight"][:S]
          + g["embeddings.token_type_embeddings.weight"][types])
@@ -344,7 +345,7 @@ def test_bert_state_dict_keys_and_packed_qkv(rng, checkpoint):
     model = BertEncoder.from_pretrained(directory, path="reference")
     assert set(model.state_dict()) == set(state)
     attn = model.encoder.layer[0].attention.self
-    w, b = attn.packed()
+    w, b = attn.packed()[:2]
     assert w.shape == (96, 32) and b.shape == (96,)
     assert np.shares_memory(attn.key.weight, w) and np.array_equal(attn.key.weight, state[
         "encoder.layer.0.attention.self.key.weight"])

@@ -129,7 +129,8 @@ def test_mha_cross_attention_reference_matches_numpy(rng, same_kv):
 
 
 def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
-    """The packed projection runs as ONE GEMM and attention reads q, k, v as views of its output."""
+    """The packed projection runs as ONE GEMM and attention reads q, k, v as views of its output (out_proj,
+    an nn.Linear, runs through functional.linear too: the last GEMM counted)."""
     gemms, seen = [], {}
     real_linear, real_attention = functional.linear, functional.attention
 
@@ -147,18 +148,18 @@ def test_mha_self_attention_is_one_gemm_on_strided_views(rng, monkeypatch):
     mha = MultiheadAttention(E, H, path="reference", seed=1)
     x = random_normal(rng, (2, 6, E), "fp32")
     mha(x)
-    assert gemms == [(3 * E, E)]
+    assert gemms == [(3 * E, E), (E, E)]
     assert seen["layout"] == "BSHD" and seen["q"].shape == (2, 6, H, E // H)
     q, v = seen["q"], seen["v"]
     assert q.base is not None and q.base is v.base and q.strides[1] == 3 * E * q.itemsize  # rows of one buffer
     gemms.clear()
     k = random_normal(rng, (2, 4, E), "fp32")
     mha(x, k, k)
-    assert gemms == [(E, E), (2 * E, E)]  # q, then k and v together
+    assert gemms == [(E, E), (2 * E, E), (E, E)]  # q, then k and v together, then out_proj
     assert seen["k"].base is seen["v"].base and seen["k"].strides[1] == 2 * E * 4
     gemms.clear()
     mha(x, k, k.copy())
-    assert gemms == [(E, E), (E, E), (E, E)]
+    assert gemms == [(E, E), (E, E), (E, E), (E, E)]
 
 
 def test_key_padding_right_padding_becomes_lengths_else_lengths_and_a_bias_for_the_holes():

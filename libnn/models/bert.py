@@ -15,8 +15,14 @@ are read as weight/bias. Anything else that does not match is an error naming th
 What runs, per layer (see `describe()`): q, k and v in ONE GEMM on a packed (3H, H) weight, bias in
 its epilogue, and attention on strided views of its output; the other three GEMMs with bias (and the
 intermediate activation, where the GEMM's epilogue has it) fused; residual add, then LayerNorm. The
-packed QKV weight is built at load; query/key/value's parameters then become views into it, so the
-weights are held once, and it is rebuilt whenever they are replaced (load_state_dict, to()).
+packed QKV weight is built at load (nn.linear.stack_linear); query/key/value's parameters then become
+views into it, so the weights are held once, and it is rebuilt whenever they are replaced
+(load_state_dict, to(), quantize()).
+
+`model.quantize("fp8")` holds every Linear's weight as E4M3 codes with float32 scales (per output
+channel, or per tensor with per_channel=False) and runs its GEMMs on linear_fp8: the packed QKV weight
+is then the three layers' codes stacked, with their scales stacked alongside (a per-tensor scale
+repeated over its layer's rows). Embeddings, LayerNorms and biases keep the model's dtype.
 
 An attention_mask whose rows are each tokens followed by padding (right padding, what tokenizers
 produce) becomes the attention op's sequence lengths, anything else an additive -inf bias. A row with
@@ -39,7 +45,7 @@ from libnn.nn.basic import Embedding
 from libnn.nn.functional import (TokenPacking, key_padding_and_tokens, on_device_of, op_path,
                                  masked_mean, packed_self_attention)
 from libnn.nn.graphs import SequenceInputs, token_bucket
-from libnn.nn.linear import Linear
+from libnn.nn.linear import Linear, StackedLinear, stack_linear
 from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import LayerNorm
 from libnn.ops.embedding import embedding
@@ -221,29 +227,20 @@ class BertSelfAttention(Module):
         for name in ("query", "key", "value"):
             setattr(self, name, Linear(c.hidden_size, c.hidden_size, dtype=dtype, device=device, path=lin))
         self.num_heads, self.path = c.num_attention_heads, path
-        self._packed: tuple[tuple[Any, ...], Any, Any] | None = None
+        self._packed: StackedLinear | None = None
 
-    def packed(self) -> tuple[Any, Any]:
-        """The (3H, H) weight and (3H,) bias of query, key and value stacked, built once: the three
-        layers' parameters are then views into them (the weights are held once), and a replaced
-        parameter (load_state_dict, to()) makes the next call build them again."""
-        layers = (self.query, self.key, self.value)
-        params = tuple(p for layer in layers for p in (layer.weight, layer.bias))
-        if self._packed is None or any(a is not b for a, b in zip(self._packed[0], params)):
-            xp = array_module(self.query.weight)
-            H = self.query.weight.shape[0]
-            w = xp.concatenate([layer.weight for layer in layers])
-            b = xp.concatenate([layer.bias for layer in layers])
-            for i, layer in enumerate(layers):
-                layer.register_parameter("weight", w[i * H:(i + 1) * H])
-                layer.register_parameter("bias", b[i * H:(i + 1) * H])
-            self._packed = (tuple(p for layer in layers for p in (layer.weight, layer.bias)), w, b)
-        return self._packed[1], self._packed[2]
+    def packed(self) -> StackedLinear:
+        """query, key and value stacked (stack_linear): the (3H, H) weight (E4M3 codes with (3H,) scales
+        once quantised) and (3H,) bias, built once: the three layers' parameters are then views into
+        them (the weights are held once), and a replaced parameter (load_state_dict, to(), quantize())
+        makes the next call build them again."""
+        self._packed = stack_linear((self.query, self.key, self.value), self._packed)
+        return self._packed
 
     def forward(self, x: Any, seq_lens_kv: Any, bias: Any, packing: TokenPacking | None = None) -> Any:
-        w, b = self.packed()
-        return packed_self_attention(x, w, b, self.num_heads, seq_lens_kv=seq_lens_kv, bias=bias, path=self.path,
-                                     packing=packing)
+        qkv = self.packed()
+        return packed_self_attention(x, qkv.weight, qkv.bias, self.num_heads, seq_lens_kv=seq_lens_kv, bias=bias,
+                                     path=self.path, packing=packing, w_scale=qkv.weight_scale)
 
 
 class _DenseLayerNorm(Module):
@@ -397,6 +394,13 @@ class BertEncoder(Module):
         self._pack()
         return self
 
+    def quantize(self, dtype: str = "fp8", *, per_channel: bool = True) -> BertEncoder:
+        """Every Linear's weight in `dtype` ("fp8": E4M3 codes, float32 scales; see Module.quantize), in
+        place, and the packed QKV weights stacked again from the codes."""
+        super().quantize(dtype, per_channel=per_channel)
+        self._pack()
+        return self
+
     def _pack(self) -> None:
         """Build the packed QKV weights now rather than in the next forward pass, so that the
         parameters are final before anything (a CUDA graph capture) records their addresses."""
@@ -513,6 +517,10 @@ class BertEncoder(Module):
                   if self.unpad else "padded: every position is computed")]
         if self.pooler is not None:
             lines.append("pooler.dense: bias in the GEMM epilogue, tanh after")
+        quantized = sorted({m.quantized for m in self.modules() if isinstance(m, Linear) and m.quantized})
+        if quantized:
+            lines.append(f"Linear weights in {', '.join(quantized)} (E4M3 codes, float32 scales): their GEMMs, the "
+                         "packed QKV one included, run linear_fp8")
         if self.load_report is not None:
             lines += self.load_report.lines()
         return lines

@@ -1,7 +1,8 @@
 """Stateless helpers that layers and models share (PyTorch's nn.functional in spirit): how a layer's
 `path` names each op's path, moving a host mask to the layer's device, padding masks as the attention
-op's lengths and bias, and packed self-attention. The transformer layers (nn/transformer.py) and the
-BERT model (models/bert.py) both build on them."""
+op's lengths and bias, a GEMM on a Linear's weight in whatever form a layer holds it (float, or FP8 codes
+with scales), and packed self-attention. The transformer layers (nn/transformer.py) and the BERT model
+(models/bert.py) both build on them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops.attention import CheckedLengths, KeyPaddingBias, PackedSequences, attention
 from libnn.ops.linear import linear
+from libnn.ops.linear_fp8 import linear_fp8
+from libnn.registry import get_op
 from libnn.runtime.arrays import array_module, as_array, contiguous, describe, is_cupy
 from libnn.runtime.stream import capturing
 
@@ -22,6 +25,23 @@ def op_path(path: str | dict[str, str], op: str) -> str:
     if isinstance(path, dict):
         return path.get(op, "auto")
     return path
+
+
+def fp8_path(path: str) -> str:
+    """A linear path name for linear_fp8: the same name where linear_fp8 has that path, else "auto" (it
+    has no cudnn path), so a model built with one path for every op can be quantised."""
+    return path if path in get_op("linear_fp8").paths else "auto"
+
+
+def dense(x: Any, w: Any, b: Any = None, activation: str | None = None, *, w_scale: Any = None,
+          residual: Any = None, path: str = "auto") -> Any:
+    """act(x @ W.T + b + residual) for a Linear's weight in either form: W = w through libnn.ops.linear,
+    or with `w_scale` W = w_scale · e4m3(w), `w` then E4M3 codes, through linear_fp8 (on fp8_path(path)).
+    For layers that run a Linear's weight in another shape (stacked with others, its columns
+    permuted), quantised or not, with one call."""
+    if w_scale is None:
+        return linear(x, w, b, activation, residual=residual, path=path)
+    return linear_fp8(x, w, w_scale, b, activation, residual=residual, path=fp8_path(path))
 
 
 def on_device_of(a: Any, like: Any, where: str, name: str) -> Any:
@@ -204,13 +224,14 @@ def gather_rows(x: Any, rows: Any) -> Any:
 
 def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq_lens_kv: Any = None,
                           bias: Any = None, causal: bool = False, path: str | dict[str, str] = "auto",
-                          packing: TokenPacking | None = None) -> Any:
+                          packing: TokenPacking | None = None, w_scale: Any = None) -> Any:
     """Attention of x (B, S, E) to itself before the output projection: ONE GEMM with the packed
     (3E, E) weight, then the attention op on q, k, v as strided BSHD views of its output. Returns
     (B, S, E). With `packing`, x is the packed tokens (capacity, E): the GEMM runs on them, and the
     attention on the packed sequences (layout THD: `packing.ragged`), or on its output unpacked to
     (B, S, 3E) (zeros at the padding, which the lengths and bias mask) with the result packed again;
-    either way (capacity, E)."""
+    either way (capacity, E). With `w_scale`, float32 (3E,) or (1,), w_qkv is E4M3 codes (uint8, what
+    nn.linear.stack_linear stacks for quantised layers) and the GEMM runs linear_fp8 (dense)."""
     if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"packed_self_attention: num_heads must be a positive int, got {num_heads!r}")
     if getattr(x, "ndim", None) != (3 if packing is None else 2):
@@ -222,16 +243,15 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     if not dtypes.is_float(x.dtype):
         raise TypeError(f"packed_self_attention: x must be a floating-point array (fp16, bf16, fp32, fp64), got "
                         f"{x.dtype}")
-    if w_qkv.dtype != x.dtype:
-        raise TypeError(f"packed_self_attention: w_qkv has dtype {dtypes.short_name(w_qkv.dtype)} but x has "
-                        f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
-    if is_cupy(x) != is_cupy(w_qkv):
-        raise TypeError(f"packed_self_attention: x and w_qkv must be on one device, got x {describe(x)} and w_qkv "
-                        f"{describe(w_qkv)}")
+    _check_qkv_dtypes(x, w_qkv, w_scale)
+    for name, a in (("w_qkv", w_qkv), ("w_scale", w_scale)):
+        if a is not None and is_cupy(x) != is_cupy(a):
+            raise TypeError(f"packed_self_attention: x and {name} must be on one device, got x {describe(x)} and "
+                            f"{name} {describe(a)}")
     if not isinstance(path, (str, dict)):
         raise TypeError(f"packed_self_attention: path must be a string or a dict of op name to path, got "
                         f"{type(path).__name__} {path!r}")
-    qkv = linear(x, w_qkv, b_qkv, path=op_path(path, "linear"))
+    qkv = dense(x, w_qkv, b_qkv, w_scale=w_scale, path=op_path(path, "linear"))
     if packing is not None and packing.ragged:
         T, E = qkv.shape[0], qkv.shape[-1] // 3
         qkv = qkv.reshape(T, 3, num_heads, E // num_heads)
@@ -244,6 +264,31 @@ def packed_self_attention(x: Any, w_qkv: Any, b_qkv: Any, num_heads: int, *, seq
     o = attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal, seq_lens_kv=seq_lens_kv,
                   attn_bias=bias, layout="BSHD", path=op_path(path, "attention"))
     return o.reshape(B, S, E) if packing is None else packing.pack(o)
+
+
+def _check_qkv_dtypes(x: Any, w_qkv: Any, w_scale: Any) -> None:
+    """w_qkv in x's dtype, or with w_scale E4M3 codes (uint8) and float32 scales, one per row or one."""
+    if w_scale is None:
+        if w_qkv.dtype == np.uint8:
+            raise TypeError("packed_self_attention: w_qkv holds uint8 codes (a quantised weight) but w_scale is None; "
+                            "pass the codes' float32 scales as w_scale")
+        if w_qkv.dtype != x.dtype:
+            raise TypeError(f"packed_self_attention: w_qkv has dtype {dtypes.short_name(w_qkv.dtype)} but x has "
+                            f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
+        return
+    if w_qkv.dtype != np.uint8:
+        raise TypeError(f"packed_self_attention: with w_scale, w_qkv must hold E4M3 codes (uint8), got dtype "
+                        f"{dtypes.short_name(w_qkv.dtype)}")
+    rows = w_qkv.shape[0]
+    if getattr(w_scale, "dtype", None) != np.float32 or tuple(getattr(w_scale, "shape", ())) not in ((1,), (rows,)):
+        raise TypeError(f"packed_self_attention: w_scale must be float32 of shape ({rows},) (one scale per row of "
+                        f"w_qkv) or (1,), got {_dtype_and_shape(w_scale)}")
+
+
+def _dtype_and_shape(a: Any) -> str:
+    if not (hasattr(a, "dtype") and hasattr(a, "shape")):
+        return type(a).__name__
+    return f"dtype {dtypes.short_name(a.dtype)} and shape {tuple(a.shape)}"
 
 
 @functools.cache

@@ -161,8 +161,10 @@ class Module:
         linear_fp8, which needs a GPU of compute capability 8.9 or newer (or the CPU's reference path).
         A GPU below that is refused here, before anything changes. Layers already quantised are left as
         they are; biases, norms and embeddings keep their dtype. nn.Linear is the layer that quantises:
-        a module that reads its Linear children's weights itself (stacking them into one GEMM) needs
-        FP8 code of its own."""
+        a module that stacks its Linear children's weights into one GEMM does it with
+        nn.linear.stack_linear, which stacks their codes and scales (BERT's query, key and value); a
+        weight a module holds as its own parameter, not in an nn.Linear, keeps its dtype and its float
+        GEMM (nn.MultiheadAttention's in_proj_weight)."""
         check_quantize(f"{type(self).__name__}.quantize", dtype, per_channel,
                        [a for _, a in self.named_parameters()])
         for child in list(self._children.values()):

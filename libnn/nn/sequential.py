@@ -6,7 +6,8 @@ Before running, Sequential fuses what follows each other:
 - Conv2d → activation and Linear → activation  put the activation into the conv's or GEMM's epilogue;
 - Flatten (layout NHWC) → Linear [→ activation]  becomes one FlattenLinear: the NHWC activation is
   flattened as it lies, with no transpose, and the GEMM uses the Linear's weight with its columns
-  permuted once from PyTorch's (C, H, W) order to (H, W, C).
+  permuted once from PyTorch's (C, H, W) order to (H, W, C) (a quantised Linear's E4M3 codes alike: its
+  scales are per output row, which the permutation leaves alone).
 Each fusion is one rule (`_RULES`, tried in order at each position). The fused plan is rebuilt
 whenever a parameter or layer is replaced (load_state_dict, to(), `seq[0].weight = w`: the module's
 version changes). state_dict keys stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
@@ -20,12 +21,13 @@ from libnn.nn import checks
 from libnn.nn.activation import Activation
 from libnn.nn.basic import Flatten
 from libnn.nn.conv import Conv2d, Conv2dBNAct
+from libnn.nn.functional import dense
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module
 from libnn.nn.norm import BatchNorm2d
 from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
 from libnn.ops.linear import ACTIVATIONS as LINEAR_ACTIVATIONS
-from libnn.ops.linear import linear
+from libnn.ops.linear_fp8 import ACTIVATIONS as LINEAR_FP8_ACTIVATIONS
 from libnn.runtime.arrays import array_module, as_array
 
 
@@ -45,10 +47,11 @@ class _WithActivation(Module):
 
 class FlattenLinear(Module):
     """Flatten(layout="NHWC") → Linear [→ activation] without the transpose Flatten would make: the
-    (N, H, W, C) input is reshaped as it lies and multiplied by the Linear's weight with its columns
-    permuted from PyTorch's (C, H, W) order to (H, W, C), a copy made once per input shape (the
-    parameter itself stays PyTorch's, so state_dict() is unchanged). Saving the transpose made SeedCNN
-    measurably faster (benchmarks/RESULTS.md, models). Formed by Sequential."""
+    (N, H, W, C) input is reshaped as it lies and multiplied by the Linear's weight (or E4M3 codes, with
+    its per-row scales as they are) with its columns permuted from PyTorch's (C, H, W) order to
+    (H, W, C), a copy made once per input shape (the parameter itself stays PyTorch's, so state_dict()
+    is unchanged). Saving the transpose made SeedCNN measurably faster (benchmarks/RESULTS.md, models).
+    Formed by Sequential."""
 
     def __init__(self, flatten: Flatten, layer: Linear, activation: str | None):
         super().__init__()
@@ -65,10 +68,10 @@ class FlattenLinear(Module):
         as_it_lies = (x.ndim == 4 and f.start_dim == 1 and f.end_dim in (-1, 3) and w.ndim == 2
                       and w.shape[1] == x.shape[1] * x.shape[2] * x.shape[3])
         if not as_it_lies:  # another rank or dims, or a shape the Linear will refuse: as the layers would
-            return linear(f(x), w, self.layer.bias, self.activation, path=self.layer.path)
+            return self.layer(f(x), activation=self.activation)
         n, h, wd, c = x.shape
-        return linear(x.reshape(n, h * wd * c), self._weight(h, wd, c), self.layer.bias, self.activation,
-                      path=self.layer.path)
+        return dense(x.reshape(n, h * wd * c), self._weight(h, wd, c), self.layer.bias, self.activation,
+                     w_scale=self.layer.weight_scale, path=self.layer.path)
 
     def _weight(self, h: int, w: int, c: int) -> Any:
         weight = self.layer.weight
@@ -162,5 +165,7 @@ _RULES: tuple[FuseRule, ...] = (_conv_bn_activation, _flatten_linear, _layer_act
 
 
 def _fusable(layer: Module, activation: str) -> bool:
-    """Whether the epilogue of `layer`'s op (linear or conv2d) computes `activation`."""
-    return activation in (LINEAR_ACTIVATIONS if isinstance(layer, Linear) else CONV_ACTIVATIONS)
+    """Whether the epilogue of `layer`'s op (linear, linear_fp8 or conv2d) computes `activation`."""
+    if isinstance(layer, Linear):
+        return activation in (LINEAR_ACTIVATIONS if layer.quantized is None else LINEAR_FP8_ACTIVATIONS)
+    return activation in CONV_ACTIVATIONS

@@ -15,6 +15,11 @@ gives NaN there).
 
 `path` is a path name given to every op the layer calls ("auto", "reference", "custom"), or a dict
 naming one per op, e.g. {"linear": "cublaslt", "attention": "cudnn"} (ops not named run "auto").
+
+`quantize("fp8")` (Module.quantize) turns the nn.Linear children into FP8 layers: out_proj, linear1 and
+linear2 run linear_fp8. `in_proj_weight` and `in_proj_bias` are MultiheadAttention's own parameters,
+under PyTorch's names, not an nn.Linear's: they keep their dtype, and the q, k, v projection keeps
+running on linear.
 """
 
 from __future__ import annotations
