@@ -73,7 +73,14 @@ def test_targets_give_the_issues_verdicts_on_libnn_batch_1_rows_only():
     assert "bf16: weights at" not in text  # the bandwidth target is set in fp16
     assert text.count("met") + text.count("MISSED") == 3 and "quick" not in text
     assert "--quick runs the small model" in generate.targets(rows, quick=True)
-    assert "not measured here yet: FP8" in generate.targets([], quick=False)
+    assert "not measured here: the GPT-2" in generate.targets([], quick=False)
+    fp8 = [{"path": generate.LIBNN_FP8, "dtype": "fp16", "batch": 1, "x fp16": 1.8},
+           {"path": generate.LIBNN_FP8, "dtype": "fp16", "batch": 8, "x fp16": 1.1}]
+    assert "batch-1 decode FP8: 1.80x the fp16 graph's tokens/s, per call (target >= 1.7x: met)" in \
+        generate.targets(fp8, quick=False)
+    attention = [{"batch": 64, "context": 4096, "path": p, "%copy": c} for p, c in (("cudnn", 93.0), ("custom", 40.0))]
+    assert "decode attention, batch 64, context 4096: 93% of copy bandwidth on the cache read (cudnn; target >= " \
+           "90%: met)" in generate.targets([], quick=False, attention_rows=attention)
 
 
 @pytest.mark.parametrize("plan", [generate.FULL, generate.QUICK], ids=["full", "quick"])
@@ -98,10 +105,10 @@ def test_the_cache_holds_the_kernel_splits_steps_after_the_warm_up():
 # --- the rows and their columns --------------------------------------------------------------------------
 def test_a_case_has_the_compiled_peer_only_where_the_plan_compiles_its_dtype_and_compile_is_on():
     plan = generate.Plan(TINY, ("fp16", "bf16"), (1,), prompt=4, steps=8, warmup=2, compile_dtypes=("fp16",))
-    everything = (generate.LIBNN, generate.LIBNN_EAGER, generate.HF, generate.HF_COMPILED)
+    everything = (generate.LIBNN, generate.LIBNN_FP8, generate.LIBNN_EAGER, generate.HF, generate.HF_COMPILED)
     assert generate.case_paths(plan, "fp16", hf_compile=True) == everything
-    assert generate.case_paths(plan, "bf16", hf_compile=True) == everything[:3]
-    assert generate.case_paths(plan, "fp16", hf_compile=False) == everything[:3]
+    assert generate.case_paths(plan, "bf16", hf_compile=True) == everything[:1] + everything[2:4]  # FP8: fp16 only
+    assert generate.case_paths(plan, "fp16", hf_compile=False) == everything[:4]
 
 
 def test_libnn_rows_get_each_peers_per_call_time_over_theirs():
@@ -113,6 +120,14 @@ def test_libnn_rows_get_each_peers_per_call_time_over_theirs():
     assert rows[0]["x HF"] == pytest.approx(6.0) and rows[0]["x HF compile"] == pytest.approx(1.5)
     assert rows[1]["x HF"] == pytest.approx(1.5) and rows[1]["x HF compile"] == pytest.approx(0.375)
     assert not any(key.startswith("x ") for r in rows[2:] for key in r)  # the peers compare with no one
+
+
+def test_the_fp8_row_gets_its_speed_over_the_fp16_graph():
+    rows = [{"path": generate.LIBNN, "per-call ms/step": 2.0}, {"path": generate.LIBNN_FP8, "per-call ms/step": 1.25},
+            {"path": generate.HF, "per-call ms/step": 10.0}]
+    generate.add_speedups(rows)
+    assert rows[1]["x fp16"] == pytest.approx(1.6) and rows[1]["x HF"] == pytest.approx(8.0)
+    assert "x fp16" not in rows[0]
 
 
 def test_a_peer_or_a_libnn_row_that_did_not_run_gives_no_ratio():
@@ -130,7 +145,7 @@ def test_a_peer_or_a_libnn_row_that_did_not_run_gives_no_ratio():
 
 
 def test_the_table_has_a_column_for_every_figure_a_row_gets():
-    produced = {"model", "dtype", "batch", "path", "note", "greedy vs HF", "compile s",
+    produced = {"model", "dtype", "batch", "path", "note", "greedy vs HF", "compile s", "x fp16",
                 *generate.rates(1, 1, 1, 1.0, 1.0), *generate.SPEEDUPS.values(),
                 "prefill ms", "decode ms/step", "per-call ms/step"}  # measure's three
     assert set(generate.COLUMNS) == produced and len(generate.COLUMNS) == len(produced)

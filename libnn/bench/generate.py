@@ -92,7 +92,9 @@ QUICK_SHAPE = {**SHAPE, "hidden_size": 1024, "intermediate_size": 2816, "num_hid
 INIT_STD = 0.02    # the weight matrices' standard deviation (Hugging Face's initializer_range)
 GREEDY_TOKENS = 8   # tokens of libnn's generate compared with Hugging Face's at batch 1
 LIBNN, LIBNN_EAGER, HF, HF_COMPILED = "libnn graph", "libnn eager", "HF eager", "HF static+compile"
-PATHS = (LIBNN, LIBNN_EAGER, HF, HF_COMPILED)
+LIBNN_FP8 = "libnn graph fp8"  # the fp16 checkpoint's projections quantised to E4M3 (CausalLM.quantize)
+PATHS = (LIBNN, LIBNN_FP8, LIBNN_EAGER, HF, HF_COMPILED)
+FP8_DTYPES = ("fp16",)  # the activations' dtype of the FP8 rows
 SPEEDUPS = {HF: "x HF", HF_COMPILED: "x HF compile"}  # the peers libnn's rows are compared with
 COMPILE_WARMUP = 3  # compiled decode steps before any timing: the compile, the graph's recording, a replay
 # What a case that fails may raise: libnn declining it, running out of GPU memory (CuPy's
@@ -100,14 +102,14 @@ COMPILE_WARMUP = 3  # compiled decode steps before any timing: the compile, the 
 # may fail in any way torch.compile can (dynamo, inductor, triton, the host compiler): anything it
 # raises is its row's note.
 CASE_ERRORS = (LibnnError, MemoryError, RuntimeError)
-PATH_ERRORS = {LIBNN: CASE_ERRORS, LIBNN_EAGER: CASE_ERRORS, HF: CASE_ERRORS, HF_COMPILED: (Exception,)}
+PATH_ERRORS = {LIBNN: CASE_ERRORS, LIBNN_FP8: CASE_ERRORS, LIBNN_EAGER: CASE_ERRORS, HF: CASE_ERRORS, HF_COMPILED: (Exception,)}
 # The decode step's kernel-time split (harness.kernel_split), tried in order; everything else is glue.
 # Norms before GEMM: GEMM's pattern takes any "sm90_" kernel, which a cuDNN norm kernel could be too.
 NORM_KERNELS = re.compile(r"norm|^rms\d_|^ln\d_")
 SPLIT_CATEGORIES = (("attention", harness.ATTENTION_KERNELS), ("norms", NORM_KERNELS), ("GEMM", harness.GEMM_KERNELS))
 SPLIT_STEPS = 5  # decode steps profiled
 COLUMNS = ("model", "dtype", "batch", "path", "prefill ms", "decode ms/step", "per-call ms/step", "tokens/s",
-           "%copy weights", "%copy w+KV", *SPEEDUPS.values(), "compile s", "greedy vs HF", "note")
+           "%copy weights", "%copy w+KV", *SPEEDUPS.values(), "x fp16", "compile s", "greedy vs HF", "note")
 SPLIT_COLUMNS = ("model", "dtype", "batch", "decode ms/step", *(f"{c} ms" for c, _ in SPLIT_CATEGORIES),
                  f"{harness.GLUE} ms", "kernels ms", "glue %", "top glue", "note")
 
@@ -150,6 +152,16 @@ def decode_bytes(config: LlamaConfig, batch: int, context: int, itemsize: int) -
     return weights * itemsize, kv * itemsize
 
 
+def model_bytes(model: CausalLM, batch: int) -> int:
+    """The parameter bytes one decode step of `model` reads, as they are held (E4M3 codes and their
+    scales once quantised): every parameter once, an untied embedding table at the batch's rows only."""
+    total = sum(a.nbytes for _, a in model.named_parameters() if a is not None)
+    if model.lm_head is not None:
+        table = model.base_model.word_embeddings
+        total += batch * table.nbytes // table.shape[0] - table.nbytes
+    return total
+
+
 def median_context(prompt: int, steps: int, warmup: int) -> int:
     """The context the median timed decode step attends to: step i (from 0) after a prompt of `prompt`
     tokens reads prompt + i + 1 positions, and steps warmup..steps-1 are timed."""
@@ -183,7 +195,8 @@ def model_label(config: LlamaConfig) -> str:
 def case_paths(plan: Plan, dtype: str, hf_compile: bool) -> tuple[str, ...]:
     """The rows of one case, in PATHS' order: the compiled peer only where it is on and the plan
     compiles this dtype."""
-    return tuple(p for p in PATHS if p != HF_COMPILED or (hf_compile and dtype in plan.compile_dtypes))
+    return tuple(p for p in PATHS if (p != HF_COMPILED or (hf_compile and dtype in plan.compile_dtypes))
+                 and (p != LIBNN_FP8 or dtype in FP8_DTYPES))
 
 
 def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
@@ -191,11 +204,13 @@ def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
     per-call ms/step over the row's."""
     per_call = {r["path"]: r.get("per-call ms/step") for r in rows}
     for r in rows:
-        if r["path"] not in (LIBNN, LIBNN_EAGER) or not r.get("per-call ms/step"):
+        if r["path"] not in (LIBNN, LIBNN_FP8, LIBNN_EAGER) or not r.get("per-call ms/step"):
             continue
         for peer, column in SPEEDUPS.items():
             if per_call.get(peer):
                 r[column] = per_call[peer] / r["per-call ms/step"]
+        if r["path"] == LIBNN_FP8 and per_call.get(LIBNN):
+            r["x fp16"] = per_call[LIBNN] / r["per-call ms/step"]
 
 
 def why(exc: BaseException, chars: int = 90) -> str:
@@ -375,7 +390,7 @@ def _torch_dtype(dtype: str) -> Any:
 class Models:
     """One dtype's models of the same checkpoint."""
     hf: Any                     # transformers' LlamaForCausalLM, the peer
-    libnn: dict[str, CausalLM]  # LIBNN and LIBNN_EAGER: loaded with decode graphs and without
+    libnn: dict[str, CausalLM]  # LIBNN and LIBNN_EAGER: loaded with decode graphs and without; LIBNN_FP8
     load: dict[str, Any]        # seconds per part, and Hugging Face's attention implementation
 
 
@@ -398,10 +413,17 @@ def _models(plan: Plan, dtype: str) -> Models:
             raise RuntimeError(f"bench generate: save_pretrained wrote no safetensors checkpoint (found "
                                f"{sorted(p.name for p in Path(directory).iterdir())})")
         saved = time.perf_counter()
-        for path in (LIBNN, LIBNN_EAGER):
+        for path in (LIBNN, LIBNN_EAGER) + ((LIBNN_FP8,) if dtype in FP8_DTYPES else ()):
             begin = time.perf_counter()
-            models[path] = CausalLM.from_pretrained(directory, dtype=dtype, device="gpu", max_batch=max(plan.batches),
-                                                    max_len=plan.max_len, decode_graphs=path == LIBNN)
+            try:
+                model = CausalLM.from_pretrained(directory, dtype=dtype, device="gpu", max_batch=max(plan.batches),
+                                                 max_len=plan.max_len, decode_graphs=path != LIBNN_EAGER)
+                models[path] = model.quantize("fp8") if path == LIBNN_FP8 else model
+            except CASE_ERRORS as exc:  # FP8 on a GPU below sm_89: its rows say why
+                if path != LIBNN_FP8:
+                    raise
+                loads[f"{path} note"] = why(exc)
+                continue
             loads[f"{path} load s"] = time.perf_counter() - begin
     return Models(hf, models, {"made s": made - start, "saved s": saved - made, **loads,
                                "attention": getattr(hf.config, "_attn_implementation", None)})
@@ -412,6 +434,8 @@ def _runner(path: str, models: Models, prompts: Any, plan: Plan) -> tuple[Runner
     import cupy
     import torch
 
+    if path == LIBNN_FP8 and path not in models.libnn:
+        raise LibnnError(models.load[f"{path} note"])
     if path in models.libnn:
         return _libnn_runner(models.libnn[path], cupy.asarray(prompts)), {}
     ids = torch.from_numpy(prompts).cuda()
@@ -516,7 +540,8 @@ def _path_row(case: Case, path: str, ceilings: harness.Ceilings) -> tuple[dict[s
         runner, made = _runner(path, case.models, case.prompts, case.plan)
         row.update(made)
         row.update(measure(runner, case.plan))
-        row.update(rates(*case.nbytes, row["batch"], row["decode ms/step"], ceilings.copy_gbs))
+        weight_bytes = model_bytes(case.models.libnn[path], row["batch"]) if path == LIBNN_FP8 else case.nbytes[0]
+        row.update(rates(weight_bytes, case.nbytes[1], row["batch"], row["decode ms/step"], ceilings.copy_gbs))
     except PATH_ERRORS[path] as exc:
         row["note"] = f"not run: {why(exc)}"
         return row, None
@@ -705,5 +730,9 @@ def targets(rows: Sequence[dict[str, Any]], quick: bool, attention_rows: Sequenc
         best = max(at_target, key=lambda r: r["%copy"])
         lines.append(f"  decode attention, batch 64, context 4096: {best['%copy']:.0f}% of copy bandwidth on the "
                      f"cache read ({best['path']}; target >= 90%: {verdict(best['%copy'] >= 90)})")
-    lines.append("  not measured here yet: FP8 decode (>= 1.7x fp16 tokens/s at batch 1), the GPT-2 small shape")
+    for r in rows:
+        if r["path"] == LIBNN_FP8 and r["batch"] == 1 and (speedup := r.get("x fp16")) is not None:
+            lines.append(f"  batch-1 decode FP8: {speedup:.2f}x the fp16 graph's tokens/s, per call "
+                         f"(target >= 1.7x: {verdict(speedup >= 1.7)})")
+    lines.append("  not measured here: the GPT-2 small shape")
     return "\n".join(lines)

@@ -427,6 +427,16 @@ class CausalLM(Module):
         self._prepare()
         return self
 
+    def quantize(self, dtype: str = "fp8", *, per_channel: bool = True) -> CausalLM:
+        """Every projection's weight as E4M3 codes with float32 scales (Module.quantize: per output channel
+        by default), stacked ones (q, k, v; gate and up) restacked as codes and scales, lm_head too
+        unless it is tied to the word embeddings, which stay in the model's dtype as the norms and the
+        KV cache do. The cache and the decode graphs are made anew. Needs a GPU of compute capability
+        8.9 or newer (or the CPU's reference path)."""
+        super().quantize(dtype, per_channel=per_channel)
+        self._prepare()
+        return self
+
     def _prepare(self) -> None:
         """After new parameters: the stacked weights built now rather than at the next forward pass (so
         that the parameters are final before anything records their addresses), the cache emptied."""
@@ -552,8 +562,7 @@ class CausalLM(Module):
         """(B, vocab_size) from the last hidden rows (B, H): the final norm, then lm_head (the word
         embeddings when tied)."""
         h = self.base_model.final_norm(rows)
-        w = self._table if self.lm_head is None else self.lm_head.weight
-        return linear(h, w, path=path_for(self.path, "linear"))
+        return linear(h, self._table, path=path_for(self.path, "linear")) if self.lm_head is None else self.lm_head(h)
 
     def _check_ids(self, ids: Any, where: str, name: str) -> None:
         """ids in [0, vocab_size): one synchronisation on the GPU."""

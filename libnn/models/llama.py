@@ -42,14 +42,13 @@ from libnn.models.decoder import (FLOAT32_MAX, Architecture, CausalLM, DecoderCo
                                   refuse_quantized, register, token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
-from libnn.nn.linear import Linear
+from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
 from libnn.nn.module import Module
 from libnn.nn.norm import RMSNorm
 from libnn.ops.embedding import embedding
-from libnn.ops.linear import linear
 from libnn.ops.rope import SCALING_TYPES, rope, rope_frequencies
 from libnn.ops.swiglu import swiglu
-from libnn.runtime.arrays import array_module, as_array
+from libnn.runtime.arrays import as_array
 
 # CausalLM: this module's since LLaMA was libnn's one decoder; the class is libnn.models.decoder's
 __all__ = ["CausalLM", "LlamaConfig", "LlamaModel", "LLAMA"]
@@ -221,25 +220,22 @@ def _theta(where: str, theta: Any) -> float:
 
 
 # --- layers, under Hugging Face's names -------------------------------------------------------------------
-def _stacked(owner: Module, layers: Sequence[Linear], held: str) -> Any:
-    """The weights of `layers` stacked along their output rows, built once and kept on `owner` under
-    `held`: the layers' parameters then become views into it (the weights are held once), and a
-    replaced parameter (load_state_dict, to()) makes the next call stack them again."""
-    found = getattr(owner, held, None)
-    if found is not None and all(a is b for a, b in zip(found[0], (layer.weight for layer in layers))):
-        return found[1]
-    return _share(owner, layers, held, array_module(layers[0].weight).concatenate([layer.weight for layer in layers]))
+def _stacked(owner: Module, layers: Sequence[Linear], held: str) -> StackedLinear:
+    """`layers` stacked into one GEMM (nn.linear.stack_linear: float weights, or E4M3 codes with their
+    scales once quantised), kept on `owner` under `held` and built anew when a layer's parameter was
+    replaced (load_state_dict, to(), quantize())."""
+    stacked = stack_linear(layers, getattr(owner, held, None))
+    object.__setattr__(owner, held, stacked)
+    return stacked
 
 
-def _share(owner: Module, layers: Sequence[Linear], held: str, w: Any) -> Any:
-    """Make `layers`' weights views into the stacked `w`, and keep it on `owner` under `held`."""
-    start = 0
-    for layer in layers:
-        rows = layer.weight.shape[0]
-        layer.register_parameter("weight", w[start:start + rows])
-        start += rows
-    object.__setattr__(owner, held, (tuple(layer.weight for layer in layers), w))
-    return w
+def _moved_to_gpu(owner: Module, layers: Sequence[Linear], held: str) -> None:
+    """The stack of `layers` copied to the GPU whole, the layers' parameters views of the copy."""
+    import cupy
+
+    s = _stacked(owner, layers, held)
+    on_gpu = [None if a is None else cupy.asarray(a) for a in (s.weight, s.bias, s.weight_scale)]
+    object.__setattr__(owner, held, share_stacked(layers, *on_gpu))
 
 
 class LlamaAttention(Module):
@@ -258,8 +254,8 @@ class LlamaAttention(Module):
         """The layers stacked into one weight, and the attribute the stack is kept under."""
         return [((self.q_proj, self.k_proj, self.v_proj), "_qkv")]
 
-    def packed(self) -> Any:
-        """The ((Hq + 2 Hkv) D, H) weight of q_proj, k_proj and v_proj stacked."""
+    def packed(self) -> StackedLinear:
+        """q_proj, k_proj and v_proj stacked: a ((Hq + 2 Hkv) D, H) weight (or codes and scales)."""
         return _stacked(self, *self.stacks()[0])
 
 
@@ -278,8 +274,8 @@ class LlamaMLP(Module):
         """The layers stacked into one weight, and the attribute the stack is kept under."""
         return [((self.gate_proj, self.up_proj), "_gate_up")]
 
-    def packed(self) -> Any:
-        """The (2I, H) weight of gate_proj and up_proj stacked: swiglu's gate half first."""
+    def packed(self) -> StackedLinear:
+        """gate_proj and up_proj stacked: a (2I, H) weight (or codes and scales), swiglu's gate half first."""
         return _stacked(self, *self.stacks()[0])
 
 
@@ -301,13 +297,13 @@ class LlamaDecoderLayer(Module):
         B, S, _ = x.shape
         Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
         n = self.input_layernorm(x)
-        qkv = linear(n, self.self_attn.packed(), path=path_for(path, "linear"))
+        qkv = self.self_attn.packed()(n, path=path_for(path, "linear"))
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         q = rope(q, step.positions, step.inv_freq, path=path_for(path, "rope"))
         o = step.attend(index, q, k, v, path)
         h = self.self_attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
-        gate_up = linear(self.post_attention_layernorm(h), self.mlp.packed(), path=path_for(path, "linear"))
+        gate_up = self.mlp.packed()(self.post_attention_layernorm(h), path=path_for(path, "linear"))
         return self.mlp.down_proj(swiglu(gate_up, path=path_for(path, "swiglu")), residual=h)
 
 
@@ -345,10 +341,8 @@ class LlamaModel(DecoderModel):
             _stacked(owner, layers, held)
 
     def move_packed_to_gpu(self) -> None:
-        import cupy
-
         for owner, layers, held in self._stacks():
-            _share(owner, layers, held, cupy.asarray(_stacked(owner, layers, held)))
+            _moved_to_gpu(owner, layers, held)
 
     def describe(self, placement: str) -> list[str]:
         c = self.config
