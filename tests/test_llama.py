@@ -310,11 +310,11 @@ def test_load_stacks_qkv_and_gate_up_and_keeps_hugging_faces_keys(checkpoint):
     model = load(directory, "fp32")
     assert set(model.state_dict()) == set(state)
     layer = model.model.layers._children["0"]
-    qkv = layer.self_attn.packed()
+    qkv = layer.self_attn.packed().weight
     assert qkv.shape == ((HEADS + 2 * config["num_key_value_heads"]) * D, H)
     np.testing.assert_array_equal(qkv[:HEADS * D], state["model.layers.0.self_attn.q_proj.weight"])
     assert layer.self_attn.k_proj.weight.base is qkv  # a view: the weights are held once
-    gate_up = layer.mlp.packed()
+    gate_up = layer.mlp.packed().weight
     assert gate_up.shape == (2 * I, H) and layer.mlp.up_proj.weight.base is gate_up
     np.testing.assert_array_equal(gate_up[I:], state["model.layers.0.mlp.up_proj.weight"])
     assert model.lm_head is None if config["tie_word_embeddings"] else model.lm_head.weight.shape == (V, H)
