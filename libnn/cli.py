@@ -162,7 +162,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="default fp32")
     s.set_defaults(func=_run)
 
-    s = sub.add_parser("generate", help="continue prompts with a LLaMA-architecture checkpoint: the new tokens, the "
+    s = sub.add_parser("generate", help="continue prompts with a LLaMA or GPT-2 checkpoint: the new tokens, the "
                        "time to the first token and tokens/s, on the GPU if there is one, else on the reference "
                        "path on the CPU",
                        description="Several prompts (--prompt-ids and --prompt, in the order given) make one batch. "

@@ -1,4 +1,4 @@
-"""`libnn generate DIR`: a LLaMA-architecture checkpoint (CausalLM.from_pretrained) continues prompts given
+"""`libnn generate DIR`: a LLaMA or GPT-2 checkpoint (CausalLM.from_pretrained) continues prompts given
 as token ids, or as text through the checkpoint's tokenizer.json where the optional `tokenizers` package is
 installed, on the GPU if there is one, else on the reference path on the CPU. Prints each sequence's new
 tokens (and their text), then the prompt and new tokens, the time to the first token and the decode's
