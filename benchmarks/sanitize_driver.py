@@ -230,6 +230,52 @@ def _rope():
                 rope(x, positions, inv_freq, rotary_dim=rotary, out=x, path=path)
 
 
+# --- kv_append ----------------------------------------------------------------------------------------
+@item("kv_append: custom paths, rotated and not, partial rotary, k and v as slices of one projection")
+def _kv_append():
+    from libnn.ops import kv_append, rope_frequencies
+
+    g = rng()
+    for path in custom_paths("kv_append"):
+        for dtype in DTYPES:
+            for B, S, H, D, L, rotary in ((1, 1, 1, 2, 1, None), (2, 5, 3, 64, 11, None), (3, 1, 2, 80, 7, 32)):
+                qkv = normal((B, S, 3 * H, D), dtype)
+                caches = normal((2, 2, B, L, H, D), dtype)  # two layers: the second's rows
+                positions = dev((g.integers(0, L - S + 1, (B, 1)) + np.arange(S)).astype(np.int32))
+                for inv_freq in (dev(rope_frequencies(rotary or D)), None):
+                    kv_append(qkv[:, :, H:2 * H], qkv[:, :, 2 * H:], positions, inv_freq, caches[0, 1],
+                              caches[1, 1], rotary_dim=rotary if inv_freq is not None else None, path=path)
+
+
+@item("attention: split-K decoding (attn3), one query row against cache rows, GQA, lengths 0, 1 and full")
+def _attention_decode():
+    import cupy
+
+    from libnn.ops import attention
+
+    for dtype in ("fp16", "bf16"):
+        for B, Hq, Hkv, D, L in ((1, 1, 1, 8, 1), (3, 8, 1, 64, 70), (2, 6, 2, 256, 33), (4, 4, 4, 32, 600)):
+            q, k, v = normal((B, 1, Hq, D), dtype), normal((B, L, Hkv, D), dtype), normal((B, L, Hkv, D), dtype)
+            lengths = cupy.asarray(np.array([L, 1, 0, L // 2][:B], np.int32))
+            attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
+
+
+# --- linear_fp8 ---------------------------------------------------------------------------------------
+@item("linear_fp8: activation quantisation and the custom GEMM, odd shapes, per channel and per tensor")
+def _linear_fp8():
+    from libnn.ops.linear_fp8 import linear_fp8
+    from libnn.ops.quantize_fp8 import quantize_weight
+
+    for dtype in ("fp16", "bf16"):
+        for M, N, K in ((1, 1, 1), (3, 17, 13), (5, 64, 48), (2, 33, 1000)):
+            for per_channel in (True, False):
+                w = quantize_weight(normal((N, K), "fp32"), per_channel=per_channel)
+                x, b = normal((M, K), dtype), normal((N,), dtype)
+                for path in custom_paths("linear_fp8"):
+                    linear_fp8(x, w.data, w.scale, b, "gelu_erf", residual=normal((M, N), dtype), path=path)
+                    linear_fp8(offset_view(x), w.data, w.scale, None, None, path=path)
+
+
 # --- swiglu -------------------------------------------------------------------------------------------
 @item("swiglu: custom paths, both kernel versions, F = 1 and 7, row slices in place, misaligned, strided")
 def _swiglu():
