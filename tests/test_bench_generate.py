@@ -10,10 +10,16 @@ import pytest
 
 from libnn.bench import generate, harness
 from libnn.cli import parser
+from libnn.models.decoder import CausalLM
+from libnn.models.gpt2 import GPT2Config
 from libnn.models.llama import LlamaConfig
 
 TINY = {"vocab_size": 10, "hidden_size": 4, "intermediate_size": 6, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}
+TINY_GPT2 = {"vocab_size": 10, "n_positions": 16, "n_embd": 4, "n_layer": 2, "n_head": 2, "bos_token_id": 0,
+             "eos_token_id": 0}
+PLANS = {"full llama": generate.FULL[0], "full gpt2": generate.FULL[1], "quick llama": generate.QUICK[0],
+         "quick gpt2": generate.QUICK[1]}
 
 
 def test_decode_bytes_count_every_weight_once_but_only_the_batch_rows_of_an_untied_embedding_table():
@@ -32,6 +38,26 @@ def test_decode_bytes_read_a_tied_embedding_table_whole_as_lm_head():
     assert weights == 4 * tied.parameter_count()
     untied, _ = generate.decode_bytes(LlamaConfig.from_dict(TINY), batch=3, context=5, itemsize=4)
     assert untied - weights == 4 * 3 * 4  # the untied model's lm_head replaces the table; plus the batch's rows
+
+
+def test_decode_bytes_of_gpt2_read_the_tied_table_whole_and_the_position_table_at_the_batch_rows():
+    config = GPT2Config.from_dict(TINY_GPT2)
+    # per layer: ln_1 and ln_2 (weight and bias of 4), c_attn 4x12 + 12, c_proj 4x4 + 4, c_fc 4x16 + 16,
+    # mlp c_proj 16x4 + 4
+    layer = 2 * 8 + (48 + 12) + (16 + 4) + (64 + 16) + (64 + 4)
+    wte, wpe_rows, ln_f = 10 * 4, 3 * 4, 8
+    weights, kv = generate.decode_bytes(config, batch=3, context=5, itemsize=2)
+    assert weights == 2 * (2 * layer + wte + wpe_rows + ln_f)
+    assert weights == 2 * (config.parameter_count() - (16 - 3) * 4)
+    assert kv == 2 * (2 * 2 * 3 * 5 * 2 * 2)  # k and v, 2 layers, 3 sequences, 5 positions, 2 heads of 2
+
+
+@pytest.mark.parametrize("config", [LlamaConfig.from_dict(TINY),
+                                    LlamaConfig.from_dict({**TINY, "tie_word_embeddings": True}),
+                                    GPT2Config.from_dict(TINY_GPT2)], ids=["llama", "llama tied", "gpt2"])
+def test_a_models_parameter_bytes_are_its_configs_decode_bytes(config):
+    model = CausalLM(config, dtype="fp32", device="cpu", max_batch=3, max_len=8)
+    assert generate.model_bytes(model, 3) == generate.decode_bytes(config, batch=3, context=0, itemsize=4)[0]
 
 
 @pytest.mark.parametrize("prompt, steps, warmup", [(512, 256, 8), (128, 32, 4), (10, 5, 2), (7, 1, 0)])
@@ -55,9 +81,13 @@ def test_matching_prefix_stops_at_the_first_difference():
     assert generate.matching_prefix([1, 2, 3], [1, 2]) == 2
 
 
-def test_model_label_rounds_the_parameter_count():
+def test_model_label_names_the_architecture_and_rounds_the_parameter_count():
     assert generate.model_label(LlamaConfig.from_dict(generate.SHAPE)) == "LLaMA 1.10B"
     assert generate.model_label(LlamaConfig.from_dict(generate.QUICK_SHAPE)) == "LLaMA 111M"
+    assert generate.model_label(GPT2Config.from_dict(generate.GPT2_SHAPE)) == "GPT-2 124M"
+    assert generate.model_label(GPT2Config.from_dict(generate.GPT2_QUICK_SHAPE)) == "GPT-2 14.7M"
+    assert [generate.model_label(p.config) for p in PLANS.values()] == ["LLaMA 1.10B", "GPT-2 124M", "LLaMA 111M",
+                                                                        "GPT-2 14.7M"]
 
 
 def test_targets_give_the_issues_verdicts_on_libnn_batch_1_rows_only():
@@ -72,8 +102,8 @@ def test_targets_give_the_issues_verdicts_on_libnn_batch_1_rows_only():
     assert "batch-1 decode bf16: 2.00x Hugging Face eager's tokens/s, per call (target >= 3x: MISSED)" in text
     assert "bf16: weights at" not in text  # the bandwidth target is set in fp16
     assert text.count("met") + text.count("MISSED") == 3 and "quick" not in text
-    assert "--quick runs the small model" in generate.targets(rows, quick=True)
-    assert "not measured here: the GPT-2" in generate.targets([], quick=False)
+    assert "--quick runs the small LLaMA model" in generate.targets(rows, quick=True)
+    assert "not measured" not in generate.targets([], quick=False)  # the GPT-2 shape has its rows now
     fp8 = [{"path": generate.LIBNN_FP8, "dtype": "fp16", "batch": 1, "x fp16": 1.8},
            {"path": generate.LIBNN_FP8, "dtype": "fp16", "batch": 8, "x fp16": 1.1}]
     assert "batch-1 decode FP8: 1.80x the fp16 graph's tokens/s, per call (target >= 1.7x: met)" in \
@@ -83,13 +113,15 @@ def test_targets_give_the_issues_verdicts_on_libnn_batch_1_rows_only():
            "90%: met)" in generate.targets([], quick=False, attention_rows=attention)
 
 
-@pytest.mark.parametrize("plan", [generate.FULL, generate.QUICK], ids=["full", "quick"])
-def test_plans_fit_their_cache_and_read_as_libnn_configs(plan):
-    config = LlamaConfig.from_dict(dict(plan.shape))
-    assert plan.max_len == plan.prompt + plan.steps <= config.max_position_embeddings
+@pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS)
+def test_plans_fit_their_models_positions_and_read_as_libnn_configs(plan):
+    config = plan.config
+    assert isinstance(config, generate.ARCHITECTURES[plan.architecture].config)
+    assert plan.max_len == plan.prompt + plan.steps <= config.max_positions  # GPT-2's n_positions: 1024
     assert 0 <= plan.warmup < plan.steps and plan.prefill_runs >= 1
     assert config.head_dim == 64 and set(plan.dtypes) <= {"fp16", "bf16"}
-    assert plan.compile_dtypes == ("fp16",)  # a compile per case: one dtype's worth
+    # a compile per case: one dtype's worth on LLaMA, none on GPT-2 (the bench's time)
+    assert plan.compile_dtypes == {"llama": ("fp16",), "gpt2": ()}[plan.architecture]
 
 
 def test_the_cache_holds_the_greedy_comparison_after_a_short_decode():
@@ -176,6 +208,10 @@ def test_the_split_table_has_a_column_per_category_and_for_what_the_split_adds()
     ("rms2_block_vec4_bf16", "norms"),
     ("rms3_loop_f32", "norms"),
     ("cudnn_generated_rmsnorm_fwd_sm90_kernel", "norms"),  # norms before GEMM's sm90_
+    ("ln1_warp_vec8_f16", "norms"),  # GPT-2's LayerNorm (kernels/layer_norm.cu)
+    ("ln2_block_vec4_f16", "norms"),
+    ("ln3_loop_f16", "norms"),
+    ("cudnn_generated_layernorm_fwd_sm90_kernel", "norms"),
     ("rope1_pairs_f16_i32", "glue"),
     ("kv_append1_f16_i64", "glue"),
     ("swiglu2_vec_bf16", "glue"),
@@ -193,15 +229,25 @@ def test_why_puts_an_exception_on_one_line():
     assert generate.why(ValueError("x" * 200), chars=10) == "ValueError: " + "x" * 10
 
 
-def test_the_full_plan_is_the_issues_1b_shape_and_quick_a_smoke_test():
-    full = LlamaConfig.from_dict(dict(generate.FULL.shape))
+def test_the_full_plans_are_the_issues_1b_and_gpt2_small_shapes_and_quick_a_smoke_test():
+    llama, gpt2 = generate.FULL
+    full = llama.config
     assert 1.0e9 <= full.parameter_count() <= 1.2e9
     assert (full.num_hidden_layers, full.hidden_size, full.num_attention_heads, full.num_key_value_heads,
             full.intermediate_size, full.vocab_size) == (16, 2048, 32, 8, 8192, 32000)
-    assert generate.FULL.dtypes == ("fp16", "bf16") and generate.FULL.batches == (1, 8, 64)
-    assert (generate.FULL.prompt, generate.FULL.steps) == (512, 256)
-    assert generate.QUICK.dtypes == ("fp16",) and generate.QUICK.batches == (1, 8)
-    assert (generate.QUICK.prompt, generate.QUICK.steps) == (128, 32)
+    assert llama.dtypes == ("fp16", "bf16") and llama.batches == (1, 8, 64)
+    small = gpt2.config
+    assert (small.n_layer, small.n_embd, small.n_head, small.n_positions, small.vocab_size) == \
+        (12, 768, 12, 1024, 50257)
+    assert small == GPT2Config()  # Hugging Face's defaults are GPT-2 small's
+    assert gpt2.dtypes == ("fp16",) and gpt2.batches == llama.batches
+    for plan in generate.FULL:
+        assert (plan.prompt, plan.steps) == (512, 256)
+    for plan in generate.QUICK:
+        assert plan.dtypes == ("fp16",) and plan.batches == (1, 8) and (plan.prompt, plan.steps) == (128, 32)
+    assert [p.architecture for p in generate.QUICK] == ["llama", "gpt2"]
+    quick_gpt2 = generate.QUICK[1].config
+    assert (quick_gpt2.n_layer, quick_gpt2.n_embd, quick_gpt2.n_head) == (2, 256, 4)
 
 
 def test_the_cli_takes_bench_generate():
