@@ -202,7 +202,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead",
                                   "generate"],
                    help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
-                   "cost of a cached call of every op against PyTorch's; for generate, LLaMA-architecture "
+                   "cost of a cached call of every op against PyTorch's; for generate, LLaMA and GPT-2 "
                    "prefill and decode against Hugging Face's) to benchmark")
     s.add_argument("--quick", action="store_true", help="small shapes only, for a smoke test")
     s.add_argument("--json", metavar="FILE", help="also write every result to FILE (fft_conv: and a heat map PNG beside it)")
