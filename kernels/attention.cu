@@ -110,8 +110,8 @@ ZERO_THREADS from this file)
          long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss)
         part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
     attn3_combine_*        (ATTN3_THREADS)   B * Hq                  0
-        (const float* part_o, const float* part_ml, const int* lens_q_or_null, T* o, int Hq, int D,
-         int splits, long long o_sb, long long o_sh)
+        (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
+         long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
         splits = ceil(Skv / chunk); dynamic shared memory at most 48 KB
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
@@ -671,8 +671,8 @@ __device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ 
 // o[b, h] from the splits' partials of head (b, h): one block per head
 template <class DT>
 __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                               const int* __restrict__ lens_q, typename DT::T* __restrict__ o, int Hq,
-                                               int D, int splits, i64 o_sb, i64 o_sh) {
+                                               typename DT::T* __restrict__ o, int Hq, int D, int splits, i64 o_sb,
+                                               i64 o_sh) {
     const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
     const float* ml = part_ml + (i64)bh * splits * 2;
     const float* po = part_o + (i64)bh * splits * D;
@@ -761,9 +761,9 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
                                  scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);                   \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_combine_##SUFFIX(                     \
-        const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* __restrict__ lens_q,    \
-        at::DT::T* __restrict__ o, int Hq, int D, int splits, at::i64 o_sb, at::i64 o_sh) {                     \
-        at::decode_combine<at::DT>(part_o, part_ml, lens_q, o, Hq, D, splits, o_sb, o_sh);                     \
+        const float* __restrict__ part_o, const float* __restrict__ part_ml, at::DT::T* __restrict__ o, int Hq,  \
+        int D, int splits, at::i64 o_sb, at::i64 o_sh) {                                                        \
+        at::decode_combine<at::DT>(part_o, part_ml, o, Hq, D, splits, o_sb, o_sh);                              \
     }
 ATTN3(f16, dt_f16)
 ATTN3(bf16, dt_bf16)

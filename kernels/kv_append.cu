@@ -16,7 +16,8 @@ token per sequence at its current length) alike.
     positions before launching unless its caller vouches for them).
 
 I/O in fp16, bf16 (raw 16-bit words) or fp32; positions int32 or int64. sm_80 or newer. k, v and the
-caches must not overlap (the launcher's checks); two tokens of one sequence at the same position race.
+caches must not overlap (the op refuses k_cache and v_cache sharing memory; k or v overlapping a
+cache is the caller's error); two tokens of one sequence at the same position race.
 
 Versions (libnn/ops/kv_append.py launches it):
 

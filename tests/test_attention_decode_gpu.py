@@ -100,3 +100,14 @@ def test_a_bias_a_top_left_mask_or_two_query_rows_are_not_split_decoded(rng):
     group9 = cupy.asarray(random_normal(rng, (2, 9, 1, 64), "fp16"))
     k1 = k[:, :1]
     assert flash_version(group9, k1, v[:, :1], cupy.empty_like(group9)) == "attn2_flash"  # 9 heads per kv head
+
+
+def test_an_empty_cache_is_not_split_decoded_and_gives_zeros(rng):
+    import cupy
+    from libnn.ops.attention_kernels import flash_version
+
+    q = cupy.asarray(random_normal(rng, (2, 8, 1, 64), "fp16"))
+    k = v = cupy.zeros((2, 2, 0, 64), cupy.float16)
+    assert flash_version(q, k, v, cupy.empty_like(q)) != "attn3_decode"
+    got = attention(q, k, v, path="custom")
+    assert got.shape == q.shape and bool((got == 0).all())

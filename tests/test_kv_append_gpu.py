@@ -127,3 +127,15 @@ def test_a_bound_call_reads_new_arrays_each_call(rng):
         kv_append(k, v, at, inv_freq, k_cache, v_cache)
         cupy.testing.assert_array_equal(v_cache[0, step], v[0, 0])
         cupy.testing.assert_array_equal(v_cache[1, step + 2], v[1, 0])
+
+
+def test_caches_sharing_memory_are_refused_at_every_call(rng):
+    import cupy
+
+    B, S, H, D, L = 2, 1, 2, 64, 6
+    k, v = (cupy.asarray(random_normal(rng, (B, S, H, D), "fp16")) for _ in range(2))
+    inv_freq, at = cupy.asarray(rope_frequencies(D)), cupy.zeros((B, S), cupy.int32)
+    kv_append(k, v, at, inv_freq, poisoned((B, L, H, D), "fp16"), poisoned((B, L, H, D), "fp16"))
+    one = poisoned((B, L, H, D), "fp16")
+    with pytest.raises(ValueError, match="kv_append: k_cache and v_cache share memory"):
+        kv_append(k, v, at, inv_freq, one, one)  # the same signature: the bound call checks the pointers

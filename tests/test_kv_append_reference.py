@@ -113,3 +113,9 @@ def _bad(rng, **change):
 def test_bad_arguments_are_refused_naming_the_argument(rng, change, error, message):
     with pytest.raises(error, match=message):
         _bad(rng, **change)()
+
+
+def test_caches_sharing_memory_are_refused(rng):
+    k, v, positions, inv_freq, k_cache, _ = arrays(rng)
+    with pytest.raises(ValueError, match="kv_append: k_cache and v_cache share memory"):
+        kv_append(k, v, positions, inv_freq, k_cache, k_cache)

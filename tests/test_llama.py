@@ -273,14 +273,14 @@ def test_sampling_is_seeded_and_top_k_1_or_a_tiny_top_p_is_greedy(rng, checkpoin
 def test_top_k_and_top_p_keep_only_their_tokens(rng):
     """The sampler alone on fixed logits: every draw lies in the top-k set, or the smallest set of most
     likely tokens whose mass before each is below top_p."""
-    from libnn.models.decoder import _Sampler
+    from libnn.models.decoder import Sampler
 
     logits = np.log(np.array([[0.5, 0.3, 0.1, 0.06, 0.04]] * 64, np.float32))
-    k2 = _Sampler("test", 1.0, 2, None, 7, 5)
+    k2 = Sampler("test", 1.0, 2, None, 7, 5)
     assert set(np.unique(np.concatenate([k2(logits) for _ in range(10)]))) == {0, 1}
-    p = _Sampler("test", 1.0, None, 0.85, 8, 5)  # mass before: 0, .5, .8, .9 -> keeps 0, 1, 2
+    p = Sampler("test", 1.0, None, 0.85, 8, 5)  # mass before: 0, .5, .8, .9 -> keeps 0, 1, 2
     assert set(np.unique(np.concatenate([p(logits) for _ in range(20)]))) == {0, 1, 2}
-    full = _Sampler("test", 1.0, None, None, 9, 5)
+    full = Sampler("test", 1.0, None, None, 9, 5)
     counts = np.bincount(np.concatenate([full(logits) for _ in range(200)]), minlength=5) / (64 * 200)
     np.testing.assert_allclose(counts, [0.5, 0.3, 0.1, 0.06, 0.04], atol=0.02)  # the softmax's frequencies
 
@@ -288,11 +288,11 @@ def test_top_k_and_top_p_keep_only_their_tokens(rng):
 def test_a_tiny_temperature_samples_the_most_likely_token():
     """Logits near 40 divided by 1e-37 would pass float32's range and tie every token at inf: each row's
     largest logit is subtracted first, so the leader stays finite and the draw is the argmax."""
-    from libnn.models.decoder import _Sampler
+    from libnn.models.decoder import Sampler
 
     logits = np.array([[40.0, 41.0, 39.5, 40.9], [12.0, -3.0, 11.0, 12.5]], np.float32)
     for top_p in (None, 0.5):
-        assert _Sampler("test", 1e-37, None, top_p, 3, 4)(logits).tolist() == [1, 3]
+        assert Sampler("test", 1e-37, None, top_p, 3, 4)(logits).tolist() == [1, 3]
 
 
 def test_a_sharded_checkpoint_loads_as_one_file(tmp_path, rng):
@@ -697,3 +697,17 @@ def test_sampling_on_the_gpu_is_seeded_and_top_k_1_is_greedy(tmp_path, rng):
     assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
     assert run(temperature=1.0, top_k=1, seed=4) == run()
     assert run(temperature=0.8, top_k=20, top_p=0.9, seed=5) == run(temperature=0.8, top_k=20, top_p=0.9, seed=5)
+
+
+def test_the_cache_holds_every_generated_token_but_the_last_however_generation_ends(small_model):
+    """stream queues each decode step before yielding the tokens it appends: a generation that ends at
+    its length, at end tokens, or by the caller closing it leaves the same lengths (prompt + tokens - 1)."""
+    small_model.generate([[1, 2, 3], [4]], 5, eos_token_id=())
+    assert small_model.lengths.tolist() == [3 + 4, 1 + 4]
+    first = small_model.generate([[1, 2, 3]], 5, eos_token_id=())[0]
+    small_model.generate([[1, 2, 3]], 5, eos_token_id=int(first[1]))  # every sequence ends at its 2nd token
+    assert small_model.lengths.tolist() == [3 + 1]
+    steps = small_model.stream([[1, 2, 3], [4]], 6, eos_token_id=())
+    next(steps), next(steps), next(steps)
+    steps.close()
+    assert small_model.lengths.tolist() == [3 + 2, 1 + 2]

@@ -20,7 +20,8 @@ Rows per (dtype, batch):
   each fed the argmax of the last logits (greedy), as `from_pretrained` makes the model: each decode step
   one CUDA graph replay (captured per batch bucket at the first step). The argmax is in range, so the step
   skips its token check (a read-back per step) and the queue runs ahead as it does in `generate`, which
-  queues each step before reading the last one's tokens back.
+  queues each step before reading the last one's tokens back. Its time includes decode_step's copy of
+  the graph's logits into an array of the caller's ((B, vocab) values, as the argmax then reads).
 - libnn eager: the same checkpoint loaded with `decode_graphs=False`: every op of a step launched from
   Python.
 - HF eager: Hugging Face's forward in `torch.inference_mode()` (its default attention implementation,

@@ -32,7 +32,7 @@ anything). Decode appends one token per sequence at its own position (position =
 and attends with seq_lens_kv = the new lengths.
 
 Decode steps as CUDA graphs (the default on the GPU, `decode_graphs=True`): a step launched op by op from
-Python costs about 12 launches per layer of host time, far more than the GPU's work at small batches, so
+Python costs about ten launches per layer of host time, far more than the GPU's work at small batches, so
 each step is one replay of a graph captured per batch bucket (1, 2, 4, ... up to max_batch; a batch pads up
 to its bucket) through libnn.nn.graphs.GraphedModule. The graph reads the step's tokens and positions
 from its input buffers (copied in per step, a few bytes), and the cache is one fixed buffer, so one
@@ -40,7 +40,9 @@ capture serves every step and every position. A bucket's padding rows repeat the
 token and position and write into cache rows no sequence of the batch owns. The first step of a bucket
 captures it (one eager pass with every check, warm-ups, the capture). New parameters or a move drop the
 graphs with the cache. `decode_graphs=False` runs every step eagerly; prefill is always eager.
-FP8 weights and a paged cache are not done yet.
+`generate` and `stream` queue each step before reading the last one's tokens back; however a generation
+ends, the cache then holds the prompt and every generated token but the last. `quantize("fp8")` puts the
+projections in E4M3 (linear_fp8). A paged cache is not done yet.
 
 The reference path runs the whole model on the host (device="cpu", dtype fp32 or fp64): every op's
 float64 reference, what the CPU tests compare against independent NumPy models.
@@ -653,7 +655,7 @@ class CausalLM(Module):
         """stream's arguments checked, every error naming the public function `name`; the steps' iterator."""
         where = f"CausalLM.{name}"
         max_new_tokens = checks.size(where, "max_new_tokens", max_new_tokens, 0)
-        sample = _Sampler(where, temperature, top_k, top_p, seed, self.config.vocab_size)
+        sample = Sampler(where, temperature, top_k, top_p, seed, self.config.vocab_size)
         eos = self.config.eos_token_id if eos_token_id is None else token_ids(where, "eos_token_id", eos_token_id)
         if bad := [t for t in eos if t >= self.config.vocab_size]:
             raise ValueError(f"{where}: eos_token_id {bad} outside the vocabulary [0, {self.config.vocab_size})")
@@ -664,26 +666,36 @@ class CausalLM(Module):
                              f"max_len {self.max_len}")
         return self._stream(ids, lengths, max_new_tokens, sample, np.asarray(eos, np.int64))
 
-    def _stream(self, ids: Any, lengths: np.ndarray, max_new_tokens: int, sample: _Sampler,
+    def _stream(self, ids: Any, lengths: np.ndarray, max_new_tokens: int, sample: Sampler,
                 eos: np.ndarray) -> Iterator[np.ndarray]:
         if not max_new_tokens:
             return
         logits = self._prefill(ids, lengths)
         done = np.zeros(len(lengths), bool)
-        for step in range(max_new_tokens):
-            tokens = sample(logits)
-            copy = _HostCopy(tokens)
-            last = step == max_new_tokens - 1
-            if not last:
-                # queued before the host waits for the tokens: the GPU runs the next step while the host
-                # reads these and yields them (after the last token every sequence has ended, the step
-                # was computed for nothing; its cache position is within max_len all the same)
-                logits = self._decode(tokens, checked=True)
-            host = copy.wait()
-            yield np.where(done, -1, host)
-            done |= np.isin(host, eos)
-            if done.all() or last:
-                return
+        queued = False  # a step appended the last yielded tokens that no later step has read from
+        try:
+            for step in range(max_new_tokens):
+                tokens = sample(logits)
+                queued = False
+                copy = _HostCopy(tokens)
+                last = step == max_new_tokens - 1
+                if not last:
+                    # queued before the host waits for the tokens: the GPU runs the next step while the
+                    # host reads these and yields them
+                    logits = self._decode(tokens, checked=True)
+                    queued = True
+                host = copy.wait()
+                yield np.where(done, -1, host)
+                done |= np.isin(host, eos)
+                if done.all() or last:
+                    return
+        finally:
+            # however the generation ends (its length, every sequence's end token, the caller closing
+            # it), the cache holds the prompt and every generated token but the last, as without the
+            # step queued ahead: that step's token is dropped from the lengths (its k and v stay past
+            # them, never read, and the next step's overwrite them)
+            if queued:
+                self._lengths[:len(lengths)] -= 1
 
     def generate(self, input_ids: Any, max_new_tokens: int, *, lengths: Any = None, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: Any = None,
@@ -761,7 +773,7 @@ class _HostCopy:
 
 
 # --- sampling ----------------------------------------------------------------------------------------------
-class _Sampler:
+class Sampler:
     """The next token of each row of logits (B, vocab): argmax at temperature 0, else a sample after
     temperature, top_k and top_p (Hugging Face's order), drawn by the Gumbel-max trick (argmax of the
     filtered logits / temperature plus Gumbel noise: a sample of their softmax) on the logits' array

@@ -21,7 +21,10 @@ Paths, in `auto` order:
 - cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs.
 - custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
               multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
-              stored), and a warp-per-row kernel for the rest: fp32, D up to 256, any alignment.
+              stored), a split-K decoding kernel for one query row per sequence (a decoder's step
+              from its cache: fp16/bf16, no bias or top-left mask, D = 8..256 a power of two times 8,
+              up to 8 query heads per kv head), and a warp-per-row kernel for the rest: fp32, D up to
+              256, any alignment.
 - unfused:    the textbook three passes: Q·Kᵀ on cuBLAS, our masked softmax kernel, P·V on cuBLAS;
               S×S scores in memory. Kept as the benchmark's middle rung.
 - reference:  NumPy in float64.
@@ -591,7 +594,8 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
     if flash_supports(p.dtype, p.D):
         return ()
     flash = aligned and p.aligned and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale)
-    decode = p.aligned and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal)
+    decode = p.aligned and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal,
+                                       batch=p.B, kv_heads=p.Hkv, Skv=p.Skv)
     return ("attn1_naive",) + (("attn2_flash",) if flash else ()) + (("attn3_decode",) if decode else ())
 
 

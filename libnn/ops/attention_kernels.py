@@ -46,6 +46,7 @@ DECODE_THREADS, DECODE_MAX_GROUP = _K["ATTN3_THREADS"], _K["ATTN3_MAX_G"]
 DECODE_SMEM = 48 * 1024       # attn3_decode's dynamic shared memory stays below the default limit
 DECODE_BLOCKS_PER_SM = 4      # the splits are sized to give about this many blocks per SM
 DECODE_CHUNKS = (64, 128, 256, 512)  # keys per split
+_MAX_GRID_YZ = 65535          # attn3_decode's grid y (kv heads) and z (batch)
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -81,22 +82,25 @@ def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:
             and (not has_bias or scale != 0))
 
 
-def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, causal: str | None) -> bool:
+def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, causal: str | None, *,
+                batch: int, kv_heads: int, Skv: int) -> bool:
     """Whether attn3_decode takes a problem, alignment aside (q's, k's and v's rows must start on 16
-    bytes): fp16 or bf16, one query row, no bias, no top-left mask (with one row, bottom-right masks
-    nothing), the row in 1 to 32 16-byte vectors (a power of two: D = 8, 16, 32, ..., 256), at most
-    DECODE_MAX_GROUP query heads per kv head."""
+    bytes): fp16 or bf16, one query row, at least one key position (an empty cache has no split), no
+    bias, no top-left mask (with one row, bottom-right masks nothing), the row in 1 to 32 16-byte vectors
+    (a power of two: D = 8, 16, 32, ..., 256), at most DECODE_MAX_GROUP query heads per kv head, and a
+    batch and kv heads within the grid's y and z limits (65535)."""
     vectors = head_dim // 8  # 16-byte vectors of 16-bit elements
-    return (dtype in ("fp16", "bf16") and Sq == 1 and not has_bias and causal != "top_left"
+    return (dtype in ("fp16", "bf16") and Sq == 1 and Skv >= 1 and not has_bias and causal != "top_left"
             and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and 1 <= vectors <= 32
-            and vectors & (vectors - 1) == 0)
+            and vectors & (vectors - 1) == 0 and batch <= _MAX_GRID_YZ and kv_heads <= _MAX_GRID_YZ)
 
 
 def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None = None) -> str:
     """The kernel `flash_attention` runs for these arrays: attn3_decode where it applies, else attn2_flash
     where it applies, else attn1_naive."""
     dtype, D = dtypes.short_name(q.dtype), q.shape[3]
-    if (decode_fits(dtype, D, q.shape[2], q.shape[1] // k.shape[1], bias is not None, causal)
+    if (decode_fits(dtype, D, q.shape[2], q.shape[1] // k.shape[1], bias is not None, causal, batch=q.shape[0],
+                    kv_heads=k.shape[1], Skv=k.shape[2])
             and all(_rows_aligned(a) for a in (q, k, v))):
         return "attn3_decode"
     fits = flash_fits(dtype, D, bias is not None, scale) and all(_rows_aligned(a) for a in (q, k, v, o))
@@ -139,14 +143,13 @@ def _bind_decode(q, k, v, o, scale: float):
                                      v_ss=v_ss),
                         shared_mem=_decode_smem(group, D, chunk, itemsize))
     combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (DECODE_THREADS,),
-                          _COMBINE.pack(part_o=A, part_ml=A, lens_q=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb,
-                                        o_sh=o_sh))
+                          _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh))
 
     def run(q, k, v, o, bias, lens_q, lens_kv):
         part_o = cupy.empty((B, Hq, splits, D), cupy.float32)
         part_ml = cupy.empty((B, Hq, splits, 2), cupy.float32)
         split(q, k, v, part_o, part_ml, lens_q, lens_kv)
-        combine(part_o, part_ml, lens_q, o)
+        combine(part_o, part_ml, o)
     return run
 
 

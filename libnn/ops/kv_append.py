@@ -141,6 +141,19 @@ def _check_positions(problem: KVAppendProblem, positions, vouched: bool) -> None
                          f"from {ranges[0][0]} to {ranges[0][1]}")
 
 
+def _extent(cache) -> int:
+    """The bytes from a cache's first element to past its last (its strides are positive: the problem's
+    checks refuse a self-overlapping cache, and its last dimension is contiguous)."""
+    return sum((n - 1) * abs(st) for n, st in zip(cache.shape, cache.strides)) + cache.itemsize if cache.size else 0
+
+
+def _check_disjoint(k_pointer: int, v_pointer: int, nbytes: int) -> None:
+    """k_cache and v_cache (one shape and strides, `nbytes` each) must not share memory: every token's v
+    would overwrite its k, or the kernel's non-aliasing promise break."""
+    if nbytes and k_pointer < v_pointer + nbytes and v_pointer < k_pointer + nbytes:
+        raise ValueError("kv_append: k_cache and v_cache share memory; pass two separate caches")
+
+
 # --- custom path: kernels/kv_append.cu -----------------------------------------------------------------------
 _KV = contracts.params("kv_append.cu", "KV_PARAMS")  # every kv_append kernel's parameters
 KV_THREADS = contracts.constant("kv_append.cu", "KV_THREADS")
@@ -177,7 +190,7 @@ def _custom_support(problem: KVAppendProblem) -> str | None:
 
 def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
     """The runner of kernels/kv_append.cu for arrays of this signature: one packed launch; k, v or positions
-    the kernel cannot address as they lie are copied first, a cache it cannot address is declined."""
+    the kernel cannot address as they lie are copied first, a cache it cannot address is refused."""
     import cupy
 
     cache_rows = _rows(k_cache)
@@ -202,8 +215,10 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                                   ps=position_strides[1], interleaved=problem.style == "interleaved"))
 
     copy_freq = inv_freq is not None and not inv_freq.flags.c_contiguous  # None: a null pointer, never read (R = 0)
+    cache_bytes = _extent(k_cache)
 
     def run(k, v, positions, inv_freq, k_cache, v_cache):
+        _check_disjoint(k_cache.data.ptr, v_cache.data.ptr, cache_bytes)
         _check_positions(problem, positions, problem.checked)
         kernel(k if k_rows else cupy.ascontiguousarray(k), v if v_rows else cupy.ascontiguousarray(v),
                cupy.ascontiguousarray(positions) if copy_positions else positions,
@@ -218,6 +233,8 @@ op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=T
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
     _check_positions(problem, positions, False)  # on the host it costs no synchronisation: NumPy would wrap a -1
+    if np.shares_memory(k_cache, v_cache):
+        raise ValueError("kv_append: k_cache and v_cache share memory; pass two separate caches")
     rotated = k if not problem.rotary_dim else rope(k, positions, inv_freq, style=problem.style,
                                                      rotary_dim=problem.rotary_dim, path="reference")
     rows = np.broadcast_to(np.arange(problem.B)[:, None], (problem.B, problem.S))
