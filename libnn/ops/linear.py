@@ -28,7 +28,6 @@ lets cuBLASLt use TF32 tensor cores (about 1e-3 relative error instead of 1e-6).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -138,8 +137,9 @@ def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
     return run
 
 
-def _degenerate(problem: LinearProblem, x, w, b, r):
-    """The result when M, N or K is 0: no GEMM to run."""
+def degenerate_result(problem: Any, x: Any, b: Any, r: Any) -> Any:
+    """The result when M, N or K is 0, for a problem with M, N and activation (linear's, linear_fp8's):
+    no GEMM to run."""
     xp = array_module(x)
     lead = x.shape[:-1]
     if problem.M == 0 or problem.N == 0:
@@ -179,7 +179,7 @@ def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):
     activation in its epilogue when `fused`; otherwise the GEMM adds the residual alone and one pass of
     kernels/epilogue.cu adds the bias and applies the activation. Empty problems need no GEMM."""
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return functools.partial(_degenerate, problem)
+        return lambda x, w, b, r: degenerate_result(problem, x, b, r)
     matrices = (contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b),
                 None if r is None else contiguous(r).reshape(problem.M, problem.N))
     if fused:
@@ -339,7 +339,7 @@ def _cudnn(problem: LinearProblem, x, w, b, r):
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: LinearProblem, x, w, b, r):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return _degenerate(problem, x, w, b, r)
+        return degenerate_result(problem, x, b, r)
     M, N, K = problem.M, problem.N, problem.K
     # float64 copies of x and w, the float64 product (and the residual's copy), the result
     nbytes = 8 * (M * K + N * K + M * N * (2 if r is not None else 1)) + M * N * x.dtype.itemsize

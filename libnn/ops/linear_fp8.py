@@ -33,7 +33,6 @@ takes any floating-point x.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,11 +42,11 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.ops import activations
-from libnn.ops.linear import bind_epilogue_pass
+from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute
@@ -138,20 +137,6 @@ def linear_fp8(x: Any, w: Any, w_scale: Any, b: Any = None, activation: str | No
     return op.call(key, lambda: linear_fp8_problem(x, w, w_scale, b, activation, r), path, x, w, w_scale, b, r)
 
 
-def _degenerate(problem: LinearFp8Problem, x, w, w_scale, b, r):
-    """The result when M, N or K is 0: no GEMM to run (K == 0: an empty sum, act(b + residual))."""
-    xp = array_module(x)
-    lead = x.shape[:-1]
-    if problem.M == 0 or problem.N == 0:
-        return xp.empty((*lead, problem.N), x.dtype)
-    v = xp.zeros((problem.M, problem.N), xp.float64 if xp is np else xp.float32)
-    if b is not None:
-        v += b.astype(v.dtype)
-    if r is not None:
-        v += r.reshape(problem.M, problem.N).astype(v.dtype)
-    return activations.apply(v, problem.activation).astype(x.dtype).reshape(*lead, problem.N)
-
-
 def _gpu_support(problem: LinearFp8Problem) -> str | None:
     if problem.dtype not in GPU_DTYPES:
         return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
@@ -184,7 +169,7 @@ def _bind_gpu(bind_gemm, scale_count: int, fused: bool, problem: LinearFp8Proble
     import cupy
 
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return functools.partial(_degenerate, problem)
+        return lambda x, w, w_scale, b, r: degenerate_result(problem, x, b, r)
     M, N, K = problem.M, problem.N, problem.K
     out_shape = None if x.ndim == 2 else (*x.shape[:-1], N)
     quantize, x_scale = bind_quantize(problem.dtype, M * K, scale_count)
@@ -260,7 +245,7 @@ def dequantized(codes, scale) -> np.ndarray:
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: LinearFp8Problem, x, w, w_scale, b, r):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return _degenerate(problem, x, w, w_scale, b, r)
+        return degenerate_result(problem, x, b, r)
     M, N, K = problem.M, problem.N, problem.K
     # the float32 quantiser's copies of x, the codes, the float64 operands, the product (and residual), the result
     nbytes = 13 * M * K + 8 * N * K + 8 * M * N * (2 if r is not None else 1) + M * N * x.dtype.itemsize
