@@ -113,13 +113,27 @@ class DecoderConfig:
                 raise ValueError(f"{where}: {name} {value} is outside the vocabulary [0, {self.vocab_size})")
 
 
-def check_fields(where: str, config: Any) -> None:
+def _check_fields(where: str, config: Any) -> None:
     """config.json's value must be an object of fields."""
     if not isinstance(config, dict):
         raise TypeError(f"{where} must be a JSON object of the config's fields by name, got {type(config).__name__}")
 
 
-def check_architectures(where: str, config: dict, supported: tuple[str, ...]) -> None:
+def checked_model_type(where: str, config: Any, default: str, model_types: tuple[str, ...],
+                       class_names: tuple[str, ...]) -> str:
+    """The checks every architecture's config starts with, each error naming `where`: config.json's value
+    is an object of fields, its model_type (`default` where absent) one of `model_types`, its
+    architectures (where given) one of `class_names`, and it is no quantized checkpoint. The model type."""
+    _check_fields(where, config)
+    model_type = config.get("model_type", default)
+    if model_type not in model_types:
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(model_types)})")
+    _check_architectures(where, config, class_names)
+    _refuse_quantized(where, config)
+    return model_type
+
+
+def _check_architectures(where: str, config: dict, supported: tuple[str, ...]) -> None:
     """config.json's `architectures`, where given, must name one of the `supported` classes: a causal LM
     with its lm_head."""
     architectures = config.get("architectures")
@@ -132,7 +146,7 @@ def check_architectures(where: str, config: dict, supported: tuple[str, ...]) ->
                          "a causal LM with its lm_head)")
 
 
-def refuse_quantized(where: str, config: dict) -> None:
+def _refuse_quantized(where: str, config: dict) -> None:
     """A quantization_config other than null is refused, naming its method."""
     quantization = config.get("quantization_config")
     if quantization is not None:
@@ -251,7 +265,7 @@ def architecture_for(config: Any, source: str) -> Architecture:
     """The architecture the fields of a config.json (from `source`, named in errors) ask for: its model_type;
     without one, the first of its architectures libnn runs; with neither, DEFAULT_MODEL_TYPE's."""
     where = f"CausalLM: {source}"
-    check_fields(where, config)
+    _check_fields(where, config)
     model_type = config.get("model_type")
     if model_type is None:
         names = config.get("architectures")

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from libnn.models.decoder import (Architecture, CausalLM, DecoderConfig, DecoderModel, Layers, LoadReport, Step,
-                                  check_architectures, check_fields, layer_range, path_for, refuse_quantized,
-                                  register, token_fields)
+                                  checked_model_type, layer_range, path_for, register,
+                                  token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.linear import Linear
@@ -94,12 +94,7 @@ class GPT2Config(DecoderConfig):
         in every error. Options that would change the network to one libnn does not run are refused by
         name."""
         where = f"CausalLM: {source}"
-        check_fields(where, config)
-        model_type = config.get("model_type", "gpt2")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
-        check_architectures(where, config, CLASS_NAMES)
-        refuse_quantized(where, config)
+        model_type = checked_model_type(where, config, "gpt2", MODEL_TYPES, CLASS_NAMES)
         act = config.get("activation_function", "gelu_new")
         if not isinstance(act, str) or act not in ACTIVATIONS:
             raise ValueError(f"{where}: activation_function {act!r} is not supported (supported: "

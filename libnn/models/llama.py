@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from libnn.models.decoder import (FLOAT32_MAX, Architecture, CausalLM, DecoderConfig, DecoderModel, Layers,
-                                  LoadReport, Step, check_architectures, check_fields, layer_range, path_for,
-                                  refuse_quantized, register, token_fields)
+                                  LoadReport, Step, checked_model_type, layer_range, path_for,
+                                  register, token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
@@ -99,12 +99,7 @@ class LlamaConfig(DecoderConfig):
         in every error. Fields libnn does not read (initializer_range, use_cache, torch_dtype, ...) are
         left aside; options that would change the network to one libnn does not run are refused by name."""
         where = f"CausalLM: {source}"
-        check_fields(where, config)
-        model_type = config.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {list(MODEL_TYPES)})")
-        check_architectures(where, config, CLASS_NAMES)
-        refuse_quantized(where, config)
+        model_type = checked_model_type(where, config, "llama", MODEL_TYPES, CLASS_NAMES)
         act = config.get("hidden_act", "silu")
         if act not in HIDDEN_ACTS:
             raise ValueError(f"{where}: hidden_act {act!r} is not supported (supported: {list(HIDDEN_ACTS)}, "
