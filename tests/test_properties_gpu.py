@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from conftest import BASE_SEED, rel_error
 from libnn.errors import LibraryError, PathUnavailableError
 from libnn.registry import get_op
-from property_cases import APPROXIMATE_ACTIVATION_ABS_ERROR, STRATEGIES, build, on_device
+from property_cases import APPROXIMATE_ACTIVATION_ABS_ERROR, STRATEGIES, build, on_device, strategy_for
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,7 @@ def check_close(case, path: str, got, expected) -> None:
 
 
 def check_one_example(op: str, path: str, base_seed: int, data) -> None:
-    spec = data.draw(STRATEGIES[op](), label="spec")
+    spec = data.draw(strategy_for(op, path), label="spec")
     case = build(spec, base_seed)
     note(f"LIBNN_TEST_SEED={base_seed}")
     got = run_gpu(case, path)

@@ -8,11 +8,16 @@ that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's n
 "gelu" is never substituted for "gelu_erf".
 
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
+- cutlass:   "gelu_erf" alone, on Hopper: CUTLASS 3's sm90 TMA + wgmma GEMM with bias, residual and the
+             exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu, built by nvcc at first use; needs
+             the nvidia-cutlass headers and nvcc). One kernel where cuBLASLt needs a second pass.
+             fp16/bf16, N and K multiples of 8, 16-byte aligned arrays (TMA).
 - cublaslt:  cuBLASLt through nvmath-python: D = epilogue(A·B + β·C + bias) in one call, with the
              residual as C (β = 1) and bias, relu or gelu in the epilogue. cuBLASLt has no erf GELU, so
              "gelu_erf" is the GEMM (with the residual) followed by one memory-bound pass that adds the
-             bias and applies the GELU (kernels/epilogue.cu bias_act_rows). Still first for "gelu_erf":
-             at BERT's FFN shapes the GEMM + pass beat cudnn's fused kernel (benchmarks/RESULTS.md).
+             bias and applies the GELU (kernels/epilogue.cu bias_act_rows). Where cutlass cannot run,
+             still first for "gelu_erf": at BERT's FFN shapes the GEMM + pass beat cudnn's fused kernel
+             (benchmarks/RESULTS.md).
 - cudnn:     one cuDNN frontend graph, matmul → add(bias) → add(residual) → activation, which cuDNN's
              runtime-fusion engines compile into one kernel, the exact GELU composed from ERF and
              arithmetic nodes (see exact_gelu). fp16/bf16 with N and K multiples of 8; a graph cuDNN
@@ -37,6 +42,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.backends import cudnn as cudnn_backend
+from libnn.backends import cutlass
 from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
@@ -47,7 +53,7 @@ ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("linear", order=("cublaslt", "cudnn", "custom", "reference"))
+op = Op("linear", order=("cutlass", "cublaslt", "cudnn", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,51 @@ def epilogue_pass_kernel(dtype: str, activation: str | None) -> str:
     return f"bias_act_rows_{activation or 'none'}_{dtypes.KERNEL_SUFFIX[dtype]}"
 
 
+def _refuse_misaligned(who_needs: str, x, w, b, r) -> None:
+    """LibraryError naming the arrays not 16-byte aligned, for a library whose descriptors declare them so."""
+    misaligned = [name for name, a in (("x", x), ("w", w), ("b", b), ("residual", r))
+                  if a is not None and a.data.ptr % 16]
+    if misaligned:
+        raise LibraryError(f"{who_needs} 16-byte aligned buffers; {', '.join(misaligned)} "
+                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+
+
+# --- cutlass path: kernels/nvcc/gemm_cutlass.cu ------------------------------------------------------
+CUTLASS_DTYPES = ("fp16", "bf16")
+
+
+def _cutlass_support(problem: LinearProblem) -> str | None:
+    if problem.activation != "gelu_erf":
+        return "only the gelu_erf epilogue (cuBLASLt fuses every other activation)"
+    if problem.dtype not in CUTLASS_DTYPES:
+        return f"dtype {problem.dtype} is not supported (supported: {', '.join(CUTLASS_DTYPES)})"
+    if problem.N % 8 or problem.K % 8:
+        return f"N and K must be multiples of 8 (TMA's 16-byte rows of {problem.dtype}), got N={problem.N} K={problem.K}"
+    return cutlass.missing(int(problem.device.split(":")[1]))
+
+
+def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
+    """The runner of the CUTLASS GEMM for C-contiguous (M, K), (N, K), (N,) and (M, N) CuPy arrays (b and
+    r None where the problem has none). LibraryError if an array is not 16-byte aligned (TMA's boxes)."""
+    import cupy
+
+    _refuse_misaligned("CUTLASS's TMA loads need", x, w, b, r)
+    gemm = cutlass.bind_gemm_gelu_erf(problem.dtype, problem.M, problem.N, problem.K)
+    shape, dtype = (problem.M, problem.N), x.dtype
+
+    def run(x, w, b, r):
+        y = cupy.empty(shape, dtype)
+        gemm(x, w, b, r, y)
+        return y
+    return run
+
+
+@op.path("cutlass", kind="library", device="gpu", requires=("cutlass_library",), supports=_cutlass_support,
+         binds=True)
+def _cutlass(problem: LinearProblem, x, w, b, r):
+    return _bind_gpu(bind_cutlass, True, problem, x, w, b, r)
+
+
 # --- cudnn path: one cuDNN frontend graph -------------------------------------------------------------
 CUDNN_DTYPES = ("fp16", "bf16")
 # The activations linear_graph_builder maps to a pointwise node (conv2d's builder shows the next ones:
@@ -313,11 +364,7 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
     or an array is not 16-byte aligned (the frontend declares every tensor so)."""
     import cupy
 
-    misaligned = [name for name, a in (("x", x), ("w", w), ("b", b), ("residual", r))
-                  if a is not None and a.data.ptr % 16]
-    if misaligned:
-        raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    _refuse_misaligned("cuDNN needs", x, w, b, r)
     execute = cudnn_backend.graph_for(cudnn_graph_key(problem), linear_graph_builder(problem),
                                       problem.describe).executor(_cudnn_uids(problem))
     shape, dtype = (problem.M, problem.N), x.dtype

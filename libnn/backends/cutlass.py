@@ -1,0 +1,92 @@
+"""CUTLASS: GEMMs with epilogues that cuBLASLt does not offer, instantiated from NVIDIA's CUTLASS 3 templates.
+
+One module per vendor library: this one finds CUTLASS's headers (inside the `nvidia-cutlass` wheel's
+`cutlass_library` package), builds kernels/nvcc/*.cu with nvcc into shared libraries through
+`runtime.host_build`, and binds their C entry points. Today it has one kernel, linear's GEMM with the
+exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu), for Hopper (sm_90a).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from libnn.errors import LibraryError
+from libnn.runtime import host_build
+from libnn.runtime.device import compute_capability
+
+# CUTLASS's element type per libnn dtype
+ELEMENTS = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+# kernels/nvcc/gemm_cutlass.cu's CONFIG: 128x256x64 tiles, 2x1 clusters, cooperative warp groups (the
+# fastest of the file's versions on the BERT FFN shapes, benchmarks/RESULTS.md)
+GEMM_GELU_ERF_CONFIG = 0
+ARCH = "sm_90a"  # wgmma and TMA: the kernels are built for compute capability 9.0 exactly
+ERROR_CAPACITY = 512
+
+
+@functools.lru_cache(maxsize=None)
+def include_dirs() -> tuple[Path, ...] | None:
+    """CUTLASS's include directories (its headers and its tools/util headers), or None if not found."""
+    try:
+        import cutlass_library  # the nvidia-cutlass wheel ships the C++ headers inside this package
+    except ImportError:
+        return None
+    root = Path(cutlass_library.__file__).parent / "source"
+    dirs = (root / "include", root / "tools" / "util" / "include")
+    return dirs if all((d / "cutlass").is_dir() for d in dirs) else None
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    """CUTLASS's version from its headers (cutlass/version.h), e.g. '4.2.0'; '' if not found."""
+    dirs = include_dirs()
+    if dirs is None:
+        return ""
+    text = (dirs[0] / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts if m)
+
+
+@functools.lru_cache(maxsize=None)
+def missing(device_id: int) -> str | None:
+    """None if CUTLASS kernels can be built and run on device `device_id`, else why not."""
+    if include_dirs() is None:
+        return "CUTLASS's headers are not installed (pip install nvidia-cutlass, or libnn's cutlass extra)"
+    if reason := host_build.nvcc_missing():
+        return reason
+    major, minor = compute_capability(device_id)
+    if (major, minor) != (9, 0):
+        return f"the CUTLASS kernels are built for sm_90a (Hopper); this GPU is sm_{major}{minor}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_gelu_erf(dtype: str) -> Callable[..., int]:
+    """The C entry point libnn_gemm_gelu_erf of kernels/nvcc/gemm_cutlass.cu for `dtype`."""
+    library = host_build.load("gemm_cutlass.cu", ARCH, {"ELEMENT": ELEMENTS[dtype], "CONFIG": str(GEMM_GELU_ERF_CONFIG)},
+                              include_dirs(), version())
+    entry = library.libnn_gemm_gelu_erf
+    entry.restype = ctypes.c_int
+    entry.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+    return entry
+
+
+def bind_gemm_gelu_erf(dtype: str, M: int, N: int, K: int) -> Callable[[Any, Any, Any, Any, Any], None]:
+    """run(x, w, b, r, y): y = gelu_erf(x @ w.T + b + r) on the current stream, for C-contiguous CuPy
+    arrays x (M, K), w (N, K), b (N,) or None, r (M, N) or None and y (M, N) of `dtype`. Builds the
+    library on first use. LibraryError with CUTLASS's own message if it declines or fails."""
+    import cupy
+
+    entry = _gemm_gelu_erf(dtype)
+    error = ctypes.create_string_buffer(ERROR_CAPACITY)
+
+    def run(x, w, b, r, y):
+        failed = entry(x.data.ptr, w.data.ptr, None if b is None else b.data.ptr, None if r is None else r.data.ptr,
+                       y.data.ptr, M, N, K, cupy.cuda.get_current_stream().ptr, error, ERROR_CAPACITY)
+        if failed:
+            raise LibraryError(f"CUTLASS GEMM (M={M} N={N} K={K} {dtype}, gelu_erf epilogue) failed: "
+                               f"{error.value.decode(errors='replace')}")
+    return run
