@@ -9,25 +9,34 @@ at p = positions[b, s] and head h:
     v_cache[b, p, h] = v[b, s, h]
 
 The caches are written in place; nothing is returned. Two tokens of one sequence at one position leave
-either's values there (which one is not defined). With inv_freq None, k is written as it comes (rotary_dim
+either's values there (which one is not defined).
+
+Paged caches (`page_table`, int32 (B, max_pages)): k_cache and v_cache are pools of pages (pages,
+page_size, H, D), any strides with a contiguous last dimension (a pool stored (pages, H, page_size, D),
+the layout cuDNN's paged attention reads, passed as its (0, 2, 1, 3) view), and sequence b's position p
+lives in page page_table[b, p // page_size] at row p % page_size: L = max_pages * page_size positions per
+sequence. page_size must be a power of two (cuDNN's paged attention reads no other; the kernel addresses
+pages by shift and mask). Two sequences whose tables share a page write the same rows (a spare page that
+padding tokens may all write, say). With inv_freq None, k is written as it comes (rotary_dim
 0: a decoder with learned positions, GPT-2): k_cache[b, p, h] = k[b, s, h], the bits copied, as v's.
 
-Positions must lie in [0, L): checked with one synchronisation (a read-back of their range) on every
-call, unless `checked=True`, the caller's word that they do (a decoder that tracks its sequences'
-lengths on the host, inside a CUDA graph above all). The kernel itself never writes outside the caches:
-a position out of range writes nothing there.
+Positions must lie in [0, L) and page-table entries in [0, pages): checked with one synchronisation (a
+read-back of their ranges) on every call, unless `checked=True`, the caller's word that they do (a
+decoder that tracks its sequences' lengths and pages on the host, inside a CUDA graph above all). The
+kernel itself never writes outside the caches: a position or a page out of range writes nothing there.
 
 Paths, in `auto` order (no library has this op):
 - custom:    kernels/kv_append.cu, rope.cu's geometry and its rotation (kernels/rope.cuh) with the cache
-             row addressed by the position, the v row copied by the same threads; strides as they come
-             where the last dimension is contiguous (k and v as views into one QKV projection, the cache
-             rows as views of a larger cache).
-- reference: rope's reference of k (k itself without inv_freq), then both written with NumPy's indexing.
+             row addressed by the position (through the page table where there is one), the v row copied
+             by the same threads; strides as they come where the last dimension is contiguous (k and v as
+             views into one QKV projection, the cache rows as views of a larger cache).
+- reference: rope's reference of k (k itself without inv_freq), then both written with NumPy's indexing
+             (the page table's rows gathered by NumPy where there is one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -50,21 +59,25 @@ class KVAppendProblem:
     S: int                 # new tokens per sequence
     H: int                 # KV heads
     D: int                 # head dimension
-    L: int                 # cache positions per sequence
+    L: int                 # cache positions per sequence (paged: max_pages * page_size)
     rotary_dim: int
     style: str
     dtype: str
     position_dtype: str
-    checked: bool          # the caller vouches for the positions' range
+    checked: bool          # the caller vouches for the positions' and the pages' range
     device: str
+    pages: int = 0         # paged caches: the pools' pages (0: dense caches)
+    page_size: int = 0     # paged caches: positions per page, a power of two
 
     def describe(self) -> str:
         k = f"{self.style} k" if self.rotary_dim else "k (no rotation)"
+        paged = f" ({self.pages} pages of {self.page_size})" if self.pages else ""
         return (f"kv_append {k}, v (B={self.B}, S={self.S}, H={self.H}, D={self.D}) into caches of "
-                f"{self.L} positions, {self.dtype}, positions {self.position_dtype}")
+                f"{self.L} positions{paged}, {self.dtype}, positions {self.position_dtype}")
 
 
-def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked) -> KVAppendProblem:
+def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked,
+                      page_table=None) -> KVAppendProblem:
     if k.ndim != 4:
         raise ValueError(f"kv_append: k must be (B, S, H, D), got shape {tuple(k.shape)}")
     if not dtypes.is_float(k.dtype):
@@ -74,7 +87,12 @@ def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary
                          f"got {tuple(v.shape)} {dtypes.short_name(v.dtype)}")
     B, S, H, D = k.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.ndim != 4 or (cache.shape[0], cache.shape[2], cache.shape[3]) != (B, H, D):
+        if page_table is not None and (cache.ndim != 4 or (cache.shape[2], cache.shape[3]) != (H, D)
+                                       or 0 in cache.shape[:2]):
+            raise ValueError(f"kv_append: {name} must be a pool of pages (pages, page_size, H, D) = (pages, "
+                             f"page_size, {H}, {D}) with a page_table, for k of shape {tuple(k.shape)}, got "
+                             f"{tuple(cache.shape)}")
+        if page_table is None and (cache.ndim != 4 or (cache.shape[0], cache.shape[2], cache.shape[3]) != (B, H, D)):
             raise ValueError(f"kv_append: {name} must be (B, L, H, D) = ({B}, L, {H}, {D}) for k of shape "
                              f"{tuple(k.shape)}, got {tuple(cache.shape)}")
         if cache.dtype != k.dtype:
@@ -95,27 +113,50 @@ def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary
     if not isinstance(checked, bool):
         raise TypeError(f"kv_append: checked must be True or False, got {type(checked).__name__} {checked!r}")
     device = device_of({"k": k, "v": v, "positions": positions, "inv_freq": inv_freq, "k_cache": k_cache,
-                        "v_cache": v_cache}, "kv_append")
-    return KVAppendProblem(B=B, S=S, H=H, D=D, L=k_cache.shape[1], rotary_dim=R, style=style,
-                           dtype=dtypes.short_name(k.dtype), position_dtype=positions.dtype.name, checked=checked,
-                           device=device)
+                        "v_cache": v_cache, "page_table": page_table}, "kv_append")
+    problem = KVAppendProblem(B=B, S=S, H=H, D=D, L=k_cache.shape[1], rotary_dim=R, style=style,
+                              dtype=dtypes.short_name(k.dtype), position_dtype=positions.dtype.name, checked=checked,
+                              device=device)
+    return problem if page_table is None else _paged_problem(problem, page_table, k_cache.shape[0])
 
 
-def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cache: Any, *, style: str = "half",
-              rotary_dim: int | None = None, checked: bool = False, path: str = "auto") -> None:
+def _paged_problem(problem: KVAppendProblem, page_table, pages: int) -> KVAppendProblem:
+    """The problem of paged caches: page_table (B, max_pages) int32 checked, L = max_pages x page_size (the
+    pools' second dimension, a power of two)."""
+    B, page_size = problem.B, problem.L
+    if page_table.dtype != np.int32:
+        raise TypeError(f"kv_append: page_table must be an int32 array (B, max_pages) of page indices, got dtype "
+                        f"{page_table.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != B or page_table.shape[1] == 0:
+        raise ValueError(f"kv_append: page_table must have shape (B, max_pages) = ({B}, max_pages >= 1) for k of "
+                         f"batch {B}, got {tuple(page_table.shape)}")
+    if page_size & (page_size - 1):
+        raise ValueError(f"kv_append: the pools' page_size (their second dimension) must be a power of two, got "
+                         f"{page_size}")
+    return replace(problem, L=page_table.shape[1] * page_size, pages=pages, page_size=page_size)
+
+
+def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cache: Any, *, page_table: Any = None,
+              style: str = "half", rotary_dim: int | None = None, checked: bool = False, path: str = "auto") -> None:
     """Write k rotated at `positions` (RoPE: see `rope`) and v into k_cache and v_cache (B, L, H, D) at
     each token's position: k_cache[b, positions[b, s]] = rope(k[b, s]), v_cache[b, positions[b, s]] =
-    v[b, s], for k and v (B, S, H, D). inv_freq None writes k unrotated (rotary_dim None or 0 then; style
-    is not read). Positions are checked to lie in [0, L) (one synchronisation) unless `checked`. `path`
-    is "auto" or one of `libnn.paths("kv_append")`."""
+    v[b, s], for k and v (B, S, H, D). With `page_table` (B, max_pages) int32 the caches are pools of
+    pages (pages, page_size, H, D) and position p of sequence b is row p % page_size of page
+    page_table[b, p // page_size] (see the module docstring). inv_freq None writes k unrotated
+    (rotary_dim None or 0 then; style is not read). Positions are checked to lie in [0, L), and the
+    page table's entries in [0, pages) (one synchronisation), unless `checked`. `path` is "auto" or one
+    of `libnn.paths("kv_append")`."""
     k, v = as_array(k, "kv_append", "k"), as_array(v, "kv_append", "v")
     positions = as_array(positions, "kv_append", "positions")
     inv_freq = None if inv_freq is None else as_array(inv_freq, "kv_append", "inv_freq")
     k_cache, v_cache = as_array(k_cache, "kv_append", "k_cache"), as_array(v_cache, "kv_append", "v_cache")
+    page_table = None if page_table is None else as_array(page_table, "kv_append", "page_table")
     key = (signature(k), signature(v), signature(positions), signature(inv_freq), signature(k_cache),
-           signature(v_cache), option_key(style), option_key(rotary_dim), option_key(checked), path, stream_key())
-    op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked),
-            path, k, v, positions, inv_freq, k_cache, v_cache)
+           signature(v_cache), signature(page_table), option_key(style), option_key(rotary_dim),
+           option_key(checked), path, stream_key())
+    op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked,
+                                           page_table),
+            path, k, v, positions, inv_freq, k_cache, v_cache, page_table)
 
 
 def _rotary_dim(D: int, inv_freq, style, rotary_dim) -> int:
@@ -130,15 +171,21 @@ def _rotary_dim(D: int, inv_freq, style, rotary_dim) -> int:
     return 0
 
 
-def _check_positions(problem: KVAppendProblem, positions, vouched: bool) -> None:
-    """Positions in [0, L), read back (one synchronisation on the GPU) unless `vouched` for; skipped while
-    a CUDA graph is captured (min_max gives None: the graph's checked first pass ran it)."""
+def _check_positions(problem: KVAppendProblem, positions, page_table, vouched: bool) -> None:
+    """Positions in [0, L) and page-table entries in [0, pages), read back together (one synchronisation
+    on the GPU) unless `vouched` for; skipped while a CUDA graph is captured (min_max gives None: the
+    graph's checked first pass ran it)."""
     if vouched or not positions.size:
         return
-    ranges = min_max([positions])
-    if ranges and (ranges[0][0] < 0 or ranges[0][1] >= problem.L):
+    ranges = min_max([positions] + ([] if page_table is None else [page_table]))
+    if not ranges:
+        return
+    if ranges[0][0] < 0 or ranges[0][1] >= problem.L:
         raise ValueError(f"kv_append: positions must lie in [0, {problem.L}) (the caches' length L), got values "
                          f"from {ranges[0][0]} to {ranges[0][1]}")
+    if page_table is not None and (ranges[1][0] < 0 or ranges[1][1] >= problem.pages):
+        raise ValueError(f"kv_append: page_table entries must lie in [0, {problem.pages}) (the pools' pages), got "
+                         f"values from {ranges[1][0]} to {ranges[1][1]}")
 
 
 def _extent(cache) -> int:
@@ -188,9 +235,10 @@ def _custom_support(problem: KVAppendProblem) -> str | None:
     return None
 
 
-def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
-    """The runner of kernels/kv_append.cu for arrays of this signature: one packed launch; k, v or positions
-    the kernel cannot address as they lie are copied first, a cache it cannot address is refused."""
+def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table):
+    """The runner of kernels/kv_append.cu for arrays of this signature: one packed launch; k, v, positions
+    or the page table the kernel cannot address as they lie are copied first, a cache it cannot address
+    is refused."""
     import cupy
 
     cache_rows = _rows(k_cache)
@@ -205,6 +253,10 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
     copy_positions = any(s % positions.itemsize for s in positions.strides)
     if copy_positions:
         position_strides = (problem.S, 1)
+    table_strides = (0, 0) if page_table is None else tuple(s // page_table.itemsize for s in page_table.strides)
+    copy_table = page_table is not None and any(s % page_table.itemsize for s in page_table.strides)
+    if copy_table:
+        table_strides = (page_table.shape[1], 1)
     name, grid, block = custom_launch(problem)
     (kb, ks, kh), (vb, vs, vh), (cb, cs, ch) = k_rows or contiguous, v_rows or contiguous, cache_rows
     A = launch.ARRAY
@@ -212,17 +264,20 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                          _KV.pack(k=A, v=A, positions=A, inv_freq=A, k_cache=A, v_cache=A, B=problem.B, S=problem.S,
                                   H=problem.H, D=problem.D, R=problem.rotary_dim, L=problem.L, kb=kb, ks=ks, kh=kh,
                                   vb=vb, vs=vs, vh=vh, cb=cb, cs=cs, ch=ch, pb=position_strides[0],
-                                  ps=position_strides[1], interleaved=problem.style == "interleaved"))
+                                  ps=position_strides[1], interleaved=problem.style == "interleaved",
+                                  page_table=A, tb=table_strides[0], tp=table_strides[1],
+                                  page_shift=max(0, problem.page_size.bit_length() - 1), pages=problem.pages))
 
     copy_freq = inv_freq is not None and not inv_freq.flags.c_contiguous  # None: a null pointer, never read (R = 0)
     cache_bytes = _extent(k_cache)
 
-    def run(k, v, positions, inv_freq, k_cache, v_cache):
+    def run(k, v, positions, inv_freq, k_cache, v_cache, page_table):
         _check_disjoint(k_cache.data.ptr, v_cache.data.ptr, cache_bytes)
-        _check_positions(problem, positions, problem.checked)
+        _check_positions(problem, positions, page_table, problem.checked)
         kernel(k if k_rows else cupy.ascontiguousarray(k), v if v_rows else cupy.ascontiguousarray(v),
                cupy.ascontiguousarray(positions) if copy_positions else positions,
-               cupy.ascontiguousarray(inv_freq) if copy_freq else inv_freq, k_cache, v_cache)
+               cupy.ascontiguousarray(inv_freq) if copy_freq else inv_freq, k_cache, v_cache,
+               cupy.ascontiguousarray(page_table) if copy_table else page_table)  # None: a null table (dense)
     return run
 
 
@@ -231,12 +286,15 @@ op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=T
 
 # --- reference -----------------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache):
-    _check_positions(problem, positions, False)  # on the host it costs no synchronisation: NumPy would wrap a -1
+def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table):
+    # on the host the check costs no synchronisation: NumPy would wrap a -1
+    _check_positions(problem, positions, page_table, False)
     if np.shares_memory(k_cache, v_cache):
         raise ValueError("kv_append: k_cache and v_cache share memory; pass two separate caches")
     rotated = k if not problem.rotary_dim else rope(k, positions, inv_freq, style=problem.style,
                                                      rotary_dim=problem.rotary_dim, path="reference")
     rows = np.broadcast_to(np.arange(problem.B)[:, None], (problem.B, problem.S))
+    if page_table is not None:  # (page, row in the page) of each token
+        rows, positions = page_table[rows, positions // problem.page_size], positions % problem.page_size
     k_cache[rows, positions] = rotated
     v_cache[rows, positions] = v
