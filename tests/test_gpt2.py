@@ -3,10 +3,11 @@ NumPy (no libnn op: full recomputation of every position, no KV cache), on a tin
 n_embd 64, 4 heads of 16, vocab 97, 64 positions; n_inner 4 n_embd or 96) saved as a Hugging Face-style
 checkpoint by the test, its Conv1D weights stored (in, out) as Hugging Face stores them: logits of a padded
 batch of prompts of different lengths at prefill and at several decode steps; greedy generation against the
-reference's argmax; sampling seeded; the Conv1D weights transposed at load and the keys kept; lm_head.weight
-and the old attention buffers set aside and reported; a GPT2Model checkpoint without the "transformer."
-prefix; the errors bad configs and checkpoints get, each naming the file and the field or key; `libnn
-generate` on a GPT-2 directory.
+reference's argmax; sampling seeded; the config's end token; the errors bad configs and checkpoints get, each
+naming the file and the field or key (these, and the checks against transformers below, are
+tests/decoder_cases.py's, which TestGPT2 runs for GPT-2); the Conv1D weights transposed at load and the keys
+kept; lm_head.weight and the old attention buffers set aside and reported; a GPT2Model checkpoint without
+the "transformer." prefix; `libnn generate` on a GPT-2 directory.
 
 Against transformers' GPT2LMHeadModel (random weights with random biases and LayerNorm affines, eager
 attention, save_pretrained in safetensors; skipped where torch and transformers are not installed;
@@ -14,24 +15,22 @@ transformers in fp32 on the host, every position recomputed at each step): the r
 the host, logits within 1e-5 for 16 teacher-forced decode steps and the same greedy tokens; on the GPU
 (marked gpu), 64 decode steps fed transformers' greedy tokens (teacher forcing) with every step's logits
 within 1e-4 (fp32), 2e-2 (fp16) or 4e-2 (bf16) of transformers', fp32 greedy generation giving
-transformers' 64 tokens, 64 seeded sampling steps reproducible, and decode graphs against eager steps.
+transformers' 64 tokens (both n_inner variants), 64 seeded sampling steps reproducible, and decode graphs
+against eager steps.
 
 Tolerances (relative L2 error of the logits): fp64 1e-12 (the reference path computes every op in float64:
-the differences are summation order), fp32 5e-6 (one rounding per op), as tests/test_llama.py holds."""
+the differences are summation order), fp32 5e-6 (one rounding per op), as tests/decoder_cases.py holds."""
 
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
 
 from conftest import rel_error
-from test_llama import (HF_MAX_LEN, HF_STEPS, V, check_greedy_tokens, check_teacher_forced, hf_greedy, padded,
-                        prompts, write_checkpoint)
+from decoder_cases import HF_MAX_LEN, HF_STEPS, V, DecoderCases, hf_prompts, load, padded, prompts, write_checkpoint
 
-from libnn import dtypes
 from libnn.models import CausalLM, GPT2Config
 
 H, L, HEADS, POSITIONS = 64, 2, 4, 64
@@ -42,7 +41,6 @@ CONFIG = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_siz
           "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "attn_pdrop": 0.1,
           "embd_pdrop": 0.1, "resid_pdrop": 0.1, "initializer_range": 0.02, "summary_type": "cls_index",
           "summary_use_proj": True, "use_cache": True, "transformers_version": "4.57.6"}
-TOLERANCE = {"fp64": 1e-12, "fp32": 5e-6}
 VARIANTS = {"default": {}, "n_inner-96": {"n_inner": 96}}
 CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
@@ -132,71 +130,6 @@ def checkpoint(request, tmp_path, rng):
     config = dict(CONFIG, **VARIANTS[request.param])
     state = random_state(rng, config)
     return write_checkpoint(tmp_path / request.param, config, state), config, state
-
-
-def load(directory, dtype="fp64", **kwargs):
-    kwargs.setdefault("max_batch", 4)
-    kwargs.setdefault("max_len", 32)
-    return CausalLM.from_pretrained(directory, dtype=dtype, device="cpu", **kwargs)
-
-
-# --- against the reference ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["fp64", "fp32"])
-def test_prefill_and_decode_steps_match_the_reference_on_a_padded_batch(rng, checkpoint, dtype):
-    """Four prompts of 7, 3, 1 and 5 tokens in one right-padded batch (random ids in the padding), then
-    four decode steps feeding random tokens: each sequence's logits are the reference's on its own tokens
-    (each at its own positions, wpe's rows), at every step."""
-    directory, config, state = checkpoint
-    model, reference = load(directory, dtype), NumpyGPT2(config, state)
-    seqs = prompts(rng)
-    ids, lengths = padded(seqs)
-    logits = model.prefill(ids, lengths)
-    assert logits.shape == (4, V) and logits.dtype == dtypes.parse(dtype)
-    for step in range(5):
-        for b, seq in enumerate(seqs):
-            error = rel_error(logits[b], reference.logits(seq))
-            assert error <= TOLERANCE[dtype], (step, b, error)
-        assert list(model.lengths) == [len(s) for s in seqs]
-        if step < 4:
-            tokens = rng.integers(0, V, 4)
-            for seq, t in zip(seqs, tokens):
-                seq.append(int(t))
-            logits = model.decode_step(tokens)
-
-
-def test_greedy_generation_is_the_references_argmax_step_by_step(rng, checkpoint):
-    directory, config, state = checkpoint
-    model, reference = load(directory), NumpyGPT2(config, state)
-    seqs = prompts(rng)
-    out = model.generate(seqs, 6, eos_token_id=())
-    assert [o.tolist() for o in out] == [reference.greedy(s, 6) for s in seqs]
-    ids, lengths = padded(seqs)
-    assert [o.tolist() for o in model.generate(ids, 6, lengths=lengths, eos_token_id=())] == \
-        [o.tolist() for o in out]
-
-
-def test_sampling_is_seeded_and_top_k_1_is_greedy(rng, checkpoint):
-    directory, _, _ = checkpoint
-    model = load(directory)
-    seqs = prompts(rng)
-    greedy = [o.tolist() for o in model.generate(seqs, 6, eos_token_id=())]
-
-    def sample(**kwargs):
-        kwargs.setdefault("temperature", 1.0)
-        return [o.tolist() for o in model.generate(seqs, 6, eos_token_id=(), **kwargs)]
-
-    assert sample(seed=5) == sample(seed=5)
-    assert sample(seed=5) != sample(seed=6)  # 24 tokens of 97 from two seeds: equal by chance ~never
-    assert sample(top_k=1, seed=1) == greedy
-    assert sample(top_k=3, top_p=0.9, temperature=0.7, seed=3) == sample(top_k=3, top_p=0.9, temperature=0.7, seed=3)
-
-
-def test_the_configs_end_token_is_the_default(tmp_path, rng):
-    state = random_state(rng, CONFIG)
-    seq = prompts(rng, (4,))
-    first = NumpyGPT2(CONFIG, state).greedy(seq[0], 1)[0]
-    directory = write_checkpoint(tmp_path, dict(CONFIG, eos_token_id=first), state)
-    assert load(directory).generate(seq, 5)[0].tolist() == [first]
 
 
 # --- loading ----------------------------------------------------------------------------------------------
@@ -297,24 +230,7 @@ BAD_CONFIGS = [
     ({"eos_token_id": 97}, ValueError, r"eos_token_id 97 is outside the vocabulary \[0, 97\)"),
     ({"bos_token_id": 50256}, ValueError, r"bos_token_id 50256 is outside the vocabulary \[0, 97\)"),
 ]
-
-
-@pytest.mark.parametrize("change, error, message", BAD_CONFIGS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
-def test_a_bad_config_is_refused_naming_the_file_and_the_field(tmp_path, rng, change, error, message):
-    directory = write_checkpoint(tmp_path, dict(CONFIG, **change), random_state(rng, CONFIG))
-    with pytest.raises(error, match=rf"^CausalLM: {re.escape(str(directory / 'config.json'))}: " + message):
-        load(directory)
-
-
-def test_the_config_fills_hugging_faces_defaults():
-    c = GPT2Config.from_dict({"model_type": "gpt2"})
-    assert (c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head) == (50257, 1024, 768, 12, 12)
-    assert (c.intermediate_size, c.head_dim, c.eos_token_id, c.activation) == (3072, 64, (50256,), "gelu")
-    assert GPT2Config.from_dict(dict(CONFIG, activation_function="gelu_pytorch_tanh")).activation == "gelu"
-    assert GPT2Config.from_dict(dict(CONFIG, reorder_and_upcast_attn=True)) == GPT2Config.from_dict(CONFIG)
-
-
-@pytest.mark.parametrize("edit, error, message", [
+BAD_CHECKPOINTS = [
     (lambda s: s.pop("transformer.h.1.mlp.c_fc.bias"), KeyError,
      r"missing keys \['transformer.h.1.mlp.c_fc.bias'\], unexpected keys \[\]"),
     (lambda s: s.update({"transformer.h.2.ln_1.weight": np.ones(H, np.float32)}), KeyError,
@@ -328,16 +244,25 @@ def test_the_config_fills_hugging_faces_defaults():
      r"transformer.ln_f.bias has shape \(65,\), the layer expects \(64,\)"),
     (lambda s: s.update({"transformer.wpe.weight": np.zeros((POSITIONS, H), np.complex64)}), TypeError,
      r"transformer.wpe.weight has dtype complex64"),
-])
-def test_a_checkpoint_that_does_not_match_its_config_is_refused_naming_the_file_and_key(tmp_path, rng, edit, error,
-                                                                                         message):
-    state = random_state(rng, CONFIG)
-    edit(state)
-    directory = write_checkpoint(tmp_path, CONFIG, state)
-    with pytest.raises(error, match=rf"CausalLM.from_pretrained\({re.escape(repr(str(directory)))}\): the checkpoint "
-                                    rf"\({re.escape(str(directory / 'model.safetensors'))}\) does not match its config "
-                                    rf"\(2 layers, n_embd 64, n_inner 256\): .*{message}"):
-        load(directory)
+]
+
+
+@pytest.fixture(params=BAD_CONFIGS, ids=lambda case: str(case[0])[:40])
+def bad_config(request):
+    return request.param
+
+
+@pytest.fixture(params=BAD_CHECKPOINTS, ids=lambda case: case[2][:40])
+def bad_checkpoint(request):
+    return request.param
+
+
+def test_the_config_fills_hugging_faces_defaults():
+    c = GPT2Config.from_dict({"model_type": "gpt2"})
+    assert (c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head) == (50257, 1024, 768, 12, 12)
+    assert (c.intermediate_size, c.head_dim, c.eos_token_id, c.activation) == (3072, 64, (50256,), "gelu")
+    assert GPT2Config.from_dict(dict(CONFIG, activation_function="gelu_pytorch_tanh")).activation == "gelu"
+    assert GPT2Config.from_dict(dict(CONFIG, reorder_and_upcast_attn=True)) == GPT2Config.from_dict(CONFIG)
 
 
 # --- libnn generate -------------------------------------------------------------------------------------------
@@ -356,7 +281,6 @@ def test_libnn_generate_runs_a_gpt2_directory(capsys, tmp_path, rng):
 
 
 # --- against transformers: the reference path on the host, and on the GPU (marked gpu) ------------------------
-HF_PROMPTS = (7, 3, 11)  # one right-padded batch
 HF_N_INNER = {"default": None, "n_inner-96": 96}
 
 
@@ -384,48 +308,20 @@ def hf_checkpoint(tmp_path, variant: str = "default"):
     return model
 
 
-def hf_prompts(rng) -> list[list[int]]:
-    return [rng.integers(3, V, n).tolist() for n in HF_PROMPTS]
+@pytest.fixture(params=list(HF_N_INNER))
+def hf_variant(request) -> str:
+    return request.param
 
 
-@pytest.mark.parametrize("variant", list(HF_N_INNER))
-def test_the_reference_path_matches_transformers_on_its_own_checkpoint(tmp_path, rng, variant):
-    """On the host (where torch and transformers are installed): a checkpoint save_pretrained wrote, loaded
-    in fp64: logits of a padded batch and of 16 teacher-forced decode steps within 1e-5 of transformers'
-    fp32 ones, and its greedy tokens for 16 steps."""
-    hf = hf_checkpoint(tmp_path, variant)
-    model = CausalLM.from_pretrained(tmp_path, dtype="fp64", device="cpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    references = [hf_greedy(hf, seq, HF_STEPS["host"]) for seq in seqs]
-    check_teacher_forced(model, references, seqs, "fp64")
-    for b, (got, (tokens, logits)) in enumerate(zip(model.generate(seqs, HF_STEPS["host"], eos_token_id=()),
-                                                    references)):
-        check_greedy_tokens(got, tokens, logits, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("variant", list(HF_N_INNER))
-def test_logits_match_transformers_at_every_one_of_64_teacher_forced_steps(tmp_path, rng, variant, dtype):
-    """Prefill of prompts of 7, 3 and 11 tokens in one batch, then 64 decode steps (CUDA graphs) fed
-    transformers' fp32 greedy tokens: every step's logits within 1e-4 (fp32), 2e-2 (fp16) or 4e-2 (bf16) of
-    transformers' fp32 ones on the same tokens."""
-    hf = hf_checkpoint(tmp_path, variant)
-    model = CausalLM.from_pretrained(tmp_path, dtype=dtype, device="gpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    check_teacher_forced(model, [hf_greedy(hf, seq, HF_STEPS["gpu"]) for seq in seqs], seqs, dtype)
-
-
-@pytest.mark.gpu
-def test_fp32_greedy_generation_gives_transformers_tokens_for_64_steps(tmp_path, rng):
-    """generate in fp32, 64 new tokens for each of three prompts in one batch: transformers' own greedy
-    tokens in fp32, every one."""
-    hf = hf_checkpoint(tmp_path)
-    model = CausalLM.from_pretrained(tmp_path, dtype="fp32", device="gpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    out = model.generate(seqs, HF_STEPS["gpu"], eos_token_id=())
-    for b, (got, seq) in enumerate(zip(out, seqs)):
-        check_greedy_tokens(got, *hf_greedy(hf, seq, HF_STEPS["gpu"]), b)
+class TestGPT2(DecoderCases):
+    """tests/decoder_cases.py's checks, for GPT-2: against NumpyGPT2 on the checkpoint fixture's two
+    configs, against transformers' GPT2LMHeadModel on hf_checkpoint's two, and BAD_CONFIGS and
+    BAD_CHECKPOINTS refused."""
+    config = CONFIG
+    reference = NumpyGPT2
+    random_state = staticmethod(random_state)
+    hf_checkpoint = staticmethod(hf_checkpoint)
+    config_description = "2 layers, n_embd 64, n_inner 256"
 
 
 @pytest.mark.gpu

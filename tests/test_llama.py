@@ -2,10 +2,11 @@
 NumPy (no libnn op: full recomputation of every position, no KV cache), on a tiny random config (2
 layers, hidden 64, 4 heads of 16, 2 KV heads, vocab 97, intermediate 96) saved as a Hugging Face-style
 checkpoint by the test: logits of a padded batch of prompts of different lengths at prefill and at
-several decode steps; greedy generation against the reference's argmax step by step; end tokens
-stopping their sequence only; sampling (seeded, top_k, top_p); sharded checkpoints; the errors bad
-configs, checkpoints and generation arguments get, each naming the file, key or argument, with the
-model usable after them.
+several decode steps; greedy generation against the reference's argmax step by step; sampling (seeded,
+top_k, top_p); the config's end token (these, the bad configs and checkpoints, and the checks against
+transformers below are tests/decoder_cases.py's, which TestLlama runs for LLaMA); end tokens stopping
+their sequence only; sharded checkpoints; the errors bad configs, checkpoints and generation arguments
+get, each naming the file, key or argument, with the model usable after them.
 
 Against transformers' LlamaForCausalLM (random weights, save_pretrained in safetensors; skipped where torch
 and transformers are not installed; transformers in fp32 on the host, every position recomputed at each
@@ -16,24 +17,22 @@ near-tie that rounding flips cannot steer the text elsewhere) with every step's 
 64 seeded sampling steps reproducible; grouped-query attention untied and multi-query attention tied.
 The decode steps run as the model's default has them (CUDA graphs on the GPU).
 
-Tolerances (relative L2 error of the logits): fp64 1e-12 (the reference path computes every op in
-float64: the differences are summation order, 2e-15 seen), fp32 5e-6 (one rounding per op, 3e-7 seen)."""
+Tolerances: tests/decoder_cases.py's."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 
 import numpy as np
 import pytest
 
-from libnn import dtypes
-from libnn.models import CausalLM, LlamaConfig
-from libnn.nn import weights
 from conftest import rel_error
+from decoder_cases import HF_MAX_LEN, HF_STEPS, V, DecoderCases, hf_prompts, load, padded, prompts, write_checkpoint
 
-V, H, I, L, HEADS, KV_HEADS = 97, 64, 96, 2, 4, 2
+from libnn.models import CausalLM, LlamaConfig
+
+H, I, L, HEADS, KV_HEADS = 64, 96, 2, 4, 2
 D = H // HEADS
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": H,
           "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -41,8 +40,6 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_s
           "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu",
           "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": 0.02,
           "use_cache": True, "torch_dtype": "float32", "transformers_version": "4.46.0"}
-TOLERANCE = {"fp64": 1e-12, "fp32": 5e-6}  # measured: 2e-15 and 3e-7
-PROMPT_LENGTHS = (7, 3, 1, 5)  # a padded batch: the longest first, one of a single token
 
 
 # --- the checkpoint ---------------------------------------------------------------------------------------
@@ -70,24 +67,6 @@ def random_state(rng, config: dict, dtype=np.float32) -> dict[str, np.ndarray]:
     if not config.get("tie_word_embeddings"):
         state["lm_head.weight"] = w(config["vocab_size"], h)
     return state
-
-
-def write_checkpoint(directory, config: dict, state: dict, shards: int = 1):
-    """config.json and model.safetensors (or `shards` files and model.safetensors.index.json)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    if shards == 1:
-        weights.write(directory / "model.safetensors", state)
-        return directory
-    keys = sorted(state)
-    weight_map = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = keys[s::shards]
-        weights.write(directory / name, {k: state[k] for k in part})
-        weight_map.update({k: name for k in part})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
 
 
 # --- the independent reference: LLaMA in float64, every position recomputed ------------------------------
@@ -149,19 +128,6 @@ class NumpyLlama:
         return out
 
 
-def prompts(rng, lengths=PROMPT_LENGTHS) -> list[list[int]]:
-    return [rng.integers(0, V, n).tolist() for n in lengths]
-
-
-def padded(seqs) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded ids (the padding: random ids, which must not matter) and the lengths."""
-    lengths = np.array([len(s) for s in seqs])
-    ids = np.random.default_rng(99).integers(0, V, (len(seqs), lengths.max()))
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = s
-    return ids, lengths
-
-
 VARIANTS = {"gqa": {}, "tied-mha": {"tie_word_embeddings": True, "num_key_value_heads": HEADS}}
 
 
@@ -171,50 +137,6 @@ def checkpoint(request, tmp_path, rng):
     config = dict(CONFIG, **VARIANTS[request.param])
     state = random_state(rng, config)
     return write_checkpoint(tmp_path / request.param, config, state), config, state
-
-
-def load(directory, dtype="fp64", **kwargs):
-    kwargs.setdefault("max_batch", 4)
-    kwargs.setdefault("max_len", 32)
-    return CausalLM.from_pretrained(directory, dtype=dtype, device="cpu", **kwargs)
-
-
-# --- against the reference ------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["fp64", "fp32"])
-def test_prefill_and_decode_steps_match_the_reference_on_a_padded_batch(rng, checkpoint, dtype):
-    """Four prompts of 7, 3, 1 and 5 tokens in one right-padded batch (random ids in the padding), then
-    four decode steps feeding random tokens: each sequence's logits are the reference's on its own
-    tokens, at every step."""
-    directory, config, state = checkpoint
-    model, reference = load(directory, dtype), NumpyLlama(config, state)
-    seqs = prompts(rng)
-    ids, lengths = padded(seqs)
-    logits = model.prefill(ids, lengths)
-    assert logits.shape == (4, V) and logits.dtype == dtypes.parse(dtype)
-    for step in range(5):
-        for b, seq in enumerate(seqs):
-            error = rel_error(logits[b], reference.logits(seq))
-            assert error <= TOLERANCE[dtype], (step, b, error)
-        assert list(model.lengths) == [len(s) for s in seqs]
-        if step < 4:
-            tokens = rng.integers(0, V, 4)
-            for seq, t in zip(seqs, tokens):
-                seq.append(int(t))
-            logits = model.decode_step(tokens)
-
-
-def test_greedy_generation_is_the_references_argmax_step_by_step(rng, checkpoint):
-    directory, config, state = checkpoint
-    model, reference = load(directory), NumpyLlama(config, state)
-    seqs = prompts(rng)
-    out = model.generate(seqs, 6, eos_token_id=())
-    assert [o.tolist() for o in out] == [reference.greedy(s, 6) for s in seqs]
-    assert all(o.dtype == np.int64 for o in out)
-    # the same from a padded array with lengths, and one sequence alone
-    ids, lengths = padded(seqs)
-    assert [o.tolist() for o in model.generate(ids, 6, lengths=lengths, eos_token_id=())] == \
-        [o.tolist() for o in out]
-    assert model.generate([seqs[2]], 6, eos_token_id=())[0].tolist() == out[2].tolist()
 
 
 def test_an_end_token_stops_its_sequence_only(rng, checkpoint):
@@ -241,33 +163,6 @@ def test_an_end_token_stops_its_sequence_only(rng, checkpoint):
     firsts = [g[0] for g in greedy]
     assert [len(o) for o in model.generate(seqs, 5, eos_token_id=firsts)] == [1, 1, 1, 1]
     assert len(list(model.stream(seqs, 5, eos_token_id=firsts))) == 1
-
-
-def test_the_configs_end_token_is_the_default(tmp_path, rng):
-    config = dict(CONFIG)
-    state = random_state(rng, config)
-    seq = prompts(rng, (4,))
-    first = NumpyLlama(config, state).greedy(seq[0], 1)[0]
-    directory = write_checkpoint(tmp_path, dict(config, eos_token_id=[first]), state)
-    assert load(directory).generate(seq, 5)[0].tolist() == [first]
-
-
-def test_sampling_is_seeded_and_top_k_1_or_a_tiny_top_p_is_greedy(rng, checkpoint):
-    directory, _, _ = checkpoint
-    model = load(directory)
-    seqs = prompts(rng)
-    greedy = [o.tolist() for o in model.generate(seqs, 6, eos_token_id=())]
-
-    def sample(**kwargs):
-        kwargs.setdefault("temperature", 1.0)
-        return [o.tolist() for o in model.generate(seqs, 6, eos_token_id=(), **kwargs)]
-
-    assert sample(seed=5) == sample(seed=5)
-    assert sample(seed=5) != sample(seed=6)  # 24 tokens of 97 from two seeds: equal by chance ~never
-    assert sample(top_k=1, seed=1) == greedy
-    assert sample(top_p=1e-6, seed=2) == greedy
-    assert sample(top_k=3, top_p=0.9, temperature=0.7, seed=3) == sample(top_k=3, top_p=0.9, temperature=0.7, seed=3)
-    assert sample(temperature=1e-4, seed=4) == greedy  # a tiny temperature sharpens to the argmax
 
 
 def test_top_k_and_top_p_keep_only_their_tokens(rng):
@@ -405,12 +300,9 @@ BAD_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("change, error, message", BAD_CONFIGS, ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
-def test_a_bad_config_is_refused_naming_the_file_and_the_field(tmp_path, rng, change, error, message):
-    config = dict(CONFIG, **change)
-    directory = write_checkpoint(tmp_path, config, random_state(rng, CONFIG))
-    with pytest.raises(error, match=rf"^CausalLM: {re.escape(str(directory / 'config.json'))}: " + message):
-        load(directory)
+@pytest.fixture(params=BAD_CONFIGS, ids=lambda case: str(case[0])[:40])
+def bad_config(request):
+    return request.param
 
 
 def test_a_config_that_is_not_an_object_or_not_json_is_refused(tmp_path):
@@ -425,14 +317,7 @@ def test_a_config_that_is_not_an_object_or_not_json_is_refused(tmp_path):
 
 
 # --- bad checkpoints -----------------------------------------------------------------------------------------
-def checkpoint_error(tmp_path, rng, edit, **config_changes):
-    config = dict(CONFIG, **config_changes)
-    state = random_state(rng, config)
-    edit(state)
-    return write_checkpoint(tmp_path, config, state)
-
-
-@pytest.mark.parametrize("edit, error, message", [
+BAD_CHECKPOINTS = [
     (lambda s: s.pop("model.layers.1.mlp.up_proj.weight"), KeyError,
      r"missing keys \['model.layers.1.mlp.up_proj.weight'\], unexpected keys \[\]"),
     (lambda s: s.pop("lm_head.weight"), KeyError, r"missing keys \['lm_head.weight'\]"),
@@ -444,14 +329,12 @@ def checkpoint_error(tmp_path, rng, edit, **config_changes):
      ValueError, r"model.layers.0.self_attn.k_proj.weight has shape \(64, 64\), the layer expects \(32, 64\)"),
     (lambda s: s.update({"model.norm.weight": np.zeros(H, np.complex64)}), TypeError,
      r"model.norm.weight has dtype complex64"),
-])
-def test_a_checkpoint_that_does_not_match_its_config_is_refused_naming_the_file_and_key(tmp_path, rng, edit, error,
-                                                                                         message):
-    directory = checkpoint_error(tmp_path, rng, edit)
-    with pytest.raises(error, match=rf"CausalLM.from_pretrained\({re.escape(repr(str(directory)))}\): the checkpoint "
-                                    rf"\({re.escape(str(directory / 'model.safetensors'))}\) does not match its config "
-                                    rf"\(2 layers, hidden 64, tie_word_embeddings=False\): .*{message}"):
-        load(directory)
+]
+
+
+@pytest.fixture(params=BAD_CHECKPOINTS, ids=lambda case: case[2][:40])
+def bad_checkpoint(request):
+    return request.param
 
 
 def test_a_shard_holding_a_tensor_the_index_places_elsewhere_is_refused(tmp_path, rng):
@@ -565,12 +448,6 @@ def test_zero_new_tokens_gives_empty_arrays(small_model):
 # --- against transformers: the reference path on the host, and on the GPU (marked gpu) ------------------------
 HF_VARIANTS = {"gqa": {"num_key_value_heads": 2, "tie_word_embeddings": False},
                "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True}}
-HF_PROMPTS = (7, 3, 11)  # one right-padded batch
-HF_STEPS = {"host": 16, "gpu": 64}  # decode steps; 64 on the GPU, as the issue asks
-HF_MAX_LEN = max(HF_PROMPTS) + HF_STEPS["gpu"]  # the prompt and every teacher-forced step's token
-# relative L2 error of the logits against transformers' fp32 ones: fp64 and fp32 hold transformers' own fp32
-# rounding; fp16 and bf16 as the BERT GPU tests hold
-HF_TOLERANCE = {"fp64": 1e-5, "fp32": 1e-4, "fp16": 2e-2, "bf16": 4e-2}
 
 
 def hf_checkpoint(tmp_path, variant: str):
@@ -590,98 +467,20 @@ def hf_checkpoint(tmp_path, variant: str):
     return model
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0, -1].double().numpy()
+@pytest.fixture(params=list(HF_VARIANTS))
+def hf_variant(request) -> str:
+    return request.param
 
 
-def hf_greedy(model, seq, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """transformers' greedy continuation of `seq`, each step a forward pass over every token so far (no
-    cache): its `steps` tokens, and the logits before each of them and after the last (steps + 1)."""
-    tokens, logits = list(seq), []
-    for _ in range(steps + 1):
-        logits.append(hf_logits(model, tokens))
-        tokens.append(int(np.argmax(logits[-1])))
-    return tokens[len(seq):-1], logits
-
-
-def hf_prompts(rng) -> list[list[int]]:
-    return [rng.integers(3, V, n).tolist() for n in HF_PROMPTS]
-
-
-def check_teacher_forced(model: CausalLM, references, seqs, dtype: str) -> None:
-    """Prefill of `seqs` in one padded batch, then a decode step per reference token, each sequence fed
-    transformers' own greedy token (teacher forcing: where rounding swaps two near-equal logits, the
-    model's argmax would steer its sequence away, and every later step would compare different texts):
-    the logits after the prompt and after every step within HF_TOLERANCE[dtype] of transformers' on the
-    same tokens. `references`: hf_greedy's (tokens, logits) per sequence."""
-    steps = len(references[0][0])
-    logits = model.prefill(*padded(seqs))
-    assert logits.shape == (len(seqs), V) and logits.dtype == dtypes.parse(dtype)
-    for step in range(steps + 1):
-        got = logits.get() if hasattr(logits, "get") else logits  # bf16 through the host too (ml_dtypes)
-        for b, (_, expected) in enumerate(references):
-            error = rel_error(got[b], expected[step])
-            assert error <= HF_TOLERANCE[dtype], f"step {step}, sequence {b}: relative error {error:.3g}"
-        if step < steps:
-            logits = model.decode_step(np.array([tokens[step] for tokens, _ in references]))
-
-
-def check_greedy_tokens(got: np.ndarray, tokens: list[int], logits: list[np.ndarray], sequence: int) -> None:
-    """A generation's tokens are transformers' greedy ones; where they part, the error names the step
-    and transformers' margin there (its best logit less its second best), so that a near-tie reads as one."""
-    got = [int(t) for t in got]
-    if got == tokens:
-        return
-    step = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), min(len(got), len(tokens)))
-    if step == min(len(got), len(tokens)):
-        pytest.fail(f"sequence {sequence}: {len(got)} tokens, transformers' {len(tokens)}")
-    second, best = np.sort(logits[step])[-2:]
-    pytest.fail(f"sequence {sequence}: token {got[step]} at step {step} where transformers' greedy token is "
-                f"{tokens[step]} (its margin over the next best logit there: {best - second:.3g})")
-
-
-@pytest.mark.parametrize("variant", list(HF_VARIANTS))
-def test_the_reference_path_matches_transformers_on_its_own_checkpoint(tmp_path, rng, variant):
-    """On the host (where torch and transformers are installed): a checkpoint save_pretrained wrote, its
-    config.json as this transformers version writes it, loaded in fp64: logits of a padded batch and of 16
-    teacher-forced decode steps within 1e-5 of transformers' fp32 ones, and its greedy tokens for 16 steps."""
-    hf = hf_checkpoint(tmp_path, variant)
-    model = CausalLM.from_pretrained(tmp_path, dtype="fp64", device="cpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    references = [hf_greedy(hf, seq, HF_STEPS["host"]) for seq in seqs]
-    check_teacher_forced(model, references, seqs, "fp64")
-    for b, (got, (tokens, logits)) in enumerate(zip(model.generate(seqs, HF_STEPS["host"], eos_token_id=()),
-                                                    references)):
-        check_greedy_tokens(got, tokens, logits, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("variant", list(HF_VARIANTS))
-def test_logits_match_transformers_at_every_one_of_64_teacher_forced_steps(tmp_path, rng, variant, dtype):
-    """Prefill of prompts of 7, 3 and 11 tokens in one batch, then 64 decode steps fed transformers' fp32
-    greedy tokens: every step's logits within 1e-4 (fp32), 2e-2 (fp16) or 4e-2 (bf16) of transformers' fp32
-    ones on the same tokens."""
-    hf = hf_checkpoint(tmp_path, variant)
-    model = CausalLM.from_pretrained(tmp_path, dtype=dtype, device="gpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    check_teacher_forced(model, [hf_greedy(hf, seq, HF_STEPS["gpu"]) for seq in seqs], seqs, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(HF_VARIANTS))
-def test_fp32_greedy_generation_gives_transformers_tokens_for_64_steps(tmp_path, rng, variant):
-    """generate in fp32, 64 new tokens for each of three prompts in one batch: transformers' own greedy
-    tokens in fp32, every one."""
-    hf = hf_checkpoint(tmp_path, variant)
-    model = CausalLM.from_pretrained(tmp_path, dtype="fp32", device="gpu", max_batch=3, max_len=HF_MAX_LEN)
-    seqs = hf_prompts(rng)
-    out = model.generate(seqs, HF_STEPS["gpu"], eos_token_id=())
-    for b, (got, seq) in enumerate(zip(out, seqs)):
-        check_greedy_tokens(got, *hf_greedy(hf, seq, HF_STEPS["gpu"]), b)
+class TestLlama(DecoderCases):
+    """tests/decoder_cases.py's checks, for LLaMA: against NumpyLlama on the checkpoint fixture's two
+    configs (GQA untied, MHA tied), against transformers' LlamaForCausalLM on hf_checkpoint's two (GQA
+    untied, MQA tied), and BAD_CONFIGS and BAD_CHECKPOINTS refused."""
+    config = CONFIG
+    reference = NumpyLlama
+    random_state = staticmethod(random_state)
+    hf_checkpoint = staticmethod(hf_checkpoint)
+    config_description = "2 layers, hidden 64, tie_word_embeddings=False"
 
 
 @pytest.mark.gpu
