@@ -35,6 +35,18 @@ offsets[b] .. offsets[b] + lengths[b] - 1 of each (self-attention over variable-
 no padding between them: what an unpadded encoder computes). Each sequence attends to itself only,
 under the same causal options; no attn_bias (leave a masked token out of the packing). o is (T, Hq,
 D), zeros in rows no sequence covers. Paths: cudnn (its SDPA with ragged offsets) and reference.
+
+Paged K/V (`page_table=`, layouts BHSD and BSHD): k and v are pools of pages, (pages, Hkv, page_size, D)
+in BHSD, (pages, page_size, Hkv, D) in BSHD (any strides, last dimension contiguous), and page_table
+(B, max_pages) int32 lists each sequence's pages: key j of sequence b is row j % page_size of page
+page_table[b, j // page_size], so Skv = max_pages * page_size, and seq_lens_kv says how many of them
+each sequence holds (a decoder's KV cache whose pages are handed out as sequences grow). Every table
+entry must lie in [0, pages) (checked with one read-back per call, unless the table comes as
+CheckedPageTable(table)); entries past a sequence's length are never read as keys but must still name a
+page. No attn_bias. Paths: cudnn (its SDPA reading the pages itself through its paged-cache load, cuDNN
+9.5 or newer; page_size a power of two, and the padding mask always on, as cuDNN's paged attention
+requires) and reference (the pages gathered into a dense cache in NumPy). The custom kernels do not read
+pages.
 """
 
 from __future__ import annotations
@@ -87,11 +99,14 @@ class AttentionProblem:
     device: str
     bias_keeps_a_key: bool = False          # a KeyPaddingBias: it never empties a row the lengths leave
     tokens: int = 0                         # layout THD: the rows of q (and o); Sq = Skv = the longest sequence
+    pages: int = 0                          # paged k and v: the pools' pages (0: dense k and v)
+    page_size: int = 0                      # paged k and v: keys per page; Skv = max_pages * page_size
 
     def describe(self) -> str:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
                                         "padding" if self.has_seq_lens_q or self.has_seq_lens_kv else None,
-                                        f"bias {self.bias_shape}" if self.bias_shape else None])) or "no mask"
+                                        f"bias {self.bias_shape}" if self.bias_shape else None,
+                                        f"{self.pages} pages of {self.page_size}" if self.pages else None])) or "no mask"
         heads = f"Hq={self.Hq}" + (f" Hkv={self.Hkv}" if self.Hkv != self.Hq else "")
         return (f"attention B={self.B} {heads} Sq={self.Sq} Skv={self.Skv} D={self.D} {self.dtype} "
                 f"{self.layout} ({masks})")
@@ -167,6 +182,16 @@ class CheckedLengths:
         self.lengths = lengths
 
 
+class CheckedPageTable:
+    """A page table whose entries the caller already knows lie in [0, pages) (a decoder that hands its
+    pages out on the host): `attention(page_table=CheckedPageTable(table))` skips their range check and
+    its synchronisation, which a layer stack would otherwise pay once per layer, and which a CUDA graph
+    capture cannot run."""
+
+    def __init__(self, table: Any):
+        self.table = table
+
+
 class KeyPaddingBias:
     """A key-padding bias (B or 1, 1, 1, Skv) whose -inf entries all lie before each row's last
     allowed key (seq_lens_kv - 1, or Skv - 1), which it leaves finite: holes in a padding mask, as
@@ -209,11 +234,12 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
 
 
 def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv, *,
-                      reference_fits: bool = True) -> AttentionProblem:
+                      reference_fits: bool = True, page_table: Any = None) -> AttentionProblem:
     """The AttentionProblem attention(q, k, v, attn_bias=bias, scale, causal, layout) solves, with or
     without each sequence-length array, after checking every argument as attention does (arrays
     already); for tools that build a path's plan themselves. `reference_fits=False` leaves out the
-    check that host arrays' reference computation fits in RAM (layout THD checks it per sequence)."""
+    check that host arrays' reference computation fits in RAM (layout THD checks it per sequence).
+    With `page_table` (an array) k and v are pools of pages (see the module docstring)."""
     if layout not in LAYOUTS:
         raise ValueError(f"attention: layout must be one of {LAYOUTS}, got {layout!r}")
     dims = "(B, H, S, D)" if layout == "BHSD" else "(B, S, H, D)"
@@ -231,9 +257,13 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
     qv, kv, vv = _bhsd(q, layout), _bhsd(k, layout), _bhsd(v, layout)
     B, Hq, Sq, D = qv.shape
     Bk, Hkv, Skv, Dk = kv.shape
+    pages, page_size = Bk, Skv  # (paged k and v: the pools' pages and keys per page)
+    if page_table is not None:  # the batch and the keys are the table's: (B, max_pages) pages of page_size
+        _check_page_table(page_table, B, pages)
+        Bk, Skv = B, page_table.shape[1] * page_size
     if Dk != D or vv.shape[3] != D:
         raise ValueError(f"attention: q, k and v must share the head dimension D; got q {D}, k {Dk}, v {vv.shape[3]}")
-    if Bk != B or vv.shape[0] != B:
+    if Bk != B or (page_table is None and vv.shape[0] != B):
         raise ValueError(f"attention: q, k and v must share the batch size; got q {B}, k {Bk}, v {vv.shape[0]}")
     if tuple(vv.shape) != tuple(kv.shape):
         raise ValueError(f"attention: k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -247,7 +277,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
                              f"three dimensions possibly 1 (broadcast), got {tuple(bias.shape)}")
         bias_shape = tuple(int(n) for n in bias.shape)
     _check_scale(scale)
-    device = device_of({"q": q, "k": k, "v": v, "bias": bias}, "attention")
+    device = device_of({"q": q, "k": k, "v": v, "bias": bias, "page_table": page_table}, "attention")
     arrays = [a for a in (qv, kv, vv, bias) if a is not None]
     aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _problem_strides(a)[:-1])
                   for a in arrays)
@@ -255,6 +285,8 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
                                _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),
                                float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
                                has_lens_q, has_lens_kv, bias_shape, aligned, device)
+    if page_table is not None:
+        problem = replace(problem, pages=pages, page_size=page_size)
     if device == "cpu" and reference_fits:  # host arrays run on the reference path
         _reference_fits(problem)
     return problem
@@ -284,10 +316,14 @@ def _reference_fits(p: AttentionProblem) -> None:
 def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool | str = False,
               seq_lens_q: Sequence[int] | Any = None, seq_lens_kv: Sequence[int] | Any = None,
               attn_bias: Any = None, layout: str = "BHSD", packed: PackedSequences | None = None,
-              path: str = "auto") -> Any:
+              page_table: Any = None, path: str = "auto") -> Any:
     """Scaled dot-product attention; see the module docstring for shapes, masks and paths. `scale`
     defaults to 1/sqrt(D). Returns o in q's dtype and device, contiguous in `layout`. Layout "THD"
-    takes `packed` (PackedSequences) in place of seq_lens_q and seq_lens_kv."""
+    takes `packed` (PackedSequences) in place of seq_lens_q and seq_lens_kv. With `page_table`
+    ((B, max_pages) int32, or a CheckedPageTable) k and v are pools of pages (module docstring)."""
+    if page_table is not None:
+        return _paged_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed,
+                                page_table, path)
     if layout == "THD" or packed is not None:
         return _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, path)
     q, k, v = as_array(q, "attention", "q"), as_array(k, "attention", "k"), as_array(v, "attention", "v")
@@ -298,16 +334,66 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
            option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, path, stream_key())
 
     def prepare():
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
-                raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
-                                 f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
+        _check_head_contiguous(q, k, v)
         problem = attention_problem(q, k, v, bias, scale, causal, layout, seq_lens_q is not None,
                                     seq_lens_kv is not None)
         if keeps_a_key:
             _check_key_padding_bias(problem)
         return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None)
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
+
+
+def _check_head_contiguous(q, k, v) -> None:
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+            raise ValueError(f"attention: the last (head) dimension of {name} must be contiguous, got "
+                             f"strides {a.strides} (bytes); pass ascontiguousarray({name})")
+
+
+def _paged_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, page_table, path):
+    """attention() over paged k and v. The runners take the page table (or its CheckedPageTable) where
+    the others take the bias (a paged problem has none)."""
+    q, k, v = (as_array(a, "attention", n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+    for name, given in (("attn_bias", attn_bias), ("packed", packed)):
+        if given is not None:
+            raise ValueError(f"attention: page_table takes no {name}: paged k and v run in layouts BHSD and BSHD "
+                             "with the padding lengths as their only mask besides causal")
+    if layout not in ("BHSD", "BSHD"):
+        raise ValueError(f"attention: page_table needs layout 'BHSD' or 'BSHD', got {layout!r}")
+    checked = isinstance(page_table, CheckedPageTable)
+    table = as_array(page_table.table if checked else page_table, "attention", "page_table")
+    pages = CheckedPageTable(table) if checked else table
+    key = (signature(q), signature(k), signature(v), signature(table), checked, option_key(scale),
+           option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, "paged", path, stream_key())
+
+    def prepare():
+        _check_head_contiguous(q, k, v)
+        return attention_problem(q, k, v, None, scale, causal, layout, seq_lens_q is not None,
+                                 seq_lens_kv is not None, page_table=table)
+    return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, pages)
+
+
+def _check_page_table(table, B: int, pages: int) -> None:
+    """A page table's dtype and shape: int32 (B, max_pages), max_pages >= 1, for `pages` pages."""
+    if table.dtype != np.int32:
+        raise TypeError(f"attention: page_table must be an int32 array (B, max_pages) of page indices, got dtype "
+                        f"{table.dtype}")
+    if table.ndim != 2 or table.shape[0] != B or table.shape[1] == 0:
+        raise ValueError(f"attention: page_table must have shape (B, max_pages) = ({B}, max_pages >= 1) for q of "
+                         f"batch {B} (k and v hold {pages} pages), got {tuple(table.shape)}")
+
+
+def _page_table(problem: AttentionProblem, page_table) -> Any:
+    """The page table a runner got (an array or a CheckedPageTable), its entries checked to lie in
+    [0, pages) with one read-back unless it came checked (skipped while a CUDA graph is captured)."""
+    if isinstance(page_table, CheckedPageTable):
+        return page_table.table
+    if page_table.size and (ranges := min_max([page_table])):
+        (lo, hi), = ranges
+        if lo < 0 or hi >= problem.pages:
+            raise ValueError(f"attention: page_table entries must lie in [0, {problem.pages}) (the pages of k and v), "
+                             f"got values from {lo} to {hi}")
+    return page_table
 
 
 def _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, path):
@@ -414,6 +500,8 @@ def _cudnn_support(problem: AttentionProblem) -> str | None:
         return "cuDNN's fused attention needs 16-byte aligned pointers and strides"
     if min(problem.B, problem.Hq, problem.Sq, problem.Skv, problem.D) == 0:
         return "an empty problem (a zero dimension)"
+    if problem.pages and problem.page_size & (problem.page_size - 1):
+        return f"cuDNN's paged attention reads pages of a power-of-two size, got page_size {problem.page_size}"
     return None
 
 
@@ -421,6 +509,7 @@ def _cudnn_support(problem: AttentionProblem) -> str | None:
 # lengths only when the problem has them).
 UID_Q, UID_K, UID_V, UID_BIAS, UID_LENS_Q, UID_LENS_KV, UID_O = range(1, 8)
 UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V, UID_RAGGED_O = range(8, 12)  # layout THD's element offsets
+UID_PAGES_K, UID_PAGES_V = range(12, 14)  # paged k and v: their page tables (one array, passed twice)
 
 
 def attention_graph_builder(problem: AttentionProblem):
@@ -432,13 +521,16 @@ def attention_graph_builder(problem: AttentionProblem):
         p, io, f32 = problem, cudnn_backend.data_type(problem.dtype), cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
         q = g.tensor(dim=[p.B, p.Hq, p.Sq, p.D], stride=list(p.q_strides), data_type=io, uid=UID_Q)
-        k = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.k_strides), data_type=io, uid=UID_K)
-        v = g.tensor(dim=[p.B, p.Hkv, p.Skv, p.D], stride=list(p.v_strides), data_type=io, uid=UID_V)
+        # paged: k and v are cuDNN's containers, (pages, Hkv, page_size, D)
+        kv_dims = [p.pages, p.Hkv, p.page_size, p.D] if p.pages else [p.B, p.Hkv, p.Skv, p.D]
+        k = g.tensor(dim=kv_dims, stride=list(p.k_strides), data_type=io, uid=UID_K)
+        v = g.tensor(dim=kv_dims, stride=list(p.v_strides), data_type=io, uid=UID_V)
         bias = lens_q = lens_kv = None
         if p.bias_shape:
             bias = g.tensor(dim=list(p.bias_shape), stride=_contiguous_strides(p.bias_shape), data_type=io,
                             uid=UID_BIAS)
-        padded = p.has_seq_lens_q or p.has_seq_lens_kv
+        # cuDNN's paged attention runs only under the padding mask
+        padded = p.has_seq_lens_q or p.has_seq_lens_kv or bool(p.pages)
         if padded:  # cuDNN's padding mask takes both lengths; a missing one is passed as full
             lens_q = g.tensor(dim=[p.B, 1, 1, 1], stride=[1, 1, 1, 1], data_type=cudnn.data_type.INT32,
                               uid=UID_LENS_Q)
@@ -456,8 +548,15 @@ def attention_graph_builder(problem: AttentionProblem):
                                        uid=uid)
                 if t != "o":
                     t.set_ragged_offset(ragged[uid])
+        paged = {}
+        if p.pages:  # the page tables (B, 1, max_pages, 1), and the keys they span
+            max_pages = p.Skv // p.page_size
+            k_table, v_table = (g.tensor(dim=[p.B, 1, max_pages, 1], stride=[max_pages, max_pages, 1, 1],
+                                         data_type=cudnn.data_type.INT32, uid=uid) for uid in (UID_PAGES_K, UID_PAGES_V))
+            paged = {"paged_attention_k_table": k_table, "paged_attention_v_table": v_table,
+                     "paged_attention_max_seq_len_kv": p.Skv}
         o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
-                      seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks)
+                      seq_len_q=lens_q, seq_len_kv=lens_kv, generate_stats=False, **masks, **paged)
         o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(UID_O)
         if ragged:
             o.set_ragged_offset(ragged[UID_RAGGED_O])
@@ -531,6 +630,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
     if p.layout == "THD":
         return _bind_cudnn_packed(p)
+    if p.pages:
+        return _bind_cudnn_paged(p)
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
         + ([UID_LENS_Q, UID_LENS_KV] if padded else [])
@@ -577,10 +678,38 @@ def _bind_cudnn_packed(problem: AttentionProblem):
     return run
 
 
+def _bind_cudnn_paged(problem: AttentionProblem):
+    """The runner of a paged problem: cuDNN's SDPA reading k and v through the page table (one array
+    for both tensors' tables), under the padding mask (full lengths where the caller gave none); rows
+    with no key zeroed as on the dense path. No synchronisation with a CheckedPageTable and checked (or
+    no) lengths: what a CUDA graph captures."""
+    import cupy
+
+    p = problem
+    uids = [UID_Q, UID_K, UID_V, UID_O, UID_LENS_Q, UID_LENS_KV, UID_PAGES_K, UID_PAGES_V]
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
+    full_q, full_kv = device_constant(p.B, p.Sq, np.int32), device_constant(p.B, p.Skv, np.int32)
+    zero_rows = _bind_zero_rows(p)
+    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+
+    def run(q, k, v, seq_lens_q, seq_lens_kv, page_table):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
+        table = cupy.ascontiguousarray(_page_table(p, page_table))  # the graph's rows are max_pages apart
+        o = cupy.empty(shape, dtype)
+        execute(q, k, v, o, full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv, table,
+                table)
+        if zero_rows:
+            zero_rows(o, lens_q, lens_kv, None)
+        return o
+    return run
+
+
 # --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
 def _custom_support(problem: AttentionProblem) -> str | None:
     if problem.layout == "THD":
         return "layout THD (packed sequences) runs on cudnn and reference"
+    if problem.pages:
+        return "paged k and v (page_table) run on cudnn and reference: the custom kernels do not read pages"
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
 
 
@@ -665,6 +794,8 @@ def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias
     p = problem
     if p.layout == "THD":
         return _reference_packed(p, q, k, v, seq_lens_q)
+    if p.pages:
+        return _reference_paged(p, q, k, v, seq_lens_q, seq_lens_kv, bias)
     lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
     group = p.Hq // p.Hkv
     q64 = _bhsd(q, p.layout).astype(np.float64)
@@ -695,3 +826,16 @@ def _reference_packed(problem: AttentionProblem, q, k, v, packed: PackedSequence
             o[rows] = attention(q[None, rows], k[None, rows], v[None, rows], scale=p.scale, causal=p.causal or False,
                                 layout="BSHD", path="reference")[0]
     return o
+
+
+def _reference_paged(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, page_table):
+    """A paged problem on the reference path: each sequence's pages gathered into a dense cache of Skv
+    keys (in `layout`), then the dense reference."""
+    p = problem
+    table = _page_table(p, page_table)
+    dense = []
+    for pool in (k, v):
+        keys = _bhsd(pool, p.layout)[table]  # (B, max_pages, Hkv, page_size, D)
+        keys = keys.transpose(0, 2, 1, 3, 4).reshape(p.B, p.Hkv, p.Skv, p.D)
+        dense.append(keys if p.layout == "BHSD" else keys.transpose(0, 2, 1, 3))
+    return _reference(replace(p, pages=0, page_size=0), q, *dense, seq_lens_q, seq_lens_kv, None)
