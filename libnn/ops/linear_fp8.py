@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -88,7 +88,8 @@ class LinearFp8Problem:
         return int(self.device.split(":")[1])
 
 
-def linear_fp8_problem(x, w, w_scale, b, activation, residual=None) -> LinearFp8Problem:
+def linear_fp8_problem(x: Any, w: Any, w_scale: Any, b: Any, activation: str | None,
+                       residual: Any = None) -> LinearFp8Problem:
     """The LinearFp8Problem linear_fp8(x, w, w_scale, b, activation, residual=) solves, after checking
     every argument as linear_fp8 does (arrays already); for tools that run one path themselves."""
     if w.ndim != 2 or w.dtype != np.uint8:
@@ -160,7 +161,8 @@ def _matrix(a, rows: int, cols: int):
     return contiguous(a).reshape(rows, cols)
 
 
-def _bind_gpu(bind_gemm, scale_count: int, fused: bool, problem: LinearFp8Problem, x, w, w_scale, b, r):
+def _bind_gpu(bind_gemm: Callable[..., Callable[..., Any]], scale_count: int, fused: bool, problem: LinearFp8Problem,
+              x: Any, w: Any, w_scale: Any, b: Any, r: Any) -> Callable[[Any, Any, Any, Any, Any], Any]:
     """The runner of a GPU path: quantise x (kernels/quantize_fp8.cu, writing `scale_count` copies of its
     scale), then `bind_gemm(problem, xq, w, w_scale, x_scale, b, r)`'s runner gemm(xq, w, w_scale, b, r),
     with bias, residual and activation in its epilogue when `fused`, else the residual alone and one pass
@@ -208,7 +210,8 @@ _GEMM = contracts.params("linear_fp8.cu", "FP8_GEMM_PARAMS")
 _G = contracts.constants("linear_fp8.cu")
 
 
-def bind_custom(problem: LinearFp8Problem, xq, w, w_scale, x_scale, b, r=None):
+def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scale: Any, b: Any,
+                r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
     """The runner of kernels/linear_fp8.cu, run(xq, w, w_scale, b, r) -> y, for C-contiguous CuPy arrays
     of this signature (xq (M, K) and w (N, K) codes, w_scale float32, b (N,) and r (M, N) in the output's
     dtype, or None) and the quantiser's float32 buffer x_scale, read at every launch."""
@@ -236,7 +239,7 @@ def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r):
 
 
 # --- reference: NumPy, float64, from the dequantised values ------------------------------------------------
-def dequantized(codes, scale) -> np.ndarray:
+def dequantized(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """scale · e4m3(codes) in float64: a weight (N, K) with scale (N,) or (1,), or activations with (1,)."""
     values = decode_e4m3(codes).astype(np.float64)
     return values * (scale.astype(np.float64)[:, None] if scale.shape[0] > 1 else scale.astype(np.float64)[0])

@@ -26,7 +26,7 @@ each with a float32 scale: the value is scale · e4m3(code).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -160,7 +160,7 @@ def quantize_grids(total: int) -> tuple[int, int]:
     return min(blocks, _Q["FP8_MAX_PARTIALS"]), min(blocks, _Q["FP8_MAX_QUANT_BLOCKS"])
 
 
-def bind_quantize(dtype: str, total: int, scale_count: int):
+def bind_quantize(dtype: str, total: int, scale_count: int) -> tuple[Callable[[Any, Any], None], Any]:
     """(run, scale) for quantising C-contiguous CuPy arrays of `total` (>= 1) elements of `dtype` (fp16,
     bf16, fp32) on the current stream: run(x, q) writes x's codes into q (uint8, `total` elements) and
     its scale into `scale`, a float32 device array of `scale_count` copies of it that this runner owns
