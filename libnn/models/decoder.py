@@ -42,7 +42,23 @@ captures it (one eager pass with every check, warm-ups, the capture). New parame
 graphs with the cache. `decode_graphs=False` runs every step eagerly; prefill is always eager.
 `generate` and `stream` queue each step before reading the last one's tokens back; however a generation
 ends, the cache then holds the prompt and every generated token but the last. `quantize("fp8")` puts the
-projections in E4M3 (linear_fp8). A paged cache is not done yet.
+projections in E4M3 (linear_fp8).
+
+Paged KV cache (`kv_layout="paged"`, `page_size` a power of two, default 64): k and v are each a pool of
+pages per layer, (layers, pages + 1, Hkv, page_size, D) (per layer the container cuDNN's paged attention
+reads, (pages, Hkv, page_size, D)), and a page table (max_batch, ceil(max_len / page_size)) int32 on the
+model's device lists each cache row's pages. Pages are handed out on demand from a free list on the host:
+a prefill gives every page back and takes ceil(length / page_size) for each prompt, and a decode step takes
+one for a sequence whose new token starts a page, before the step runs (a graph replay reads the table
+from its fixed buffer, updated in place, a few bytes, only when a page was taken). The pool holds
+max_batch * ceil(max_len / page_size) pages, every row's worst case, so a page is always free; the
+sequences' pages interleave as they grow, which is what the page table is for (a smaller pool shared by
+more sequences is the next step, not done). Page `pages` is a spare page that every table entry not
+handed out names: the prompt's padding positions past a sequence's last page and a graph bucket's padding
+rows write there, and no sequence reads it. kv_append writes through the table, and attention reads
+through it (cuDNN's SDPA on the GPU, the pages gathered in NumPy on the reference path; the custom decode
+kernels do not read pages, so a paged model's attention runs on cudnn or reference). The dense cache is
+the default.
 
 The reference path runs the whole model on the host (device="cpu", dtype fp32 or fp64): every op's
 float64 reference, what the CPU tests compare against independent NumPy models.
@@ -67,7 +83,7 @@ from libnn.nn.functional import gather_rows, on_device_of, op_path
 from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
-from libnn.ops.attention import CheckedLengths, attention
+from libnn.ops.attention import CheckedLengths, CheckedPageTable, attention
 from libnn.ops.kv_append import kv_append
 from libnn.ops.linear import linear
 from libnn.registry import get_op
@@ -81,6 +97,9 @@ DEFAULT_MODEL_TYPE = "llama"
 SEED_LIMIT = 2**32       # NumPy's and CuPy's RandomState take seeds below this
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest positive normal float32
+KV_LAYOUTS = ("dense", "paged")
+DEFAULT_PAGE_SIZE = 64  # a paged cache's tokens per page when none is given (cuDNN's own tests use 32 to 128)
+PAGED_ATTENTION_PATHS = ("auto", "cudnn", "reference")  # attention's paths that read paged k and v
 
 
 # --- configs -------------------------------------------------------------------------------------------------
@@ -97,9 +116,11 @@ class DecoderConfig:
     def max_positions(self) -> int:
         return getattr(self, self.POSITIONS_FIELD)
 
-    def cache_bytes(self, max_batch: int, max_len: int, dtype: Any) -> int:
-        """The KV cache's bytes: k and v for every layer, sequence, position, KV head."""
-        elements = 2 * self.num_hidden_layers * max_batch * max_len * self.num_key_value_heads * self.head_dim
+    def cache_bytes(self, max_batch: int, max_len: int, dtype: Any, page_size: int | None = None) -> int:
+        """The KV cache's bytes: k and v for every layer, sequence, position, KV head; paged (`page_size`),
+        every sequence's positions rounded up to whole pages, and the spare page."""
+        positions = max_batch * max_len if page_size is None else paged_positions(max_batch, max_len, page_size)
+        elements = 2 * self.num_hidden_layers * positions * self.num_key_value_heads * self.head_dim
         return elements * dtypes.parse(dtype).itemsize
 
     def check_tokens(self, where: str) -> None:
@@ -299,33 +320,116 @@ class Layers(Module):
 
 
 # --- the KV cache and one forward pass's inputs ---------------------------------------------------------------
+def _zeroed_pair(shape: tuple[int, ...], like: Any) -> tuple[Any, Any]:
+    """Two zeroed arrays of `like`'s dtype on its device, made as unsigned integers of the element's width
+    (zero bits are 0.0 in every dtype, and CuPy makes no bf16 array)."""
+    xp, bits = array_module(like), f"u{like.dtype.itemsize}"
+    return xp.zeros(shape, bits).view(like.dtype), xp.zeros(shape, bits).view(like.dtype)
+
+
 class KVCache:
-    """k and v, each (layers, max_batch, max_len, Hkv, D), zeroed once (as unsigned integers of the
-    element's width: zero bits are 0.0 in every dtype, and CuPy makes no bf16 array); written by
-    kv_append, k rotated on the way where the model has rotary embeddings."""
+    """k and v, each (layers, max_batch, max_len, Hkv, D), zeroed once; written by kv_append, k rotated
+    on the way where the model has rotary embeddings. Sequence b owns row b whole: `begin` and `extend`
+    have nothing to hand out."""
 
     def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, like: Any):
-        xp = array_module(like)
         shape = (c.num_hidden_layers, max_batch, max_len, c.num_key_value_heads, c.head_dim)
-        bits = f"u{like.dtype.itemsize}"
-        self.k, self.v = xp.zeros(shape, bits).view(like.dtype), xp.zeros(shape, bits).view(like.dtype)
+        self.k, self.v = _zeroed_pair(shape, like)
         self.max_batch, self.max_len = max_batch, max_len
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any]:
+    def begin(self, lengths: np.ndarray) -> None:
+        """A prefill's prompts of `lengths` replace the cache's sequences (rows 0..B-1 are theirs)."""
+
+    def extend(self, lengths: np.ndarray) -> None:
+        """Room for each sequence's first lengths[b] positions (a row holds max_len)."""
+
+    def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any, Any]:
         """Write this pass's k (rotated where step.inv_freq is given) and v into layer `layer`'s cache rows
-        0..B-1 at their tokens' positions; return the keys and values attention reads: the prefill's
-        window (B, S, Hkv, D), or for a decode step every sequence's whole row (B, max_len, Hkv, D), its
-        length in step.seq_lens_kv. The positions are the model's own (prefill: 0..S-1; decode: each
-        sequence's length, below max_len by the checks of CausalLM._decode), so kv_append need not read
-        them back."""
+        0..B-1 at their tokens' positions; return the keys and values attention reads and its page table
+        (None: dense): the prefill's window (B, S, Hkv, D), or for a decode step every sequence's whole
+        row (B, max_len, Hkv, D), its length in step.seq_lens_kv. The positions are the model's own
+        (prefill: 0..S-1; decode: each sequence's length, below max_len by the checks of
+        CausalLM._decode), so kv_append need not read them back."""
         B, S = k.shape[:2]
         keys, values = self.k[layer, :B], self.v[layer, :B]
         kv_append(k, v, step.positions, step.inv_freq, keys, values, checked=True, path=path)
-        return (keys[:, :S], values[:, :S]) if step.causal else (keys, values)
+        return (keys[:, :S], values[:, :S], None) if step.causal else (keys, values, None)
+
+
+def paged_positions(max_batch: int, max_len: int, page_size: int) -> int:
+    """A paged cache's positions per layer: max_batch rows of whole pages, and the spare page."""
+    return (max_batch * -(-max_len // page_size) + 1) * page_size
+
+
+class PagedKVCache:
+    """k and v, each a pool (layers, pages + 1, Hkv, page_size, D) zeroed once, and a page table
+    (max_batch, max_pages) int32 on the model's device whose row b lists the pages of the sequence in
+    cache row b; pages handed out from a free list on the host (see the module docstring). Page `pages`
+    is the spare: every entry not handed out names it. kv_append writes through the table, attention
+    reads through it; both take the model's word for its entries (handed out here, in range)."""
+
+    def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, page_size: int, like: Any):
+        self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
+        self.max_pages = -(-max_len // page_size)
+        self.pages = max_batch * self.max_pages  # every row's worst case: a page is always free
+        shape = (c.num_hidden_layers, self.pages + 1, c.num_key_value_heads, page_size, c.head_dim)
+        self.k, self.v = _zeroed_pair(shape, like)
+        self._host = np.full((max_batch, self.max_pages), self.pages, np.int32)  # the table, kept on the host
+        # the table the ops read: one buffer for the cache's life (a decode graph captures its address),
+        # the host table itself on the reference path
+        self.table = on_device_of(self._host, like, "CausalLM", "page_table")
+        self._held = np.zeros(max_batch, np.int64)  # pages each row holds, in table order
+        self._free: list[int] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.table.nbytes
+
+    def begin(self, lengths: np.ndarray) -> None:
+        """A prefill's prompts of `lengths` (B,) replace the cache's sequences: every page back on the free
+        list (lowest first), every entry the spare, then each prompt's pages."""
+        self._free = list(range(self.pages - 1, -1, -1))
+        self._host[:] = self.pages
+        self._held[:] = 0
+        self._take(lengths)
+        self._upload()
+
+    def extend(self, lengths: np.ndarray) -> None:
+        """Pages for each sequence's first lengths[b] positions (a decode step: its length + 1), the table
+        uploaded where one was taken."""
+        if self._take(lengths):
+            self._upload()
+
+    def _take(self, lengths: np.ndarray) -> bool:
+        """Pages from the free list until row b holds ceil(lengths[b] / page_size); whether any was taken."""
+        taken = False
+        for b, n in enumerate(lengths.tolist()):
+            for j in range(int(self._held[b]), -(-n // self.page_size)):
+                self._host[b, j] = self._free.pop()
+                taken = True
+            self._held[b] = max(int(self._held[b]), -(-n // self.page_size))
+        return taken
+
+    def _upload(self) -> None:
+        """The host table into the ops' buffer, in place, queued on the current stream (from pageable memory
+        the copy is staged before this returns: the host table may change at once)."""
+        if self.table is not self._host:
+            import cupy
+            self.table.set(self._host, stream=cupy.cuda.get_current_stream())
+
+    def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any, Any]:
+        """As KVCache.store, through rows 0..B-1 of the page table: return layer `layer`'s pools as
+        (pages + 1, page_size, Hkv, D) views (attention's BSHD order) and the table (B, max_pages), the
+        keys attention reads for each sequence being its pages' first seq_lens_kv rows."""
+        B = k.shape[0]
+        keys, values = (pool[layer].transpose(0, 2, 1, 3) for pool in (self.k, self.v))
+        table = self.table[:B]
+        kv_append(k, v, step.positions, step.inv_freq, keys, values, page_table=table, checked=True, path=path)
+        return keys, values, CheckedPageTable(table)
 
 
 @dataclass
@@ -335,7 +439,7 @@ class Step:
     masks and the cache."""
     positions: Any
     inv_freq: Any
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     causal: bool                  # prefill (causal, top-left) or a decode step (one query, no mask)
     seq_lens_q: Any = None
     seq_lens_kv: Any = None
@@ -344,9 +448,10 @@ class Step:
         """k and v (B, S, Hkv, D) into layer `layer`'s cache, then q's (B, S, Hq, D) attention over the
         cache: o (B, S, Hq, D), causal with padding lengths at prefill, one query per sequence against its
         cached length at a decode step."""
-        keys, values = self.cache.store(layer, self, k, v, path_for(path, "kv_append"))
+        keys, values, pages = self.cache.store(layer, self, k, v, path_for(path, "kv_append"))
         return attention(q, keys, values, causal=self.causal, seq_lens_q=self.seq_lens_q,
-                         seq_lens_kv=self.seq_lens_kv, layout="BSHD", path=path_for(path, "attention"))
+                         seq_lens_kv=self.seq_lens_kv, layout="BSHD", page_table=pages,
+                         path=path_for(path, "attention"))
 
 
 # --- the model --------------------------------------------------------------------------------------------
@@ -368,18 +473,21 @@ class CausalLM(Module):
 
     def __init__(self, config: DecoderConfig, *, dtype: Any = "fp32", device: str = "cpu", max_batch: int = 1,
                  max_len: int | None = None, path: str | dict[str, str] = "auto", init: bool = True,
-                 decode_graphs: bool = True):
+                 decode_graphs: bool = True, kv_layout: str = "dense", page_size: int | None = None):
         """A model of `config` (its class picks the architecture) with random weights (PyTorch's default
         initialisers; norm weights 1), or with `init=False` uninitialised ones, for a loader that replaces
         every parameter (from_pretrained: no values are drawn, and the host memory check counts no
-        float64 draws)."""
+        float64 draws). `kv_layout` "dense" (the default) or "paged" with `page_size` tokens a page (a
+        power of two; default DEFAULT_PAGE_SIZE): see the module docstring."""
         super().__init__()
         architecture = architecture_of(config)
         init = checks.flag("CausalLM", "init", init)
         self.decode_graphs = checks.flag("CausalLM", "decode_graphs", decode_graphs)
+        self.page_size = _page_size("CausalLM", kv_layout, page_size)
         max_batch, max_len = _check_fits("CausalLM", config, architecture, dtype, device, max_batch, max_len,
-                                         "the config", init)
+                                         "the config", init, self.page_size)
         checks.path("CausalLM", path, architecture.ops, per_op=True)
+        _check_paged_path("CausalLM", self.page_size, path)
         self.architecture, self.config, self.path = architecture, config, path
         self.max_batch, self.max_len = max_batch, max_len
         with contextlib.nullcontext() if init else uninitialised():
@@ -394,26 +502,29 @@ class CausalLM(Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp16", device: str = "gpu", max_batch: int = 1,
                         max_len: int | None = None, path: str | dict[str, str] = "auto",
-                        decode_graphs: bool = True) -> CausalLM:
+                        decode_graphs: bool = True, kv_layout: str = "dense",
+                        page_size: int | None = None) -> CausalLM:
         """Load config.json and model.safetensors (or the shards model.safetensors.index.json lists) from
         `directory` into a CausalLM of the architecture its config names, in `dtype` ("fp16", "bf16",
         "fp32"; "fp64" too on the CPU) on `device` ("gpu" or "cpu"), with a KV cache for `max_batch`
-        sequences of `max_len` tokens (default min(2048, the model's positions)); `decode_graphs` as for
-        the constructor. The parameters and the cache are refused before anything is read if they would
+        sequences of `max_len` tokens (default min(2048, the model's positions)); `decode_graphs`,
+        `kv_layout` and `page_size` as for the constructor. The parameters and the cache are refused before anything is read if they would
         not fit; a key, shape or dtype that does not match the config is an error naming the file and
         the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
         directory, config_file, config_json = checkpoint.read_config(directory, where)
         architecture = architecture_for(config_json, str(config_file))
         config = architecture.config_class.from_dict(config_json, str(config_file))
-        _check_fits(where, config, architecture, dtype, device, max_batch, max_len, str(config_file), False)
+        pages = _page_size(where, kv_layout, page_size)
+        _check_fits(where, config, architecture, dtype, device, max_batch, max_len, str(config_file), False, pages)
         checks.path(where, path, architecture.ops, per_op=True)  # before the checkpoint is read, not after
+        _check_paged_path(where, pages, path)
         checks.flag(where, "decode_graphs", decode_graphs)
         # each tensor in the shard its weight_map names
         raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
         # every parameter is replaced by the checkpoint's, or the load fails
         model = cls(config, dtype=dtype, device="cpu", max_batch=max_batch, max_len=max_len, path=path, init=False,
-                    decode_graphs=decode_graphs)
+                    decode_graphs=decode_graphs, kv_layout=kv_layout, page_size=page_size)
         context = (f"{where}({str(directory)!r}): the checkpoint ({', '.join(files)}) does not match its config "
                    f"({config.summary()})")
         state, report = architecture.checkpoint_state(raw, model, context)
@@ -462,7 +573,7 @@ class CausalLM(Module):
     def _reset(self) -> None:
         """No sequence in the cache; the cache itself (and the rotary frequencies) made at the next
         prefill, on the parameters' device, in their dtype."""
-        self._cache: KVCache | None = None  # its memory goes back before a new one is drawn
+        self._cache: KVCache | PagedKVCache | None = None  # its memory goes back before a new one is drawn
         self._decode_graph: GraphedModule | None = None  # its captures bake in the cache's address
         self._inv_freq = None
         self._lengths = np.zeros(self.max_batch, np.int64)  # filled positions per cache row (host)
@@ -473,16 +584,17 @@ class CausalLM(Module):
         """The word embeddings: the model's dtype and device."""
         return self.base_model.word_embeddings
 
-    def _ready_cache(self) -> KVCache:
+    def _ready_cache(self) -> KVCache | PagedKVCache:
         """The KV cache, made (zeroed) the first time, refused first if it would not fit."""
         if self._cache is None:
             like = self._table
-            memory.require(self.config.cache_bytes(self.max_batch, self.max_len, like.dtype),
+            memory.require(self.config.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size),
                            "gpu" if is_cupy(like) else "cpu", "CausalLM",
                            f"the KV cache ({self.max_batch} sequences of {self.max_len} tokens)")
             inv_freq = self.base_model.rotary_frequencies()
             self._inv_freq = None if inv_freq is None else on_device_of(inv_freq, like, "CausalLM", "inv_freq")
-            self._cache = KVCache(self.config, self.max_batch, self.max_len, like)
+            self._cache = (KVCache(self.config, self.max_batch, self.max_len, like) if self.page_size is None else
+                           PagedKVCache(self.config, self.max_batch, self.max_len, self.page_size, like))
         return self._cache
 
     # -- forward passes -----------------------------------------------------------------------------------
@@ -510,6 +622,7 @@ class CausalLM(Module):
         positions = xp.broadcast_to(xp.arange(S, dtype=xp.int32), (B, S))
         cache = self._ready_cache()
         self._lengths[:], self._batch = 0, 0  # the old sequences are gone even if this pass fails
+        cache.begin(lengths)
         step = Step(positions, self._inv_freq, cache, causal=True, seq_lens_q=lens, seq_lens_kv=lens)
         x = self.base_model(ids, step)
         last = gather_rows(x.reshape(B * S, -1), xp.asarray(np.arange(B) * S + lengths - 1, dtype=xp.int32))
@@ -548,6 +661,7 @@ class CausalLM(Module):
                              "a longer generation needs a model with a larger max_len")
         if not checked:
             self._check_ids(tokens, "CausalLM.decode_step", "tokens")
+        self._ready_cache().extend(positions + 1)  # (paged) a page for each token that starts one
         xp = array_module(like)
         at = xp.asarray(positions, dtype=xp.int32)
         tokens = tokens.astype(xp.int64, copy=False)  # one capture per bucket, whatever integers came
@@ -731,9 +845,17 @@ class CausalLM(Module):
         base = self.base_model
         lines = base.describe(f"{dtypes.short_name(like.dtype)} on the {'GPU' if is_cupy(like) else 'CPU'}")
         tied = f"tied to {self.architecture.prefix}.{base.EMBEDDINGS}"
+        cache_bytes = memory.format_bytes(c.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size))
+        if self.page_size is None:
+            cache = (f"KV cache: k and v (layers, {self.max_batch}, {self.max_len}, {c.num_key_value_heads}, "
+                     f"{c.head_dim}), {cache_bytes}")
+        else:
+            max_pages = -(-self.max_len // self.page_size)
+            cache = (f"KV cache: paged, k and v (layers, {self.max_batch * max_pages} + 1 spare pages, "
+                     f"{c.num_key_value_heads}, {self.page_size}, {c.head_dim}), {cache_bytes}, a page table "
+                     f"({self.max_batch}, {max_pages}), pages handed out as sequences grow")
         lines += [f"lm_head: {tied if self.lm_head is None else 'its own weight'}, on each sequence's last position only",
-                  (f"KV cache: k and v (layers, {self.max_batch}, {self.max_len}, {c.num_key_value_heads}, {c.head_dim}), "
-                   f"{memory.format_bytes(c.cache_bytes(self.max_batch, self.max_len, like.dtype))}"),
+                  cache,
                   ("decode: one CUDA graph replay per step, captured per batch bucket "
                    f"{list(decode_buckets(self.max_batch))}; prefill eager" if self.decode_graphs and is_cupy(like)
                    else "eager: one launch per op")]
@@ -864,9 +986,10 @@ def _as_float32(a: Any) -> Any:
 
 # --- helpers -----------------------------------------------------------------------------------------------
 def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any, device: str, max_batch: Any,
-                max_len: Any, source: str, drawn: bool) -> tuple[int, int]:
+                max_len: Any, source: str, drawn: bool, page_size: int | None) -> tuple[int, int]:
     """The config (from `source`), dtype, device and cache size checked, and the parameters and the KV
-    cache refused before anything is drawn if they would not fit; (max_batch, max_len). `drawn`: the
+    cache (paged where `page_size` is given) refused before anything is drawn if they would not fit;
+    (max_batch, max_len). `drawn`: the
     parameters are drawn in float64 on the host (checks.parameters_fit); else read from a checkpoint,
     which the host holds as stored (counted as 4 bytes a value at most) beside the cast and stacked
     copies (the model's itemsize)."""
@@ -887,10 +1010,34 @@ def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any,
         memory.require(elements * (4 + parsed.itemsize), "cpu", where, what)
         if device != "cpu":
             memory.require(elements * parsed.itemsize, "gpu", where, what)
-    memory.require(config.cache_bytes(max_batch, max_len, parsed), "cpu" if device == "cpu" else "gpu", where,
+    memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size), "cpu" if device == "cpu" else "gpu", where,
                    f"the KV cache ({max_batch} sequences of {max_len} tokens, {config.num_hidden_layers} layers, "
                    f"{config.num_key_value_heads} KV heads of {config.head_dim})")
     return max_batch, max_len
+
+
+def _page_size(where: str, kv_layout: Any, page_size: Any) -> int | None:
+    """kv_layout and page_size checked: a paged cache's page size (DEFAULT_PAGE_SIZE where none is
+    given), None for the dense cache."""
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"{where}: kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if kv_layout == "dense":
+        if page_size is not None:
+            raise ValueError(f"{where}: page_size {page_size!r} goes with kv_layout='paged'; the dense cache has "
+                             "no pages")
+        return None
+    page_size = DEFAULT_PAGE_SIZE if page_size is None else checks.size(where, "page_size", page_size, 1)
+    if page_size & (page_size - 1):
+        raise ValueError(f"{where}: page_size must be a power of two (cuDNN's paged attention reads no other), got "
+                         f"{page_size}")
+    return page_size
+
+
+def _check_paged_path(where: str, page_size: int | None, path: str | dict[str, str]) -> None:
+    """A paged cache needs an attention path that reads pages."""
+    if page_size is not None and (name := path_for(path, "attention")) not in PAGED_ATTENTION_PATHS:
+        raise ValueError(f"{where}: kv_layout 'paged' needs attention on one of {PAGED_ATTENTION_PATHS} (the paths "
+                         f"that read pages), got path {name!r} for attention")
 
 
 def layer_range(count: int) -> str:
