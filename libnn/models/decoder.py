@@ -100,6 +100,7 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest positive normal 
 KV_LAYOUTS = ("dense", "paged")
 DEFAULT_PAGE_SIZE = 64  # a paged cache's tokens per page when none is given (cuDNN's own tests use 32 to 128)
 PAGED_ATTENTION_PATHS = ("auto", "cudnn", "reference")  # attention's paths that read paged k and v
+PAGED_GPU_DTYPES = ("fp16", "bf16")  # cuDNN's paged attention's
 
 
 # --- configs -------------------------------------------------------------------------------------------------
@@ -487,7 +488,7 @@ class CausalLM(Module):
         max_batch, max_len = _check_fits("CausalLM", config, architecture, dtype, device, max_batch, max_len,
                                          "the config", init, self.page_size)
         checks.path("CausalLM", path, architecture.ops, per_op=True)
-        _check_paged_path("CausalLM", self.page_size, path)
+        _check_paged("CausalLM", self.page_size, path, dtype, device)
         self.architecture, self.config, self.path = architecture, config, path
         self.max_batch, self.max_len = max_batch, max_len
         with contextlib.nullcontext() if init else uninitialised():
@@ -518,7 +519,7 @@ class CausalLM(Module):
         pages = _page_size(where, kv_layout, page_size)
         _check_fits(where, config, architecture, dtype, device, max_batch, max_len, str(config_file), False, pages)
         checks.path(where, path, architecture.ops, per_op=True)  # before the checkpoint is read, not after
-        _check_paged_path(where, pages, path)
+        _check_paged(where, pages, path, dtype, device)
         checks.flag(where, "decode_graphs", decode_graphs)
         # each tensor in the shard its weight_map names
         raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
@@ -1033,11 +1034,16 @@ def _page_size(where: str, kv_layout: Any, page_size: Any) -> int | None:
     return page_size
 
 
-def _check_paged_path(where: str, page_size: int | None, path: str | dict[str, str]) -> None:
-    """A paged cache needs an attention path that reads pages."""
-    if page_size is not None and (name := path_for(path, "attention")) not in PAGED_ATTENTION_PATHS:
+def _check_paged(where: str, page_size: int | None, path: str | dict[str, str], dtype: Any, device: str) -> None:
+    """A paged cache needs an attention path that reads pages: on the GPU cuDNN's, in fp16 or bf16."""
+    if page_size is None:
+        return
+    if (name := path_for(path, "attention")) not in PAGED_ATTENTION_PATHS:
         raise ValueError(f"{where}: kv_layout 'paged' needs attention on one of {PAGED_ATTENTION_PATHS} (the paths "
                          f"that read pages), got path {name!r} for attention")
+    if device != "cpu" and (short := dtypes.short_name(dtypes.parse(dtype))) not in PAGED_GPU_DTYPES:
+        raise ValueError(f"{where}: kv_layout 'paged' on the GPU needs dtype fp16 or bf16 (cuDNN's paged attention "
+                         f"reads the pages; the custom kernels do not), got {short}")
 
 
 def layer_range(count: int) -> str:
