@@ -22,9 +22,10 @@ inference plan does not need.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -80,39 +81,81 @@ def _show(value: Any) -> str:
     return str(getattr(value, "name", value))
 
 
-@dataclass
-class GemmPlan:
-    problem: Any
-    matmul: Any
-    candidates: list[Candidate]
-    chosen: int = 0                     # index into candidates; 0 is the heuristic's first choice
-    plan_seconds: float = 0.0
+class _LtPlan:
+    """What the float and the FP8 plans share: the hot call, and autotuning over the heuristic's candidates.
+    A plan has `problem`, `count` candidates and `choose(index)` (setting `_algo`, the chosen algorithm's
+    host pointer), `_alpha` and `_beta` (host pointers), `_workspace_bytes`, `_device_id`, `_bias_ptr` (the
+    bias pointer its descriptor holds, None before one is set), `_descriptors()` and `_set_bias(ptr)`."""
 
-    def runner(self, stream_ptr: int):
-        """run(x, w, b, y, r=None) on `stream_ptr`: one `cublasLtMatmul` with the plan's descriptors, the
-        workspace of that stream, and the bias pointer set into the descriptor only when it changed; the
-        residual r, planned for, is C (else C is y)."""
+    _name = "matmul"  # in the error of a failed call
+
+    def _descriptors(self) -> tuple[int, int, tuple[int, int, int, int]]:
+        """(the cuBLASLt handle, the matmul descriptor, the layouts of A, B, C and D)."""
+        raise NotImplementedError
+
+    def _set_bias(self, ptr: int) -> None:
+        """Set the bias pointer into the descriptor and remember it in `_bias_ptr`."""
+        raise NotImplementedError
+
+    def _matmul_runner(self, stream_ptr: int) -> Callable[..., None]:
+        """run(x, w, b, y, r=None) on `stream_ptr`: one `cublasLtMatmul` with the plan's descriptors (A is w,
+        B is x, D is y), the workspace of that stream, and the bias pointer set into the descriptor only
+        when it changed; the residual r, planned for, is C (else C is y). bind_linear calls this closure
+        itself, once per linear: keep its work to the bias check and the call."""
         from nvmath.bindings import cublasLt
 
-        m, matmul, error = self.matmul, cublasLt.matmul, cublasLt.cuBLASLtError
-        handle, desc, a_layout, b_layout = m.handle, m.mm_desc, m.a_layout_ptr, m.b_layout_ptr
-        c_layout, d_layout, alpha, beta = m.c_layout_ptr, m.d_layout_ptr, self._alpha, self._beta
-        size = self._workspace_bytes
+        matmul, error, set_bias = cublasLt.matmul, cublasLt.cuBLASLtError, self._set_bias
+        handle, desc, (a_layout, b_layout, c_layout, d_layout) = self._descriptors()
+        alpha, beta, size = self._alpha, self._beta, self._workspace_bytes
         space = workspace(size, self._device_id, stream_ptr)  # held: its pointer stays valid
         space_ptr = space.data.ptr
 
         def run(x, w, b, y, r=None):
             if b is not None and b.data.ptr != self._bias_ptr:
-                m.mm_desc_ifc.bias_pointer = self._bias_ptr = b.data.ptr
+                set_bias(b.data.ptr)
             y_ptr = y.data.ptr
             try:
                 matmul(handle, desc, alpha, w.data.ptr, a_layout, x.data.ptr, b_layout, beta,
                        y_ptr if r is None else r.data.ptr, c_layout, y_ptr, d_layout, self._algo, space_ptr, size,
                        stream_ptr)
             except error as exc:
-                raise LibraryError(f"cuBLASLt matmul failed for {self.problem.describe()}: {exc}") from exc
+                raise LibraryError(f"cuBLASLt {self._name} failed for {self.problem.describe()}: {exc}") from exc
         run.workspace = space
         return run
+
+    def _time_candidates(self, run: Callable[[Any], Any], runs: int) -> list[float]:
+        """Time `run(None)` with every candidate (median of `runs`, CUDA events), keep the fastest and return
+        the times in milliseconds, in the candidates' order."""
+        times = []
+        for index in range(self.count):
+            self.choose(index)
+            times.append(time_gpu(run, [None], warmup=2, runs=runs).median_ms)
+        self.choose(min(range(self.count), key=times.__getitem__))
+        return times
+
+
+@dataclass
+class GemmPlan(_LtPlan):
+    problem: Any
+    matmul: Any
+    candidates: list[Candidate]
+    chosen: int = 0                     # index into candidates; 0 is the heuristic's first choice
+    plan_seconds: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.candidates)
+
+    def _descriptors(self) -> tuple[int, int, tuple[int, int, int, int]]:
+        m = self.matmul
+        return m.handle, m.mm_desc, (m.a_layout_ptr, m.b_layout_ptr, m.c_layout_ptr, m.d_layout_ptr)
+
+    def _set_bias(self, ptr: int) -> None:
+        self.matmul.mm_desc_ifc.bias_pointer = self._bias_ptr = ptr
+
+    def runner(self, stream_ptr: int) -> Callable[..., None]:
+        """run(x, w, b, y, r=None) on `stream_ptr`: one `cublasLtMatmul` (`_LtPlan._matmul_runner`)."""
+        return self._matmul_runner(stream_ptr)
 
     def run(self, x, w, b, y, stream_ptr: int, r=None) -> None:
         """One product on `stream_ptr` (for tools; bound calls keep a `runner`)."""
@@ -134,15 +177,11 @@ class GemmPlan:
     def autotune(self, x, w, b, y, runs: int = 10, r=None) -> None:
         """Time every candidate on these operands (median of `runs`, CUDA events) and keep the fastest."""
         run = self.runner(current_stream().ptr)
-        for c in self.candidates:
-            self.choose(c.index)
-            c.time_ms = time_gpu(lambda _: run(x, w, b, y, r), [None], warmup=2, runs=runs).median_ms
-        self.choose(min(range(len(self.candidates)), key=lambda i: self.candidates[i].time_ms))
+        for c, time_ms in zip(self.candidates, self._time_candidates(lambda _: run(x, w, b, y, r), runs)):
+            c.time_ms = time_ms
 
 
 def _build(problem, x, w, b, y, r) -> GemmPlan:
-    import time
-
     from nvmath.linalg.advanced import Matmul, MatmulComputeType, MatmulOptions
 
     compute_type = MatmulComputeType.COMPUTE_32F_FAST_TF32 if problem.dtype == "fp32" and problem.allow_tf32 else None
@@ -195,7 +234,7 @@ def bind_linear(problem, x, w, b, r=None):
 # float8 tensors (or arrays whose dtype is named float8_e4m3fn); libnn keeps E4M3 codes in uint8 CuPy
 # arrays, which it would take for integers, and MatmulOptions has no field that retypes an operand. So the
 # FP8 GEMM is planned here through nvmath's low-level cuBLASLt bindings (descriptor, layouts, preference,
-# heuristic), one plan per key like GemmPlan, and run as GemmPlan's hot call is: one cublasLtMatmul.
+# heuristic), one plan per key like GemmPlan, and run by GemmPlan's hot call (_LtPlan's): one cublasLtMatmul.
 #
 # Layout (cuBLASLt's FP8 GEMMs take A transposed and B not: "TN", both operands K-major). libnn's
 #     y.T (N, M) = w (N, K) @ x.T (K, M)
@@ -241,14 +280,14 @@ def _destroy_fp8_plan(desc: int, layouts: tuple[int, ...]) -> None:
     cublasLt.matmul_desc_destroy(desc)
 
 
-class Fp8GemmPlan:
+class Fp8GemmPlan(_LtPlan):
     """One cuBLASLt FP8 GEMM of `problem` (linear_fp8's: M, N, K, dtype, per_channel, has_bias,
     activation, has_residual, device), planned once: its descriptor, layouts, the heuristic's candidates
     and the one it runs. The descriptors are freed with the plan."""
 
-    def __init__(self, problem: Any, w, w_scale, x_scale, b, r) -> None:
-        import time
+    _name = "FP8 matmul"
 
+    def __init__(self, problem: Any, w, w_scale, x_scale, b, r) -> None:
         from nvmath import CudaDataType
         from nvmath.bindings import cublas, cublasLt
 
@@ -283,10 +322,13 @@ class Fp8GemmPlan:
         self._pointers = np.zeros(3, np.uint64)
         self._pointer_attributes = (A.A_SCALE_POINTER, A.B_SCALE_POINTER, A.BIAS_POINTER)
         self._pointer_addresses = [self._pointers.ctypes.data + 8 * i for i in range(3)]
-        self.set_pointers(w_scale, x_scale, b)
+        self._bias_ptr = None
+        self._set_scales(w_scale, x_scale)
+        if b is not None:
+            self._set_bias(b.data.ptr)
         self.candidates, self.count = self._heuristic(w, r)
-        self._alpha = np.ones(1, np.float32)
-        self._beta = np.full(1, 0.0 if r is None else 1.0, np.float32)
+        self._scalars = np.array([1.0, 0.0 if r is None else 1.0], np.float32)  # alpha, beta: held for the pointers
+        self._alpha, self._beta = self._scalars.ctypes.data, self._scalars.ctypes.data + 4
         self._workspace_bytes = max(int(self.candidates[i].workspace_size) for i in range(self.count))
         if self._workspace_bytes and (problem.has_bias or problem.activation):
             self._workspace_bytes += 16  # as nvmath's Matmul.plan pads it with an epilogue ("library issue")
@@ -327,49 +369,43 @@ class Fp8GemmPlan:
         self.chosen = index
         self._algo = self.candidates[index]["algo"].ctypes.data
 
-    def set_pointers(self, w_scale, x_scale, b) -> None:
-        """Set the scale and bias pointers into the descriptor where they changed since the last call."""
+    def _descriptors(self) -> tuple[int, int, tuple[int, int, int, int]]:
+        a, b, d = self.layouts
+        return self.handle, self.desc, (a, b, d, d)  # C is laid out as D
+
+    def _set_scales(self, w_scale, x_scale) -> None:
+        """Set the scale pointers into the descriptor where they changed since the last call."""
         from nvmath.bindings import cublasLt
 
-        for i, a in enumerate((w_scale, x_scale, b)):
+        for i, a in enumerate((w_scale, x_scale)):
             if a is not None and a.data.ptr != self._pointers[i]:
                 self._pointers[i] = a.data.ptr
                 cublasLt.matmul_desc_set_attribute(self.desc, self._pointer_attributes[i], self._pointer_addresses[i], 8)
 
-    def runner(self, stream_ptr: int, x_scale):
-        """run(xq, w, w_scale, b, y, r=None) on `stream_ptr`: one cublasLtMatmul with the activations'
-        scale `x_scale` (the quantiser's buffer), the workspace of that stream, the residual r as C
-        (planned for) or else y."""
+    def _set_bias(self, ptr: int) -> None:
         from nvmath.bindings import cublasLt
 
-        matmul, error, set_pointers = cublasLt.matmul, cublasLt.cuBLASLtError, self.set_pointers
-        handle, desc, (a_layout, b_layout, d_layout) = self.handle, self.desc, self.layouts
-        alpha, beta, size = self._alpha.ctypes.data, self._beta.ctypes.data, self._workspace_bytes
-        space = workspace(size, self._device_id, stream_ptr)  # held: its pointer stays valid
-        space_ptr = space.data.ptr
+        self._pointers[2] = self._bias_ptr = ptr
+        cublasLt.matmul_desc_set_attribute(self.desc, self._pointer_attributes[2], self._pointer_addresses[2], 8)
+
+    def runner(self, stream_ptr: int, x_scale) -> Callable[..., None]:
+        """run(xq, w, w_scale, b, y, r=None) on `stream_ptr`: the scale pointers (w_scale's, and the
+        activations' `x_scale`, the quantiser's buffer) set into the descriptor where they changed, then one
+        cublasLtMatmul (`_LtPlan._matmul_runner`: the workspace of that stream, the residual r as C
+        (planned for) or else y)."""
+        matmul, set_scales = self._matmul_runner(stream_ptr), self._set_scales
 
         def run(xq, w, w_scale, b, y, r=None):
-            set_pointers(w_scale, x_scale, b)
-            y_ptr = y.data.ptr
-            try:
-                matmul(handle, desc, alpha, w.data.ptr, a_layout, xq.data.ptr, b_layout, beta,
-                       y_ptr if r is None else r.data.ptr, d_layout, y_ptr, d_layout, self._algo, space_ptr, size,
-                       stream_ptr)
-            except error as exc:
-                raise LibraryError(f"cuBLASLt FP8 matmul failed for {self.problem.describe()}: {exc}") from exc
-        run.workspace = space
+            set_scales(w_scale, x_scale)
+            matmul(xq, w, b, y, r)
+        run.workspace = matmul.workspace
         return run
 
     def autotune(self, xq, w, w_scale, x_scale, b, y, r=None, runs: int = 10) -> list[float]:
         """Time every candidate on these operands (median of `runs`, CUDA events), keep the fastest and
         return the times in milliseconds."""
         run = self.runner(current_stream().ptr, x_scale)
-        times = []
-        for index in range(self.count):
-            self.choose(index)
-            times.append(time_gpu(lambda _: run(xq, w, w_scale, b, y, r), [None], warmup=2, runs=runs).median_ms)
-        self.choose(min(range(self.count), key=times.__getitem__))
-        return times
+        return self._time_candidates(lambda _: run(xq, w, w_scale, b, y, r), runs)
 
 
 def fp8_plan_for(problem, xq, w, w_scale, x_scale, b, y, stream_ptr: int, r=None) -> Fp8GemmPlan:
