@@ -91,7 +91,20 @@ def precompile_kernels() -> list[subprocess.Popen]:
     files = sorted(kernels.kernel_files(), key=lambda path: -path.stat().st_size)
     return [subprocess.Popen([sys.executable, "-c", script, str(path), arch], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, preexec_fn=None if arch in device_archs else _lower_priority)
-            for arch in sorted(device_archs) + sorted({"sm_80", "sm_90"} - device_archs) for path in files]
+            for arch in sorted(device_archs) + sorted({"sm_80", "sm_90"} - device_archs) for path in files] \
+        + _precompile_cutlass()
+
+
+def _precompile_cutlass() -> list[subprocess.Popen]:
+    """On a GPU the cutlass path runs on (Hopper, nvcc and CUTLASS's headers here): nvcc's builds of its
+    libraries, about a minute each, started with the NVRTC compiles."""
+    from libnn.backends import cutlass
+
+    if gpu_missing() or cutlass.missing(0):
+        return []
+    script = "import sys; from libnn.backends import cutlass; cutlass.build(sys.argv[1])"
+    return [subprocess.Popen([sys.executable, "-c", script, dtype], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for dtype in cutlass.ELEMENTS]
 
 
 def _lower_priority() -> None:

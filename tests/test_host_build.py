@@ -20,11 +20,6 @@ needs_build = pytest.mark.skipif(host_build.nvcc_missing() is not None or cutlas
                                  reason=f"no nvcc or no CUTLASS headers: {host_build.nvcc_missing()}")
 
 
-def build(dtype="fp16", config=cutlass.GEMM_GELU_ERF_CONFIG):
-    return host_build.library_file("gemm_cutlass.cu", cutlass.ARCH, {"ELEMENT": cutlass.ELEMENTS[dtype],
-                                   "CONFIG": str(config)}, cutlass.include_dirs(), cutlass.version())
-
-
 @needs_build
 def test_cutlass_gemm_builds_once_and_exports_its_entry_point():
     def counts():
@@ -32,11 +27,11 @@ def test_cutlass_gemm_builds_once_and_exports_its_entry_point():
         return stats.builds, stats.hits
 
     builds, hits = counts()
-    path = build()
+    path = cutlass.build("fp16")
     first = counts()
     assert path.suffix == ".so" and path.stat().st_size > 0
     assert sum(first) == builds + hits + 1  # built, or found built by another process
-    assert build() == path  # the second time from the disk cache
+    assert cutlass.build("fp16") == path  # the second time from the disk cache
     assert counts() == (first[0], first[1] + 1)
     library = ctypes.CDLL(str(path))  # loads without a GPU: the CUDA runtime is linked in and starts lazily
     assert library.libnn_gemm_gelu_erf
@@ -46,7 +41,7 @@ def test_cutlass_gemm_builds_once_and_exports_its_entry_point():
 def test_a_failed_build_names_the_file_its_options_and_nvccs_error():
     with pytest.raises(KernelCompileError, match=r"(?s)nvcc could not build kernels/nvcc/gemm_cutlass.cu "
                                                  r"\(.*-DCONFIG=99.*\).*unknown CONFIG"):
-        build(config=99)
+        cutlass.build("fp16", config=99)
 
 
 def test_cutlass_version_is_read_from_its_headers():

@@ -121,8 +121,8 @@ def test_a_graphed_layer_replays_it(rng):
 
     layer = libnn.nn.Linear(128, 256, activation="gelu_erf", dtype="bf16", device="gpu", path="cutlass", seed=3)
     graphed = layer.graphed()
-    for scale in (1.0, 0.5):
-        x = cupy.asarray(draw(rng, 37, 256, 128, "bf16")[0]) * scale
+    for _ in range(2):
+        x = cupy.asarray(draw(rng, 37, 256, 128, "bf16")[0])
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback inside the capture
             replayed = graphed(x).copy()

@@ -88,8 +88,8 @@ def test_unknown_activation(xw):
 
 
 def test_unknown_path_lists_the_known_ones(xw):
-    with pytest.raises(ValueError, match=r"unknown path 'cutlass'.*'cublaslt', 'custom', 'cudnn', 'reference'"):
-        linear(*xw, path="cutlass")
+    with pytest.raises(ValueError, match=r"unknown path 'triton'.*'cublaslt', 'custom', 'cutlass', 'cudnn', 'reference'"):
+        linear(*xw, path="triton")
 
 
 @pytest.mark.parametrize("path", ["cublaslt", "cudnn", "custom"])
@@ -105,21 +105,23 @@ def test_non_array_input_is_rejected(xw):
 
 def test_paths_report_availability_and_reasons():
     rows = {r["path"]: r for r in libnn.paths("linear")}
-    assert list(rows) == ["cublaslt", "cudnn", "custom", "reference"]
+    assert list(rows) == ["cutlass", "cublaslt", "cudnn", "custom", "reference"]
     assert rows["reference"]["available"] == "yes"
     if gpu_missing():
         assert rows["cublaslt"]["available"] == "no" and rows["cublaslt"]["reason"]
 
 
-# --- auto's order: cublaslt first for every activation, gelu_erf (GEMM + pass) included (no GPU needed) ------
+# --- auto's order: cutlass first for gelu_erf on Hopper, cublaslt first for the rest (no GPU needed) -----------
 @pytest.fixture
 def every_library_present(monkeypatch):
-    """Resolution as on a GPU machine with every library installed: the paths' availability checks
-    answer "present", so only supports() and slower() decide."""
+    """Resolution as on an H100 machine with every library installed (and nvcc): the paths' availability
+    checks answer "present", so only supports() and slower() decide."""
+    from libnn.backends import cutlass
     from libnn.runtime import device, memory
 
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
     monkeypatch.setattr(device, "module_missing", lambda name: None)
+    monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
     monkeypatch.setattr(memory, "gpu_available_bytes", lambda: 80 * 2**30)  # a bind checks the output fits
 
 
@@ -137,19 +139,29 @@ def resolved(problem):
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_auto_keeps_cublaslt_first_for_gelu_erf(every_library_present, dtype, residual):
-    """cuBLASLt's GEMM + the exact-GELU pass beat cudnn's fused graph (ERF composed from pointwise
-    nodes) at BERT's FFN shapes on the H100: the declared order stands, cudnn second."""
+def test_auto_puts_cutlass_first_for_gelu_erf(every_library_present, dtype, residual):
+    """CUTLASS's GEMM with the erf GELU in its epilogue beats cuBLASLt's GEMM + the exact-GELU pass, which
+    beats cudnn's fused graph, at BERT's FFN shapes on the H100: the declared order stands."""
     names, passed_over = resolved(gpu_problem("gelu_erf", dtype, residual=residual))
-    assert names == ["cublaslt", "cudnn", "custom"]
+    assert names == ["cutlass", "cublaslt", "cudnn", "custom"]
     assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
+
+
+def test_gelu_erf_without_nvcc_keeps_cublaslt_first(every_library_present, monkeypatch):
+    from libnn.backends import cutlass
+
+    monkeypatch.setattr(cutlass, "missing", lambda device_id: "nvcc is not installed (simulated)")
+    names, passed_over = resolved(gpu_problem("gelu_erf"))
+    assert names == ["cublaslt", "cudnn", "custom"]
+    assert passed_over["cutlass"] == "nvcc is not installed (simulated)"
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 def test_auto_keeps_cublaslt_first_where_its_epilogue_computes_the_activation(every_library_present, activation):
     names, passed_over = resolved(gpu_problem(activation))
     assert names == ["cublaslt", "cudnn", "custom"]
-    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
+    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU",
+                           "cutlass": "only the gelu_erf epilogue (cuBLASLt fuses every other activation)"}
 
 
 @pytest.mark.parametrize("problem, why", [
@@ -162,17 +174,19 @@ def test_gelu_erf_that_cudnn_cannot_take_keeps_cublaslt_first(every_library_pres
     names, passed_over = resolved(problem)
     assert names == ["cublaslt", "custom"]
     assert passed_over["cudnn"].startswith(why)
-    assert "cublaslt" not in passed_over
+    assert "cutlass" in passed_over and "cublaslt" not in passed_over
 
 
-def test_gelu_erf_without_cudnn_installed_keeps_cublaslt_first(monkeypatch):
+def test_gelu_erf_without_cudnn_installed_keeps_cutlass_and_cublaslt_first(monkeypatch):
+    from libnn.backends import cutlass
     from libnn.runtime import device
 
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
     monkeypatch.setattr(device, "module_missing", lambda name: "cudnn does not import (simulated)" if name == "cudnn"
                         else None)
+    monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
     names, passed_over = resolved(gpu_problem("gelu_erf"))
-    assert names == ["cublaslt", "custom"]
+    assert names == ["cutlass", "cublaslt", "custom"]
     assert passed_over["cudnn"] == "cudnn does not import (simulated)"
 
 
@@ -194,6 +208,7 @@ def test_a_graph_cudnn_declines_falls_back_to_custom_visibly(every_library_prese
             raise libnn.LibraryError(f"{library} cannot run linear: no engine supports this graph (simulated)")
         return bind
 
+    monkeypatch.setitem(op.paths, "cutlass", replace(op.paths["cutlass"], run=decline("CUTLASS")))
     monkeypatch.setitem(op.paths, "cublaslt", replace(op.paths["cublaslt"], run=decline("cuBLASLt")))
     monkeypatch.setitem(op.paths, "cudnn", replace(op.paths["cudnn"], run=decline("cuDNN")))
     monkeypatch.setitem(op.paths, "custom", replace(op.paths["custom"], run=lambda problem, *args: (lambda *a: "custom")))

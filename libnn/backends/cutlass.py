@@ -63,11 +63,21 @@ def missing(device_id: int) -> str | None:
     return None
 
 
+def _library(dtype: str, config: int) -> tuple:
+    """host_build's arguments for kernels/nvcc/gemm_cutlass.cu with `dtype`'s element type and `config`."""
+    return "gemm_cutlass.cu", ARCH, {"ELEMENT": ELEMENTS[dtype], "CONFIG": str(config)}, include_dirs(), version()
+
+
+def build(dtype: str, config: int = GEMM_GELU_ERF_CONFIG) -> Path:
+    """Build (or find in the disk cache) the library of `dtype` and `config`, without loading it: no GPU
+    needed. KernelCompileError with nvcc's message if the build fails."""
+    return host_build.library_file(*_library(dtype, config))
+
+
 @functools.lru_cache(maxsize=None)
 def _gemm_gelu_erf(dtype: str) -> Callable[..., int]:
     """The C entry point libnn_gemm_gelu_erf of kernels/nvcc/gemm_cutlass.cu for `dtype`."""
-    library = host_build.load("gemm_cutlass.cu", ARCH, {"ELEMENT": ELEMENTS[dtype], "CONFIG": str(GEMM_GELU_ERF_CONFIG)},
-                              include_dirs(), version())
+    library = host_build.load(*_library(dtype, GEMM_GELU_ERF_CONFIG))
     entry = library.libnn_gemm_gelu_erf
     entry.restype = ctypes.c_int
     entry.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
