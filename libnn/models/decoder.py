@@ -509,8 +509,8 @@ class CausalLM(Module):
         `directory` into a CausalLM of the architecture its config names, in `dtype` ("fp16", "bf16",
         "fp32"; "fp64" too on the CPU) on `device` ("gpu" or "cpu"), with a KV cache for `max_batch`
         sequences of `max_len` tokens (default min(2048, the model's positions)); `decode_graphs`,
-        `kv_layout` and `page_size` as for the constructor. The parameters and the cache are refused before anything is read if they would
-        not fit; a key, shape or dtype that does not match the config is an error naming the file and
+        `kv_layout` and `page_size` as for the constructor. The parameters and the cache are refused
+        before anything is read if they would not fit; a key, shape or dtype that does not match the config is an error naming the file and
         the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
         directory, config_file, config_json = checkpoint.read_config(directory, where)
@@ -1011,7 +1011,8 @@ def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any,
         memory.require(elements * (4 + parsed.itemsize), "cpu", where, what)
         if device != "cpu":
             memory.require(elements * parsed.itemsize, "gpu", where, what)
-    memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size), "cpu" if device == "cpu" else "gpu", where,
+    memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size), "cpu" if device == "cpu" else "gpu",
+                   where,
                    f"the KV cache ({max_batch} sequences of {max_len} tokens, {config.num_hidden_layers} layers, "
                    f"{config.num_key_value_heads} KV heads of {config.head_dim})")
     return max_batch, max_len

@@ -106,7 +106,8 @@ class AttentionProblem:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
                                         "padding" if self.has_seq_lens_q or self.has_seq_lens_kv else None,
                                         f"bias {self.bias_shape}" if self.bias_shape else None,
-                                        f"{self.pages} pages of {self.page_size}" if self.pages else None])) or "no mask"
+                                        f"{self.pages} pages of {self.page_size}" if self.pages else None]))
+        masks = masks or "no mask"
         heads = f"Hq={self.Hq}" + (f" Hkv={self.Hkv}" if self.Hkv != self.Hq else "")
         return (f"attention B={self.B} {heads} Sq={self.Sq} Skv={self.Skv} D={self.D} {self.dtype} "
                 f"{self.layout} ({masks})")
@@ -552,7 +553,8 @@ def attention_graph_builder(problem: AttentionProblem):
         if p.pages:  # the page tables (B, 1, max_pages, 1), and the keys they span
             max_pages = p.Skv // p.page_size
             k_table, v_table = (g.tensor(dim=[p.B, 1, max_pages, 1], stride=[max_pages, max_pages, 1, 1],
-                                         data_type=cudnn.data_type.INT32, uid=uid) for uid in (UID_PAGES_K, UID_PAGES_V))
+                                         data_type=cudnn.data_type.INT32, uid=uid)
+                                for uid in (UID_PAGES_K, UID_PAGES_V))
             paged = {"paged_attention_k_table": k_table, "paged_attention_v_table": v_table,
                      "paged_attention_max_seq_len_kv": p.Skv}
         o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, attn_scale=p.scale, bias=bias, use_padding_mask=padded,
