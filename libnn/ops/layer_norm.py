@@ -42,8 +42,7 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
-                                  stream_key)
+from libnn.runtime.arrays import as_array, device_constant, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -115,27 +114,6 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, residual: Any = 
     return op.call(key, lambda: layer_norm_problem(x, weight, bias, residual, eps, return_sum), path, x, weight, bias, residual)
 
 
-def _as_rows(run, problem: LayerNormProblem, x, weight, bias, residual):
-    """`run` (for C-contiguous (M, N) rows of x and the residual, and (N,) vectors) wrapped for the
-    signature of the arrays: y (and the sum) take x's shape; copies only where the signature is not
-    contiguous."""
-    contiguous_in = all(a is None or a.flags.c_contiguous for a in (x, weight, bias, residual))
-    if x.ndim == 2 and contiguous_in:
-        return run
-    shape, sums = x.shape, problem.return_sum
-
-    def rows(a):
-        return None if a is None else contiguous(a).reshape(problem.M, problem.N)
-
-    def vector(a):
-        return None if a is None else contiguous(a)
-
-    def as_rows(x, weight, bias, residual):
-        out = run(rows(x), vector(weight), vector(bias), rows(residual))
-        return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
-    return as_rows
-
-
 def _gpu_support(problem: LayerNormProblem) -> str | None:
     if problem.dtype not in GPU_DTYPES:
         return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
@@ -192,9 +170,8 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     import cupy
 
     if problem.M == 0 or problem.N == 0:
-        return functools.partial(_empty_result, problem)
-    rows = contiguous(x).reshape(problem.M, problem.N)
-    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
+        return functools.partial(row_kernels.empty_result, problem)
+    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
     misaligned = [name for name, a in (("x", rows), ("weight", weight), ("bias", bias), ("residual", residual_rows))
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
@@ -222,7 +199,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
-    return _as_rows(runner, problem, x, weight, bias, residual)
+    return row_kernels.as_rows(runner, problem, x, weight, bias, residual)
 
 
 # --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
@@ -289,17 +266,10 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, slower=_custom_slower, binds=True)
 def _custom(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
-        return functools.partial(_empty_result, problem)
-    rows = contiguous(x).reshape(problem.M, problem.N)
-    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
-    return _as_rows(bind_custom(problem, rows, weight, bias, residual_rows), problem, x, weight, bias, residual)
-
-
-def _empty_result(problem: LayerNormProblem, x, weight, bias, residual):
-    """The result when there are no rows or no columns: nothing to normalize (nor to add)."""
-    xp = array_module(x)
-    y = xp.empty(x.shape, x.dtype)
-    return (y, xp.empty(x.shape, x.dtype)) if problem.return_sum else y
+        return functools.partial(row_kernels.empty_result, problem)
+    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
+    return row_kernels.as_rows(bind_custom(problem, rows, weight, bias, residual_rows), problem, x, weight, bias,
+                               residual)
 
 
 op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)(_cudnn)
@@ -309,15 +279,12 @@ op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gp
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
-        return _empty_result(problem, x, weight, bias, residual)
-    rows = x.reshape(problem.M, problem.N).astype(np.float64)
-    if residual is not None:
-        rows += residual.reshape(problem.M, problem.N).astype(np.float64)
+        return row_kernels.empty_result(problem, x, weight, bias, residual)
+    rows = row_kernels.reference_rows(problem, x, residual)
     centered = rows - rows.mean(axis=1, keepdims=True)
     y = centered / np.sqrt((centered * centered).mean(axis=1, keepdims=True) + problem.eps)
     if weight is not None:
         y *= weight.astype(np.float64)
     if bias is not None:
         y += bias.astype(np.float64)
-    y = y.astype(x.dtype).reshape(x.shape)
-    return (y, rows.astype(x.dtype).reshape(x.shape)) if problem.return_sum else y
+    return row_kernels.reference_result(problem, x, y, rows)

@@ -42,8 +42,7 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import (array_module, as_array, contiguous, device_constant, device_of, signature,
-                                  stream_key)
+from libnn.runtime.arrays import as_array, contiguous, device_constant, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -109,30 +108,6 @@ def rms_norm(x: Any, weight: Any = None, *, residual: Any = None, eps: float = 1
     return op.call(key, lambda: rms_norm_problem(x, weight, residual, eps, return_sum), path, x, weight, residual)
 
 
-def _as_rows(run, problem: RMSNormProblem, x, weight, residual):
-    """`run` (for C-contiguous (M, N) rows of x and the residual, and an (N,) weight) wrapped for the
-    signature of the arrays: y (and the sum) take x's shape; copies only where the signature is not
-    contiguous."""
-    if x.ndim == 2 and all(a is None or a.flags.c_contiguous for a in (x, weight, residual)):
-        return run
-    shape, sums = x.shape, problem.return_sum
-
-    def rows(a):
-        return None if a is None else contiguous(a).reshape(problem.M, problem.N)
-
-    def as_rows(x, weight, residual):
-        out = run(rows(x), None if weight is None else contiguous(weight), rows(residual))
-        return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
-    return as_rows
-
-
-def _empty_result(problem: RMSNormProblem, x, weight, residual):
-    """The result when there are no rows or no columns: nothing to normalize (nor to add)."""
-    xp = array_module(x)
-    y = xp.empty(x.shape, x.dtype)
-    return (y, xp.empty(x.shape, x.dtype)) if problem.return_sum else y
-
-
 def _gpu_support(problem: RMSNormProblem) -> str | None:
     if problem.dtype not in GPU_DTYPES:
         return f"dtype {problem.dtype} is not supported (supported: {', '.join(GPU_DTYPES)})"
@@ -191,11 +166,10 @@ def launch_custom(problem: RMSNormProblem, x, weight, residual=None, version: st
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: RMSNormProblem, x, weight, residual):
     if problem.M == 0 or problem.N == 0:
-        return functools.partial(_empty_result, problem)
-    rows = contiguous(x).reshape(problem.M, problem.N)
-    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
+        return functools.partial(row_kernels.empty_result, problem)
+    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
     vector = None if weight is None else contiguous(weight)
-    return _as_rows(bind_custom(problem, rows, vector, residual_rows), problem, x, weight, residual)
+    return row_kernels.as_rows(bind_custom(problem, rows, vector, residual_rows), problem, x, weight, residual)
 
 
 # --- cudnn path ----------------------------------------------------------------------------------------
@@ -250,9 +224,8 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
     import cupy
 
     if problem.M == 0 or problem.N == 0:
-        return functools.partial(_empty_result, problem)
-    rows = contiguous(x).reshape(problem.M, problem.N)
-    residual_rows = None if residual is None else contiguous(residual).reshape(problem.M, problem.N)
+        return functools.partial(row_kernels.empty_result, problem)
+    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
     vector = None if weight is None else contiguous(weight)
     misaligned = [name for name, a in (("x", rows), ("weight", vector), ("residual", residual_rows))
                   if a is not None and a.data.ptr % 16]
@@ -280,19 +253,16 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
         execute(x, ones if weight is None else weight, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
-    return _as_rows(runner, problem, x, weight, residual)
+    return row_kernels.as_rows(runner, problem, x, weight, residual)
 
 
 # --- reference -----------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: RMSNormProblem, x, weight, residual):
     if problem.M == 0 or problem.N == 0:
-        return _empty_result(problem, x, weight, residual)
-    rows = x.reshape(problem.M, problem.N).astype(np.float64)
-    if residual is not None:
-        rows += residual.reshape(problem.M, problem.N).astype(np.float64)
+        return row_kernels.empty_result(problem, x, weight, residual)
+    rows = row_kernels.reference_rows(problem, x, residual)
     y = rows / np.sqrt((rows * rows).mean(axis=1, keepdims=True) + problem.eps)
     if weight is not None:
         y *= weight.astype(np.float64)
-    y = y.astype(x.dtype).reshape(x.shape)
-    return (y, rows.astype(x.dtype).reshape(x.shape)) if problem.return_sum else y
+    return row_kernels.reference_result(problem, x, y, rows)

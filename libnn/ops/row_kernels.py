@@ -9,19 +9,22 @@ one its custom path runs, and with what grid and block.
 
 It also holds what the row-normalizing ops (layer_norm, rms_norm, embedding's fused LayerNorm) share
 on the host: the checks of a weight or bias vector against the rows, of eps, of a fused residual and
-return_sum, and the memory check of the float64 reference.
+return_sum, and the memory check of the float64 reference; and what layer_norm's and rms_norm's paths
+share: x and the residual as (M, N) rows, a runner of rows wrapped for any signature, the result of an
+empty problem, and the float64 reference's rows and result.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from libnn import dtypes
 from libnn.runtime import memory
+from libnn.runtime.arrays import array_module, contiguous
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -152,3 +155,63 @@ def reference_fits(op: str, M: int, N: int, dtype: str, return_sum: bool, shape:
     outputs = 1 + return_sum
     memory.require(M * N * (8 * REFERENCE_COPIES + outputs * dtypes.parse(dtype).itemsize), "cpu", op,
                    f"x of shape {shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of its size)")
+
+
+# --- layer_norm's and rms_norm's paths: rows of x and the residual, each op adding its (N,) vectors ------
+def _rows(problem: Any, a: Any) -> Any:
+    return None if a is None else contiguous(a).reshape(problem.M, problem.N)
+
+
+def gpu_rows(problem: Any, x: Any, residual: Any) -> tuple[Any, Any]:
+    """x and the residual (or None) as C-contiguous (problem.M, problem.N) rows: views where they are
+    contiguous, else copies."""
+    return _rows(problem, x), _rows(problem, residual)
+
+
+def as_rows(run: Callable[..., Any], problem: Any, x: Any, *args: Any) -> Callable[..., Any]:
+    """`run`, a runner of C-contiguous (M, N) rows of x and the residual and contiguous (N,) vectors,
+    called (x, *vectors, residual), wrapped for the signature of the arrays bound, x and `args` (the
+    vectors and the residual): y (and the sum) take x's shape; copies only where the signature is not
+    contiguous. One vector (rms_norm's weight) or two (layer_norm's weight and bias): a wrapper of each
+    arity, since a decoder's (B, S, H) hidden states pass through it at every eager call and unpacking
+    *args there cost about 0.5 us a call more."""
+    if x.ndim == 2 and all(a is None or a.flags.c_contiguous for a in (x, *args)):
+        return run
+    shape, sums = x.shape, problem.return_sum
+
+    def shaped(out):
+        return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
+
+    def vector(a):
+        return None if a is None else contiguous(a)
+
+    if len(args) == 2:
+        def rows_of(x, weight, residual):
+            return shaped(run(_rows(problem, x), vector(weight), _rows(problem, residual)))
+    else:
+        def rows_of(x, weight, bias, residual):
+            return shaped(run(_rows(problem, x), vector(weight), vector(bias), _rows(problem, residual)))
+    return rows_of
+
+
+def empty_result(problem: Any, x: Any, *args: Any) -> Any:
+    """The result when there are no rows or no columns: nothing to normalize (nor to add). `args`, the
+    op's other arrays, are not read."""
+    xp = array_module(x)
+    y = xp.empty(x.shape, x.dtype)
+    return (y, xp.empty(x.shape, x.dtype)) if problem.return_sum else y
+
+
+def reference_rows(problem: Any, x: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
+    """h = x, or x + residual, as (M, N) rows in float64: what the references normalize."""
+    rows = x.reshape(problem.M, problem.N).astype(np.float64)
+    if residual is not None:
+        rows += residual.reshape(problem.M, problem.N).astype(np.float64)
+    return rows
+
+
+def reference_result(problem: Any, x: np.ndarray, y: np.ndarray, rows: np.ndarray) -> Any:
+    """The float64 (M, N) result y, and with return_sum the rows h = x + residual, rounded once to x's dtype
+    in x's shape."""
+    y = y.astype(x.dtype).reshape(x.shape)
+    return (y, rows.astype(x.dtype).reshape(x.shape)) if problem.return_sum else y
