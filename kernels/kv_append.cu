@@ -73,7 +73,9 @@ __device__ __forceinline__ void kv_append(const typename DT::T* __restrict__ k, 
                                           i64 pages) {
     for (i64 b = blockIdx.z; b < B; b += gridDim.z) {
         for (int h = blockIdx.y; h < H; h += gridDim.y) {
-            for (i64 s = (i64)blockIdx.x * blockDim.y + threadIdx.y; s < S; s += (i64)gridDim.x * blockDim.y) {
+            // the first token in 32 bits (grid.x <= 65535 blocks of <= 256 rows): as a 64-bit product, kept
+            // live across the loops, NVRTC 13.0's ptxas spilled it in the bf16 kernels
+            for (i64 s = (i64)(blockIdx.x * blockDim.y + threadIdx.y); s < S; s += (i64)gridDim.x * blockDim.y) {
                 const P p = positions[b * pb + s * ps];
                 if (p < 0 || p >= L) continue;
                 i64 at;
