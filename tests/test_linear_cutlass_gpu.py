@@ -62,14 +62,23 @@ def test_cutlass_equals_its_unfused_twin(rng, dtype):
     assert rel_error(fused, twin.get()) <= tolerance(dtype)
 
 
-def test_auto_takes_cutlass_for_gelu_erf_only(rng):
-    x, w, b = to_gpu(*draw(rng, 64, 128, 64, "fp16"))
+def test_auto_takes_cutlass_for_gelu_erf_where_its_tiles_fill_the_gpu(rng):
+    from libnn.backends import cutlass
+    from libnn.runtime.device import current_device_id
+
     op = libnn.get_op("linear")
+    sms = cutlass.multiprocessors(current_device_id())
+    M = cutlass.TILE_M * cutlass.CLUSTER_M * -(-sms // (cutlass.CLUSTER_M * 4))  # 4 tiles along N: >= sms tiles
+    x, w, b = to_gpu(*draw(rng, M, 4 * cutlass.TILE_N, 64, "fp16"))
     linear(x, w, b, "gelu_erf")
     assert op.last_decision.path == "cutlass"
     linear(x, w, b, "gelu")
     assert op.last_decision.path == "cublaslt"
     assert "only the gelu_erf epilogue" in op.last_decision.passed_over["cutlass"]
+    small = linear(x[:64], w, b, "gelu_erf")  # 2 x 4 tiles: cuBLASLt's GEMM + pass, cutlass tried last
+    assert op.last_decision.path == "cublaslt"
+    assert op.last_decision.passed_over["cutlass"].startswith("tried last: 8 output tiles")
+    assert rel_error(small, linear(*[a.get() for a in (x[:64], w, b)], "gelu_erf", path="reference")) <= tolerance("fp16")
 
 
 def test_shapes_outside_the_path_are_refused_by_name(rng):

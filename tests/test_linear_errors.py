@@ -122,6 +122,7 @@ def every_library_present(monkeypatch):
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
     monkeypatch.setattr(device, "module_missing", lambda name: None)
     monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
+    monkeypatch.setattr(cutlass, "multiprocessors", lambda device_id: 132)  # an H100 SXM
     monkeypatch.setattr(memory, "gpu_available_bytes", lambda: 80 * 2**30)  # a bind checks the output fits
 
 
@@ -145,6 +146,19 @@ def test_auto_puts_cutlass_first_for_gelu_erf(every_library_present, dtype, resi
     names, passed_over = resolved(gpu_problem("gelu_erf", dtype, residual=residual))
     assert names == ["cutlass", "cublaslt", "cudnn", "custom"]
     assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
+
+
+@pytest.mark.parametrize("M, N, tiles", [(128, 3072, 24), (2048, 1536, 96), (8191, 256, 64)], ids=str)
+def test_gelu_erf_whose_tiles_do_not_fill_the_gpu_tries_cutlass_last(every_library_present, M, N, tiles):
+    """An encoder at batch 1 (FFN rows up to 128): cuBLASLt's GEMM + pass first, cutlass after custom."""
+    names, passed_over = resolved(gpu_problem("gelu_erf", M=M, N=N))
+    assert names == ["cublaslt", "cudnn", "custom", "cutlass"]
+    assert passed_over["cutlass"] == f"tried last: {tiles} output tiles of 128x256 fill less than the GPU's 132 SMs"
+
+
+@pytest.mark.parametrize("M, N", [(4096, 3072), (32768, 1536), (8448, 1024)], ids=str)
+def test_gelu_erf_whose_tiles_fill_the_gpu_runs_on_cutlass(every_library_present, M, N):
+    assert resolved(gpu_problem("gelu_erf", M=M, N=N))[0][0] == "cutlass"
 
 
 def test_gelu_erf_without_nvcc_keeps_cublaslt_first(every_library_present, monkeypatch):
@@ -185,6 +199,7 @@ def test_gelu_erf_without_cudnn_installed_keeps_cutlass_and_cublaslt_first(monke
     monkeypatch.setattr(device, "module_missing", lambda name: "cudnn does not import (simulated)" if name == "cudnn"
                         else None)
     monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
+    monkeypatch.setattr(cutlass, "multiprocessors", lambda device_id: 132)
     names, passed_over = resolved(gpu_problem("gelu_erf"))
     assert names == ["cutlass", "cublaslt", "custom"]
     assert passed_over["cudnn"] == "cudnn does not import (simulated)"

@@ -21,8 +21,10 @@ from libnn.runtime.device import compute_capability
 # CUTLASS's element type per libnn dtype
 ELEMENTS = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 # kernels/nvcc/gemm_cutlass.cu's CONFIG: 128x256x64 tiles, 2x1 clusters, cooperative warp groups (the
-# fastest of the file's versions on the BERT FFN shapes, benchmarks/RESULTS.md)
+# fastest of the file's versions on the BERT FFN shapes, benchmarks/RESULTS.md); its output tile and the
+# cluster's extent along M, as that CONFIG's TileShape and ClusterShape say, for gemm_tiles
 GEMM_GELU_ERF_CONFIG = 0
+TILE_M, TILE_N, CLUSTER_M = 128, 256, 2
 ARCH = "sm_90a"  # wgmma and TMA: the kernels are built for compute capability 9.0 exactly
 ERROR_CAPACITY = 512
 
@@ -72,6 +74,21 @@ def build(dtype: str, config: int = GEMM_GELU_ERF_CONFIG) -> Path:
     """Build (or find in the disk cache) the library of `dtype` and `config`, without loading it: no GPU
     needed. KernelCompileError with nvcc's message if the build fails."""
     return host_build.library_file(*_library(dtype, config))
+
+
+def gemm_tiles(M: int, N: int) -> int:
+    """The output tiles the GEMM of an (M, N) result runs as (whole clusters along M)."""
+    clusters_m = -(-M // (TILE_M * CLUSTER_M))
+    return clusters_m * CLUSTER_M * -(-N // TILE_N)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id: int) -> int:
+    """The SM count of device `device_id`."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
 @functools.lru_cache(maxsize=None)

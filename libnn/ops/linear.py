@@ -11,7 +11,8 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - cutlass:   "gelu_erf" alone, on Hopper: CUTLASS 3's sm90 TMA + wgmma GEMM with bias, residual and the
              exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu, built by nvcc at first use; needs
              the nvidia-cutlass headers and nvcc). One kernel where cuBLASLt needs a second pass.
-             fp16/bf16, N and K multiples of 8, 16-byte aligned arrays (TMA).
+             fp16/bf16, N and K multiples of 8, 16-byte aligned arrays (TMA). Tried last when its tiles
+             do not fill the GPU (small M: an encoder at batch 1), where cuBLASLt's GEMM + pass wins.
 - cublaslt:  cuBLASLt through nvmath-python: D = epilogue(A·B + β·C + bias) in one call, with the
              residual as C (β = 1) and bias, relu or gelu in the epilogue. cuBLASLt has no erf GELU, so
              "gelu_erf" is the GEMM (with the residual) followed by one memory-bound pass that adds the
@@ -258,8 +259,19 @@ def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
     return run
 
 
+def _cutlass_slower(problem: LinearProblem) -> str | None:
+    """Fewer output tiles than SMs: the 128x256 tiles leave SMs idle, where cuBLASLt picks a kernel for the
+    shape (smaller tiles, split K). Measured on the H100: the encoders at batch 1 (FFN rows 4..128) ran
+    0.03-0.09 ms slower per forward on cutlass than on cuBLASLt's GEMM + pass (benchmarks/RESULTS.md)."""
+    tiles = cutlass.gemm_tiles(problem.M, problem.N)
+    sms = cutlass.multiprocessors(int(problem.device.split(":")[1]))
+    if tiles < sms:
+        return f"{tiles} output tiles of {cutlass.TILE_M}x{cutlass.TILE_N} fill less than the GPU's {sms} SMs"
+    return None
+
+
 @op.path("cutlass", kind="library", device="gpu", requires=("cutlass_library",), supports=_cutlass_support,
-         binds=True)
+         slower=_cutlass_slower, binds=True)
 def _cutlass(problem: LinearProblem, x, w, b, r):
     return _bind_gpu(bind_cutlass, True, problem, x, w, b, r)
 
