@@ -18,8 +18,9 @@
 # a device call of its own. `soak` (benchmarks/soak.py) and `sanitize` (benchmarks/sanitize.sh) run
 # one half. Any failing stage makes the exit status 1.
 #
-# On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python; see the README)
-# are installed into /tmp/site first and libnn runs from this working tree.
+# On the lent H100 the carried wheels in .whl/ (nvidia-cudnn-frontend, nvmath-python, and nvidia-cutlass for
+# the CUTLASS kernel's headers; see the README) are installed into /tmp/site first, without their
+# dependencies, and libnn runs from this working tree. The image's nvcc builds the CUTLASS kernel.
 set -uo pipefail
 stage=${1:-all}
 shift || true
