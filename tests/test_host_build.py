@@ -40,8 +40,9 @@ def test_cutlass_gemm_builds_once_and_exports_its_entry_point():
 @needs_build
 def test_a_failed_build_names_the_file_its_options_and_nvccs_error():
     with pytest.raises(KernelCompileError, match=r"(?s)nvcc could not build kernels/nvcc/gemm_cutlass.cu "
-                                                 r"\(.*-DCONFIG=99.*\).*unknown CONFIG"):
-        cutlass.build("fp16", config=99)
+                                                 r"\(.*-DELEMENT=not_a_type.*\).*not_a_type"):
+        host_build.library_file("gemm_cutlass.cu", cutlass.ARCH, {"ELEMENT": "not_a_type"}, cutlass.include_dirs(),
+                                cutlass.version())
 
 
 def test_cutlass_version_is_read_from_its_headers():

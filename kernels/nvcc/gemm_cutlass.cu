@@ -15,11 +15,12 @@ small host entry point: a CUTLASS kernel's parameters (TMA descriptors among the
 host-side adapter, which only C++ can instantiate. Its build options and launch contract live in
 libnn/backends/cutlass.py; the entry points are below.
 
-Versions (the CONFIG macro, one shared library each; libnn/backends/cutlass.py CONFIGS):
-  0  128x256x64 tile, cluster 2x1, cooperative (two consumer warp groups share each tile)
-  1  128x128x64 tile, cluster 1x2, ping-pong (the two consumer warp groups alternate tiles, so one's
-     epilogue overlaps the other's mainloop: the short-K FFN shapes spend much of a tile there)
-ELEMENT (cutlass::half_t or cutlass::bfloat16_t) is the other macro.
+The tiles: 128x256x64, clusters of 2x1, the cooperative schedule (two consumer warp groups share each
+tile). Of six tile and schedule choices timed on the H100 (ping-pong 128x128 and 64x256, cooperative
+256x128 and 128x256 without clusters among them) it was the fastest, or at most 5.1% behind, at every
+BERT FFN shape (benchmarks/RESULTS.md, ninth session); libnn/backends/cutlass.py mirrors the tile for
+its small-M rule. ELEMENT (cutlass::half_t or cutlass::bfloat16_t) is the build's one macro: one shared
+library per dtype.
 */
 #include <cstdio>
 
@@ -36,9 +37,6 @@ ELEMENT (cutlass::half_t or cutlass::bfloat16_t) is the other macro.
 
 #ifndef ELEMENT
 #error "build with -DELEMENT=cutlass::half_t or -DELEMENT=cutlass::bfloat16_t"
-#endif
-#ifndef CONFIG
-#error "build with -DCONFIG=0 or -DCONFIG=1"
 #endif
 
 using namespace cute;
@@ -66,39 +64,10 @@ struct GeluErf<cutlass::Array<T, N>> {
     }
 };
 
-#if CONFIG == 0
 using TileShape = Shape<_128, _256, _64>;
 using ClusterShape = Shape<_2, _1, _1>;
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-#elif CONFIG == 1
-using TileShape = Shape<_128, _128, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-#elif CONFIG == 2
-using TileShape = Shape<_256, _128, _64>;
-using ClusterShape = Shape<_1, _2, _1>;
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-#elif CONFIG == 3
-using TileShape = Shape<_64, _256, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-#elif CONFIG == 4
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-#elif CONFIG == 5
-using TileShape = Shape<_128, _128, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-#else
-#error "unknown CONFIG"
-#endif
 
 using Element = ELEMENT;
 constexpr int kAlignment = 8;  // elements in 16 bytes

@@ -20,10 +20,8 @@ from libnn.runtime.device import compute_capability
 
 # CUTLASS's element type per libnn dtype
 ELEMENTS = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
-# kernels/nvcc/gemm_cutlass.cu's CONFIG: 128x256x64 tiles, 2x1 clusters, cooperative warp groups (the
-# fastest of the file's versions on the BERT FFN shapes, benchmarks/RESULTS.md); its output tile and the
-# cluster's extent along M, as that CONFIG's TileShape and ClusterShape say, for gemm_tiles
-GEMM_GELU_ERF_CONFIG = 0
+# kernels/nvcc/gemm_cutlass.cu's output tile and its cluster's extent along M (its TileShape and
+# ClusterShape), for gemm_tiles
 TILE_M, TILE_N, CLUSTER_M = 128, 256, 2
 ARCH = "sm_90a"  # wgmma and TMA: the kernels are built for compute capability 9.0 exactly
 ERROR_CAPACITY = 512
@@ -65,15 +63,15 @@ def missing(device_id: int) -> str | None:
     return None
 
 
-def _library(dtype: str, config: int) -> tuple:
-    """host_build's arguments for kernels/nvcc/gemm_cutlass.cu with `dtype`'s element type and `config`."""
-    return "gemm_cutlass.cu", ARCH, {"ELEMENT": ELEMENTS[dtype], "CONFIG": str(config)}, include_dirs(), version()
+def _library(element: str) -> tuple:
+    """host_build's arguments for kernels/nvcc/gemm_cutlass.cu with CUTLASS element type `element`."""
+    return "gemm_cutlass.cu", ARCH, {"ELEMENT": element}, include_dirs(), version()
 
 
-def build(dtype: str, config: int = GEMM_GELU_ERF_CONFIG) -> Path:
-    """Build (or find in the disk cache) the library of `dtype` and `config`, without loading it: no GPU
-    needed. KernelCompileError with nvcc's message if the build fails."""
-    return host_build.library_file(*_library(dtype, config))
+def build(dtype: str) -> Path:
+    """Build (or find in the disk cache) the library of `dtype`, without loading it: no GPU needed.
+    KernelCompileError with nvcc's message if the build fails."""
+    return host_build.library_file(*_library(ELEMENTS[dtype]))
 
 
 def gemm_tiles(M: int, N: int) -> int:
@@ -94,7 +92,7 @@ def multiprocessors(device_id: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _gemm_gelu_erf(dtype: str) -> Callable[..., int]:
     """The C entry point libnn_gemm_gelu_erf of kernels/nvcc/gemm_cutlass.cu for `dtype`."""
-    library = host_build.load(*_library(dtype, GEMM_GELU_ERF_CONFIG))
+    library = host_build.load(*_library(ELEMENTS[dtype]))
     entry = library.libnn_gemm_gelu_erf
     entry.restype = ctypes.c_int
     entry.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
