@@ -1,10 +1,12 @@
 """`libnn bench generate`'s arithmetic, on the CPU: the bytes a decode step reads, the context of the
 median timed step, the rates against the copy bandwidth, the greedy-token comparison, libnn's ratios
-against the Hugging Face rows, which rows a case has, the table's columns, the decode step's kernel
-categories, one-line errors, the targets' verdicts, and the plans the bench runs. Its timings belong to
-the benchmark, not to a test."""
+against the Hugging Face rows, which rows a case has (the paged KV cache's on LLaMA in fp16), the options
+each libnn row's model is loaded with, a case's rows and kernel splits, the table's columns, the decode
+step's kernel categories, one-line errors, the targets' verdicts and the paged-against-dense line, and the
+plans the bench runs. Its timings belong to the benchmark, not to a test."""
 
 import statistics
+from types import SimpleNamespace
 
 import pytest
 
@@ -111,6 +113,25 @@ def test_targets_give_the_issues_verdicts_on_libnn_batch_1_rows_only():
     attention = [{"batch": 64, "context": 4096, "path": p, "%copy": c} for p, c in (("cudnn", 93.0), ("custom", 40.0))]
     assert "decode attention, batch 64, context 4096: 93% of copy bandwidth on the cache read (cudnn; target >= " \
            "90%: met)" in generate.targets([], quick=False, attention_rows=attention)
+    assert "paged" not in text  # no paged rows, no line
+
+
+def test_targets_end_with_the_paged_caches_step_time_over_the_dense_ones_at_each_batch():
+    def graph(path, batch, gpu, per_call, dtype="fp16"):
+        return {"path": path, "dtype": dtype, "batch": batch, "decode ms/step": gpu, "per-call ms/step": per_call}
+
+    rows = [graph(generate.LIBNN, 1, 0.40, 0.50), graph(generate.LIBNN_PAGED, 1, 0.42, 0.55),
+            graph(generate.LIBNN, 8, 0.80, 1.00), graph(generate.LIBNN_PAGED, 8, 0.72, 1.10),
+            graph(generate.LIBNN, 64, 2.00, 2.50),
+            {"path": generate.LIBNN_PAGED, "dtype": "fp16", "batch": 64, "note": "not run: MemoryError"},
+            graph(generate.LIBNN, 1, 0.45, 0.55, "bf16"), graph(generate.HF, 1, 9.0, 9.0)]
+    last = generate.targets(rows, quick=True).splitlines()[-1]
+    assert last == ("  paged KV cache (pages of 64 tokens) against dense, fp16 decode ms/step paged over dense (no "
+                    "target): batch 1 1.05x GPU, 1.10x per call; batch 8 0.90x GPU, 1.10x per call; batch 64 not "
+                    "measured")
+    assert generate.paged_vs_dense(rows) == [last]  # bf16 has no paged row: no line of its own
+    no_dense = generate.paged_vs_dense([graph(generate.LIBNN_PAGED, 8, 0.72, 1.10)])
+    assert no_dense == [last.split(": batch")[0] + ": batch 8 not measured"]
 
 
 @pytest.mark.parametrize("plan", PLANS.values(), ids=PLANS)
@@ -122,6 +143,10 @@ def test_plans_fit_their_models_positions_and_read_as_libnn_configs(plan):
     assert config.head_dim == 64 and set(plan.dtypes) <= {"fp16", "bf16"}
     # a compile per case: one dtype's worth on LLaMA, none on GPT-2 (the bench's time)
     assert plan.compile_dtypes == {"llama": ("fp16",), "gpt2": ()}[plan.architecture]
+    # the paged cache beside the dense one on LLaMA in fp16 (each of the plan's batches runs case_paths' rows)
+    assert plan.paged_dtypes == {"llama": ("fp16",), "gpt2": ()}[plan.architecture]
+    assert (generate.LIBNN_PAGED in generate.case_paths(plan, "fp16", hf_compile=True)) == \
+        (plan.architecture == "llama")
 
 
 def test_the_cache_holds_the_greedy_comparison_after_a_short_decode():
@@ -137,21 +162,73 @@ def test_the_cache_holds_the_kernel_splits_steps_after_the_warm_up():
 # --- the rows and their columns --------------------------------------------------------------------------
 def test_a_case_has_the_compiled_peer_only_where_the_plan_compiles_its_dtype_and_compile_is_on():
     plan = generate.Plan(TINY, ("fp16", "bf16"), (1,), prompt=4, steps=8, warmup=2, compile_dtypes=("fp16",))
-    everything = (generate.LIBNN, generate.LIBNN_FP8, generate.LIBNN_EAGER, generate.HF, generate.HF_COMPILED)
+    everything = (generate.LIBNN, generate.LIBNN_PAGED, generate.LIBNN_FP8, generate.LIBNN_EAGER, generate.HF,
+                  generate.HF_COMPILED)
     assert generate.case_paths(plan, "fp16", hf_compile=True) == everything
-    assert generate.case_paths(plan, "bf16", hf_compile=True) == everything[:1] + everything[2:4]  # FP8: fp16 only
-    assert generate.case_paths(plan, "fp16", hf_compile=False) == everything[:4]
+    # paged and FP8: fp16 only
+    assert generate.case_paths(plan, "bf16", hf_compile=True) == (generate.LIBNN, generate.LIBNN_EAGER, generate.HF)
+    assert generate.case_paths(plan, "fp16", hf_compile=False) == everything[:5]
+
+
+def test_a_case_has_the_paged_row_beside_the_dense_graph_only_on_the_plans_paged_dtypes():
+    both = generate.Plan(TINY, ("fp16", "bf16"), (1,), prompt=4, steps=8, warmup=2, paged_dtypes=("fp16", "bf16"))
+    for dtype in both.dtypes:
+        paths = generate.case_paths(both, dtype, hf_compile=False)
+        assert paths[:2] == (generate.LIBNN, generate.LIBNN_PAGED)
+    dense = generate.Plan(TINY, ("fp16",), (1,), prompt=4, steps=8, warmup=2, paged_dtypes=())
+    assert generate.LIBNN_PAGED not in generate.case_paths(dense, "fp16", hf_compile=True)
+
+
+def test_every_libnn_row_is_a_model_loaded_with_its_options_and_every_row_has_its_errors():
+    assert set(generate.PATHS) == set(generate.PATH_ERRORS)
+    assert set(generate.LIBNN_OPTIONS) == set(generate.PATHS) - {generate.HF, generate.HF_COMPILED}
+    assert set(generate.SPLIT_PATHS) <= set(generate.LIBNN_OPTIONS)
+    config = LlamaConfig.from_dict(TINY)
+    models = {path: CausalLM(config, dtype="fp32", device="cpu", max_batch=2, max_len=8, **options)
+              for path, options in generate.LIBNN_OPTIONS.items()}
+    assert models[generate.LIBNN_PAGED].page_size == generate.PAGE_SIZE == 64
+    assert all(m.page_size is None for path, m in models.items() if path != generate.LIBNN_PAGED)
+    assert [path for path, m in models.items() if not m.decode_graphs] == [generate.LIBNN_EAGER]
+
+
+@pytest.mark.parametrize("paged_runs", [True, False], ids=["paged runs", "paged fails"])
+def test_a_case_gives_a_row_per_path_and_a_kernel_split_per_graph_row(monkeypatch, paged_runs):
+    plan = generate.Plan(TINY, ("fp16",), (3,), prompt=5, steps=8, warmup=2)
+    paths = generate.case_paths(plan, "fp16", hf_compile=True)
+
+    def path_row(case, path, ceilings):
+        row = {**case.base, "path": path, "per-call ms/step": 2.0, "decode ms/step": 1.0}
+        if path == generate.LIBNN_PAGED and not paged_runs:
+            return {**case.base, "path": path, "note": "not run: CudnnError: no paged plan"}, None
+        split = {**case.base, "path": path, "attention ms": 0.5} if path in generate.SPLIT_PATHS else None
+        return row, split
+
+    monkeypatch.setattr(generate, "_path_row", path_row)
+    monkeypatch.setattr(generate, "_free", lambda: None)
+    models = generate.Models(None, {generate.LIBNN: SimpleNamespace(config=plan.config)}, {"attention": "sdpa"})
+    rows, splits = generate._case_rows(plan, "fp16", 3, models, None, hf_compile=True)
+    base = {"model": generate.model_label(plan.config), "dtype": "fp16", "batch": 3}
+    assert [r["path"] for r in rows] == list(paths)
+    paged = rows[paths.index(generate.LIBNN_PAGED)]
+    assert paged["note"] == ("pages of 64 tokens" if paged_runs else "not run: CudnnError: no paged plan")
+    assert ("x HF" in paged) == paged_runs  # a libnn row's ratios to the peers
+    assert splits == [{**base, "path": generate.LIBNN, "attention ms": 0.5},
+                      {**base, "path": generate.LIBNN_PAGED,
+                       **({"attention ms": 0.5} if paged_runs else {"note": "not run"})}]
 
 
 def test_libnn_rows_get_each_peers_per_call_time_over_theirs():
     rows = [{"path": generate.LIBNN, "per-call ms/step": 2.0},
             {"path": generate.LIBNN_EAGER, "per-call ms/step": 8.0},
+            {"path": generate.LIBNN_PAGED, "per-call ms/step": 2.4},
             {"path": generate.HF, "per-call ms/step": 12.0},
             {"path": generate.HF_COMPILED, "per-call ms/step": 3.0}]
     generate.add_speedups(rows)
     assert rows[0]["x HF"] == pytest.approx(6.0) and rows[0]["x HF compile"] == pytest.approx(1.5)
     assert rows[1]["x HF"] == pytest.approx(1.5) and rows[1]["x HF compile"] == pytest.approx(0.375)
-    assert not any(key.startswith("x ") for r in rows[2:] for key in r)  # the peers compare with no one
+    assert rows[2]["x HF"] == pytest.approx(5.0) and rows[2]["x HF compile"] == pytest.approx(1.25)
+    assert "x fp16" not in rows[2]  # FP8's ratio alone
+    assert not any(key.startswith("x ") for r in rows[3:] for key in r)  # the peers compare with no one
 
 
 def test_the_fp8_row_gets_its_speed_over_the_fp16_graph():
@@ -188,7 +265,7 @@ def test_the_table_has_a_column_for_every_figure_a_row_gets():
 
 def test_the_split_table_has_a_column_per_category_and_for_what_the_split_adds():
     split = harness.split_kernel_times([("nvjet_tst_64x8", 2.0)], generate.SPLIT_CATEGORIES, calls=2)
-    produced = {"model", "dtype", "batch", "decode ms/step", "note", *split}
+    produced = {"model", "dtype", "batch", "path", "decode ms/step", "note", *split}
     assert set(generate.SPLIT_COLUMNS) == produced
     assert [c for c in generate.SPLIT_COLUMNS if c.endswith(" ms") and c != "decode ms/step"] == \
         ["attention ms", "norms ms", "GEMM ms", "glue ms", "kernels ms"]

@@ -1,5 +1,6 @@
 """`libnn bench generate`: LLaMA- and GPT-2-architecture decoding, libnn's CausalLM (decode steps as CUDA
-graphs, and eager) against Hugging Face's, eager and with its static cache and torch.compile.
+graphs over its dense KV cache and, on LLaMA, over a paged one; and eager) against Hugging Face's, eager and
+with its static cache and torch.compile.
 
 The models, each with random weights: Hugging Face's own `transformers.LlamaForCausalLM(config)` and
 `GPT2LMHeadModel(config)` made on the GPU (every matrix normal with std 0.02 from seed 0, GPT-2's Conv1D
@@ -14,6 +15,7 @@ the Hugging Face model stays in memory as the peer, so both run the same weights
 - `--quick`: LLaMA with 4 layers, hidden 1024, 16 heads, 4 KV heads, FFN 2816, vocab 32000 (0.11B), and
   GPT-2 with 2 layers, n_embd 256, 4 heads (14.7M; no compiled peer), fp16, batch 1 and 8, prompts of 128
   tokens, 32 decode steps.
+Both plans run the paged row on LLaMA in fp16 at each of their batches (`paged_dtypes`), not on GPT-2.
 
 Rows per (dtype, batch):
 - libnn graph: `prefill` of the prompts, then `decode_step(tokens, check_ids=False)` after `decode_step`,
@@ -22,6 +24,10 @@ Rows per (dtype, batch):
   skips its token check (a read-back per step) and the queue runs ahead as it does in `generate`, which
   queues each step before reading the last one's tokens back. Its time includes decode_step's copy of
   the graph's logits into an array of the caller's ((B, vocab) values, as the argmax then reads).
+- libnn graph paged: the same, on the same checkpoint loaded with `kv_layout="paged", page_size=64`: k and
+  v in pages that a page table lists, a page taken from the host's free list (and the table uploaded) at a
+  step whose token starts one, attention through the table on cuDNN (the custom decode kernels read no
+  pages). Its cost against the dense cache is a line under the targets.
 - libnn eager: the same checkpoint loaded with `decode_graphs=False`: every op of a step launched from
   Python.
 - HF eager: Hugging Face's forward in `torch.inference_mode()` (its default attention implementation,
@@ -60,16 +66,17 @@ GEMMs, reduced-precision reductions off): libnn's `generate` on each libnn row, 
 prefill and steps on its row; near-ties in fp16/bf16 may part them, so a mismatch is reported, not fatal.
 A case that runs out of memory or that a library declines gets the reason in its note.
 
-Kernel time per decode step of the libnn graph rows, by category (`harness.kernel_split`, torch.profiler,
-as `bench models` splits its encoders): GEMM, attention, norms (RMSNorm, GPT-2's LayerNorm) and glue
-(everything else: rope, swiglu, the embedding gather, the KV cache's writes, the argmax, copies), over 5
-decode steps after a new prefill, the warm-up steps and one untimed step, beside the row's GPU ms per
-step; the costliest glue kernels named.
+Kernel time per decode step of the libnn graph and libnn graph paged rows, by category
+(`harness.kernel_split`, torch.profiler, as `bench models` splits its encoders): GEMM, attention, norms
+(RMSNorm, GPT-2's LayerNorm) and glue (everything else: rope, swiglu, the embedding gather, the KV cache's
+writes, the argmax, copies), over 5 decode steps after a new prefill, the warm-up steps and one untimed
+step, beside the row's GPU ms per step; the costliest glue kernels named.
 
 Targets (issue 16, H100, the 1B shape; judged on the LLaMA rows, the GPT-2 rows have none of their own):
 batch-1 decode at >= 80% of copy bandwidth in fp16 (weights per step over step time); >= 3x Hugging Face
 eager tokens/s at batch 1; FP8 decode at >= 1.7x the fp16 graph's tokens/s at batch 1; decode attention
-at batch 64 and context 4096 at >= 90% of copy bandwidth on the cache read.
+at batch 64 and context 4096 at >= 90% of copy bandwidth on the cache read. Under them, with no target: the
+paged row's decode ms/step over the dense graph row's at each batch, GPU and per call.
 """
 
 from __future__ import annotations
@@ -104,8 +111,15 @@ INIT_STD = 0.02    # the weight matrices' standard deviation (Hugging Face's ini
 GREEDY_TOKENS = 8   # tokens of libnn's generate compared with Hugging Face's at batch 1
 LIBNN, LIBNN_EAGER, HF, HF_COMPILED = "libnn graph", "libnn eager", "HF eager", "HF static+compile"
 LIBNN_FP8 = "libnn graph fp8"  # the fp16 checkpoint's projections quantised to E4M3 (CausalLM.quantize)
-PATHS = (LIBNN, LIBNN_FP8, LIBNN_EAGER, HF, HF_COMPILED)
+LIBNN_PAGED = "libnn graph paged"  # the same decode graphs over a paged KV cache
+PATHS = (LIBNN, LIBNN_PAGED, LIBNN_FP8, LIBNN_EAGER, HF, HF_COMPILED)
 FP8_DTYPES = ("fp16",)  # the activations' dtype of the FP8 rows
+PAGE_SIZE = 64  # the paged rows' tokens per page, given explicitly: a change of the library's default moves no row
+# libnn's rows, each a CausalLM of the same checkpoint: from_pretrained's options (LIBNN_FP8's model is then
+# quantised); the rows differ from LIBNN by these alone
+LIBNN_OPTIONS = {LIBNN: {}, LIBNN_PAGED: {"kv_layout": "paged", "page_size": PAGE_SIZE}, LIBNN_FP8: {},
+                 LIBNN_EAGER: {"decode_graphs": False}}
+SPLIT_PATHS = (LIBNN, LIBNN_PAGED)  # the rows whose decode step's kernel time is split by category
 SPEEDUPS = {HF: "x HF", HF_COMPILED: "x HF compile"}  # the peers libnn's rows are compared with
 COMPILE_WARMUP = 3  # compiled decode steps before any timing: the compile, the graph's recording, a replay
 # What a case that fails may raise: libnn declining it, running out of GPU memory (CuPy's
@@ -113,7 +127,7 @@ COMPILE_WARMUP = 3  # compiled decode steps before any timing: the compile, the 
 # may fail in any way torch.compile can (dynamo, inductor, triton, the host compiler): anything it
 # raises is its row's note.
 CASE_ERRORS = (LibnnError, MemoryError, RuntimeError)
-PATH_ERRORS = {LIBNN: CASE_ERRORS, LIBNN_FP8: CASE_ERRORS, LIBNN_EAGER: CASE_ERRORS, HF: CASE_ERRORS, HF_COMPILED: (Exception,)}
+PATH_ERRORS = {**dict.fromkeys(LIBNN_OPTIONS, CASE_ERRORS), HF: CASE_ERRORS, HF_COMPILED: (Exception,)}
 # The decode step's kernel-time split (harness.kernel_split), tried in order; everything else is glue.
 # Norms before GEMM: GEMM's pattern takes any "sm90_" kernel, which a cuDNN norm kernel could be too.
 NORM_KERNELS = re.compile(r"norm|^rms\d_|^ln\d_")
@@ -121,7 +135,7 @@ SPLIT_CATEGORIES = (("attention", harness.ATTENTION_KERNELS), ("norms", NORM_KER
 SPLIT_STEPS = 5  # decode steps profiled
 COLUMNS = ("model", "dtype", "batch", "path", "prefill ms", "decode ms/step", "per-call ms/step", "tokens/s",
            "%copy weights", "%copy w+KV", *SPEEDUPS.values(), "x fp16", "compile s", "greedy vs HF", "note")
-SPLIT_COLUMNS = ("model", "dtype", "batch", "decode ms/step", *(f"{c} ms" for c, _ in SPLIT_CATEGORIES),
+SPLIT_COLUMNS = ("model", "dtype", "batch", "path", "decode ms/step", *(f"{c} ms" for c, _ in SPLIT_CATEGORIES),
                  f"{harness.GLUE} ms", "kernels ms", "glue %", "top glue", "note")
 
 
@@ -154,6 +168,7 @@ class Plan:
     warmup: int          # decode steps left out of the timings
     prefill_runs: int = 3
     compile_dtypes: tuple[str, ...] = ("fp16",)  # where the HF static+compile peer runs (a compile per case)
+    paged_dtypes: tuple[str, ...] = ("fp16",)    # where the libnn graph paged row runs
     architecture: str = "llama"  # ARCHITECTURES' key
 
     @property
@@ -171,11 +186,12 @@ class Plan:
 
 # The compiled peer in fp16 only on the LLaMA plans: each case's compile takes far longer than its timing.
 # GPT-2 in fp16 without it, so that the full bench stays within minutes (the plan's note in the output).
+# The paged cache in fp16 on LLaMA, the targets' model; GPT-2's plans without it, to keep the bench short.
 FULL = (Plan(SHAPE, ("fp16", "bf16"), (1, 8, 64), prompt=512, steps=256, warmup=8),
-        Plan(GPT2_SHAPE, ("fp16",), (1, 8, 64), prompt=512, steps=256, warmup=8, compile_dtypes=(),
+        Plan(GPT2_SHAPE, ("fp16",), (1, 8, 64), prompt=512, steps=256, warmup=8, compile_dtypes=(), paged_dtypes=(),
              architecture="gpt2"))
 QUICK = (Plan(QUICK_SHAPE, ("fp16",), (1, 8), prompt=128, steps=32, warmup=4),
-         Plan(GPT2_QUICK_SHAPE, ("fp16",), (1, 8), prompt=128, steps=32, warmup=4, compile_dtypes=(),
+         Plan(GPT2_QUICK_SHAPE, ("fp16",), (1, 8), prompt=128, steps=32, warmup=4, compile_dtypes=(), paged_dtypes=(),
               architecture="gpt2"))
 
 
@@ -242,9 +258,9 @@ def model_label(config: DecoderConfig) -> str:
 
 def case_paths(plan: Plan, dtype: str, hf_compile: bool) -> tuple[str, ...]:
     """The rows of one case, in PATHS' order: the compiled peer only where it is on and the plan
-    compiles this dtype."""
+    compiles this dtype, the paged cache only on the plan's paged dtypes, FP8 on FP8_DTYPES."""
     return tuple(p for p in PATHS if (p != HF_COMPILED or (hf_compile and dtype in plan.compile_dtypes))
-                 and (p != LIBNN_FP8 or dtype in FP8_DTYPES))
+                 and (p != LIBNN_PAGED or dtype in plan.paged_dtypes) and (p != LIBNN_FP8 or dtype in FP8_DTYPES))
 
 
 def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
@@ -252,7 +268,7 @@ def add_speedups(rows: Sequence[dict[str, Any]]) -> None:
     per-call ms/step over the row's."""
     per_call = {r["path"]: r.get("per-call ms/step") for r in rows}
     for r in rows:
-        if r["path"] not in (LIBNN, LIBNN_FP8, LIBNN_EAGER) or not r.get("per-call ms/step"):
+        if r["path"] not in LIBNN_OPTIONS or not r.get("per-call ms/step"):
             continue
         for peer, column in SPEEDUPS.items():
             if per_call.get(peer):
@@ -440,7 +456,7 @@ def _torch_dtype(dtype: str) -> Any:
 class Models:
     """One dtype's models of the same checkpoint."""
     hf: Any                     # transformers' model (LlamaForCausalLM, GPT2LMHeadModel), the peer
-    libnn: dict[str, CausalLM]  # LIBNN and LIBNN_EAGER: loaded with decode graphs and without; LIBNN_FP8
+    libnn: dict[str, CausalLM]  # by row (LIBNN_OPTIONS' keys the case has): LIBNN and LIBNN_EAGER always
     load: dict[str, Any]        # seconds per part, and Hugging Face's attention implementation
 
 
@@ -463,14 +479,14 @@ def _models(plan: Plan, dtype: str) -> Models:
             raise RuntimeError(f"bench generate: save_pretrained wrote no safetensors checkpoint (found "
                                f"{sorted(p.name for p in Path(directory).iterdir())})")
         saved = time.perf_counter()
-        for path in (LIBNN, LIBNN_EAGER) + ((LIBNN_FP8,) if dtype in FP8_DTYPES else ()):
+        for path in (p for p in case_paths(plan, dtype, hf_compile=False) if p in LIBNN_OPTIONS):
             begin = time.perf_counter()
             try:
                 model = CausalLM.from_pretrained(directory, dtype=dtype, device="gpu", max_batch=max(plan.batches),
-                                                 max_len=plan.max_len, decode_graphs=path != LIBNN_EAGER)
+                                                 max_len=plan.max_len, **LIBNN_OPTIONS[path])
                 models[path] = model.quantize("fp8") if path == LIBNN_FP8 else model
-            except CASE_ERRORS as exc:  # FP8 on a GPU below sm_89: its rows say why
-                if path != LIBNN_FP8:
+            except CASE_ERRORS as exc:  # e.g. FP8 on a GPU below sm_89: the other rows' notes say why
+                if path in (LIBNN, LIBNN_EAGER):
                     raise
                 loads[f"{path} note"] = why(exc)
                 continue
@@ -484,7 +500,7 @@ def _runner(path: str, models: Models, prompts: Any, plan: Plan) -> tuple[Runner
     import cupy
     import torch
 
-    if path == LIBNN_FP8 and path not in models.libnn:
+    if path in LIBNN_OPTIONS and path not in models.libnn:
         raise LibnnError(models.load[f"{path} note"])
     if path in models.libnn:
         return _libnn_runner(models.libnn[path], cupy.asarray(prompts)), {}
@@ -553,8 +569,9 @@ class Case:
 
 
 def _case_rows(plan: Plan, dtype: str, batch: int, models: Models, ceilings: harness.Ceilings,
-               hf_compile: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The case's rows (case_paths) and the kernel split of libnn's graph decode step."""
+               hf_compile: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The case's rows (case_paths) and the kernel splits of its SPLIT_PATHS rows' decode steps (a row
+    that did not run: a split saying so)."""
     import numpy as np
 
     config = models.libnn[LIBNN].config
@@ -570,20 +587,24 @@ def _case_rows(plan: Plan, dtype: str, batch: int, models: Models, ceilings: har
         _free()
     case = Case(plan, models, prompts, nbytes, {"model": model_label(config), "dtype": dtype, "batch": batch},
                 reference)
-    rows, split = [], {**case.base, "note": "not run"}
+    rows, splits = [], []
     for path in case_paths(plan, dtype, hf_compile):
-        row, path_split = _path_row(case, path, ceilings)
-        if path in (HF, HF_COMPILED) and "note" not in row:
-            row["note"] = f"attention {models.load['attention']}"
+        row, split = _path_row(case, path, ceilings)
+        if "note" not in row:
+            if path in (HF, HF_COMPILED):
+                row["note"] = f"attention {models.load['attention']}"
+            elif path == LIBNN_PAGED:
+                row["note"] = f"pages of {PAGE_SIZE} tokens"
         rows.append(row)
-        split = path_split or split
+        if path in SPLIT_PATHS:
+            splits.append(split or {**case.base, "path": path, "note": "not run"})
         _free()
     add_speedups(rows)
-    return rows, split
+    return rows, splits
 
 
 def _path_row(case: Case, path: str, ceilings: harness.Ceilings) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """One path's row of the case (or its note saying why not) and, for libnn's graph, its kernel split;
+    """One path's row of the case (or its note saying why not) and, for SPLIT_PATHS, its kernel split;
     the path's runner (its caches, its compiled graphs) goes with the return."""
     row = {**case.base, "path": path}
     try:
@@ -597,9 +618,9 @@ def _path_row(case: Case, path: str, ceilings: harness.Ceilings) -> tuple[dict[s
         return row, None
     if case.reference is not None and path != HF:
         row["greedy vs HF"] = _greedy_vs_hf(case, path, runner)
-    if path != LIBNN:
+    if path not in SPLIT_PATHS:
         return row, None
-    split = {**case.base, "decode ms/step": row["decode ms/step"]}
+    split = {**case.base, "path": path, "decode ms/step": row["decode ms/step"]}
     try:
         split.update(_decode_split(runner, case.plan))
     except CASE_ERRORS as exc:
@@ -671,7 +692,8 @@ def run(quick: bool = False, json_path: str | None = None, hf_compile: bool = Tr
         loads += plan_loads
     print(harness.format_table(rows, COLUMNS))
     if splits:
-        print(f"kernel time per decode step of {LIBNN}, ms by category (torch.profiler, {SPLIT_STEPS} steps):")
+        print(f"kernel time per decode step of {' and '.join(SPLIT_PATHS)}, ms by category (torch.profiler, "
+              f"{SPLIT_STEPS} steps):")
         print(harness.format_table(splits, SPLIT_COLUMNS))
     target_model = model_label(plans[0].config)  # the LLaMA shape, whose heads decode attention alone takes too
     attention_rows = decode_attention_rows(plans[0].config, ceilings)
@@ -733,9 +755,9 @@ def _plan_rows(plan: Plan, ceilings: harness.Ceilings, hf_compile: bool, progres
               f"decode graphs)")
         for batch in plan.batches:
             progress(f"{label} {dtype} batch {batch}")
-            case_rows, split = _case_rows(plan, dtype, batch, models, ceilings, hf_compile)
+            case_rows, case_splits = _case_rows(plan, dtype, batch, models, ceilings, hf_compile)
             rows += case_rows
-            splits.append(split)
+            splits += case_splits
         del models
         _free()
     return rows, splits, loads
@@ -813,4 +835,24 @@ def targets(rows: Sequence[dict[str, Any]], quick: bool, attention_rows: Sequenc
         if r["path"] == LIBNN_FP8 and r["batch"] == 1 and (speedup := r.get("x fp16")) is not None:
             lines.append(f"  batch-1 decode FP8: {speedup:.2f}x the fp16 graph's tokens/s, per call "
                          f"(target >= 1.7x: {verdict(speedup >= 1.7)})")
+    lines += paged_vs_dense(rows)
     return "\n".join(lines)
+
+
+def paged_vs_dense(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per dtype that has LIBNN_PAGED rows: at each of their batches, the paged row's decode ms/step
+    over the dense graph row's (GPU, then per call; above 1 the paged cache costs more), "not measured"
+    where either row has no time. The issue sets no target for it."""
+    graph_rows = {(r["path"], r["dtype"], r["batch"]): r for r in rows if r["path"] in (LIBNN, LIBNN_PAGED)}
+    lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows if r["path"] == LIBNN_PAGED):
+        parts = []
+        for batch in sorted(b for p, d, b in graph_rows if p == LIBNN_PAGED and d == dtype):
+            paged, dense = graph_rows[LIBNN_PAGED, dtype, batch], graph_rows.get((LIBNN, dtype, batch), {})
+            ratios = [f"{paged[c] / dense[c]:.2f}x {label}" for c, label in (("decode ms/step", "GPU"),
+                                                                             ("per-call ms/step", "per call"))
+                      if paged.get(c) and dense.get(c)]
+            parts.append(f"batch {batch} {', '.join(ratios) or 'not measured'}")
+        lines.append(f"  paged KV cache (pages of {PAGE_SIZE} tokens) against dense, {dtype} decode ms/step paged "
+                     f"over dense (no target): {'; '.join(parts)}")
+    return lines
