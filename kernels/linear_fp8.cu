@@ -14,26 +14,48 @@ activation (kernels/common.cuh's apply_act: none, relu, gelu, gelu_erf) are appl
 rounded once to T (fp16 or bf16; raw 16-bit words converted with PTX, no toolkit header). bias and
 residual are in T, or null.
 
-Version 1 (the only one): fp8_gemm1_tiled_{f16,bf16}
+Version 1: fp8_gemm1_tiled_{f16,bf16}
     A block computes a BM x BN tile of y with 256 threads (16 x 16), each a 4 x 4 grid of outputs spaced 16
     apart (rows ty + 16i, columns tx + 16j: a warp's stores are 16 consecutive columns). K is walked BK
     codes at a time: each thread decodes 8 codes of x's tile and 8 of w's into shared memory (fp32,
     k-major), with one 8-byte load where the 8 codes are in range and 8-byte aligned (K % 8 == 0 and the
     pointers 8-byte aligned), byte by byte with zeros past M, N and K otherwise.
 
-LAUNCH
+Version 2: fp8_gemv2_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * K <= FP8_GEMV_MAX_MK)
+    One kernel for the whole call: it quantises x itself, as kernels/quantize_fp8.cu does (the same amax,
+    scale and codes, from kernels/fp8.cuh), so a decode step launches no quantiser. Every block reduces
+    max|x| over all of x (M * K elements, a few KB at decode), computes sx and keeps e4m3(x / sx) decoded
+    to fp32 in shared memory; then each warp owns output columns n (grid-strided) and streams row n of
+    wq once, 4 codes per lane and load, four loads in flight (where K % 4 == 0 and wq is 4-byte aligned;
+    byte loads otherwise), decoded with cvt.rn.f16x2.e4m3x2 (sm_89+; the exact arithmetic decode below
+    that, never run: FP8 refuses older GPUs), and sums the M dot products in fp32 across the warp. The
+    epilogue is version 1's. The sums run in another order than version 1's: results agree to fp32
+    rounding, not bit for bit.
+
+LAUNCH (version 1)
     (const unsigned char* xq, const unsigned char* wq, const float* x_scale, const float* w_scale,
      const T* bias, const T* residual, T* y, int M, int N, int K, int per_channel, int act)
     block (FP8_GEMM_THREADS, 1, 1), grid (ceil(M / FP8_GEMM_BM), ceil(N / FP8_GEMM_BN), 1), no dynamic
     shared memory. Preconditions: M, N, K >= 1; N <= 65535 * FP8_GEMM_BN; y does not overlap the inputs;
     element offsets are 64-bit.
+
+LAUNCH (version 2)
+    (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, T* y,
+     int M, int N, int K, int per_channel, int act)
+    block (FP8_GEMM_THREADS, 1, 1), grid (min(ceil(N / (FP8_GEMM_THREADS / 32)), FP8_GEMV_BLOCKS_PER_SM x SMs), 1, 1),
+    dynamic shared memory 4 * M * K bytes. Preconditions: 1 <= M <= FP8_GEMV_MAX_M, M * K <= FP8_GEMV_MAX_MK,
+    N >= 1; x (M, K) and y (M, N) row-major and contiguous; y does not overlap the inputs.
 */
 #include "common.cuh"
+#include "fp8.cuh"
 
 constexpr int FP8_GEMM_THREADS = 256;
 constexpr int FP8_GEMM_BM = 64;   // rows of y per block
 constexpr int FP8_GEMM_BN = 64;   // columns of y per block
 constexpr int FP8_GEMM_BK = 32;   // codes of K per step: BM * BK / 8 = one 8-code group per thread
+constexpr int FP8_GEMV_MAX_M = 8;          // rows of x version 2 takes (a decode step's batch)
+constexpr int FP8_GEMV_MAX_MK = 12288;     // M * K: x decoded to fp32 fits 48 KB of shared memory
+constexpr int FP8_GEMV_BLOCKS_PER_SM = 2;  // every block quantises all of x: few blocks, columns grid-strided
 
 namespace fp8g {
 
@@ -41,16 +63,6 @@ using namespace libnn;
 
 constexpr int PAD = 4;            // keeps the k-major tiles' rows off one bank
 constexpr unsigned ACTS = ACT_LINEAR | (1u << ACT_GELU_ERF);
-
-// the value of E4M3 code c: exact in fp32
-__device__ __forceinline__ float e4m3_value(u32 c) {
-    const u32 e = (c >> 3) & 15u, m = c & 7u;
-    float v;
-    if (e == 0u) v = (float)m * 0.001953125f;                 // subnormal: m * 2^-9
-    else if (e == 15u && m == 7u) v = u32_as_f32(0x7fc00000u);  // NaN
-    else v = u32_as_f32(((e + 120u) << 23) | (m << 20));      // (1 + m/8) * 2^(e - 7)
-    return (c & 0x80u) ? -v : v;
-}
 
 struct Smem {
     float lut[256];
@@ -124,6 +136,91 @@ __device__ __forceinline__ void gemm1(const unsigned char* __restrict__ xq, cons
     }
 }
 
+// codes c (two, low byte first) decoded to fp32
+__device__ __forceinline__ void e4m3x2_values(u32 c, float& lo, float& hi) {
+#if __CUDA_ARCH__ >= 890
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((u16)c));
+    lo = f16_to_f32((u16)(h & 0xffffu));
+    hi = f16_to_f32((u16)(h >> 16));
+#else
+    lo = e4m3_value(c & 0xffu);
+    hi = e4m3_value((c >> 8) & 0xffu);
+#endif
+}
+
+// acc[m] += the 4 codes of word w (columns k .. k+3, k % 4 == 0) times x's e4m3 values there: one
+// 16-byte shared load per row, consecutive across the warp's lanes (no bank conflicts)
+template <int MAX_M>
+__device__ __forceinline__ void dot4(u32 w, const float* __restrict__ xs, int M, int K, int k, float* acc) {
+    float v0, v1, v2, v3;
+    e4m3x2_values(w, v0, v1);
+    e4m3x2_values(w >> 16, v2, v3);
+#pragma unroll
+    for (int m = 0; m < MAX_M; m++) {
+        if (m >= M) break;
+        const f32x4 xv = *reinterpret_cast<const f32x4*>(xs + m * K + k);
+        acc[m] = fmaf(v0, xv.x, fmaf(v1, xv.y, fmaf(v2, xv.z, fmaf(v3, xv.w, acc[m]))));
+    }
+}
+
+template <class DT>
+__device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, const unsigned char* __restrict__ wq,
+                                      const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
+                                      const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
+                                      int M, int N, int K, int per_channel, int act) {
+    extern __shared__ float xs[];   // e4m3(x / sx), (M, K) row-major
+    __shared__ float red[FP8_GEMM_THREADS / 32];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int total = M * K;
+    float amax = 0.f;
+    for (int i = t; i < total; i += blockDim.x) amax = fmaxf(amax, finite_abs(DT::ld(x[i])));
+    float sx = div_rn(block_max(amax, red), E4M3_MAX);
+    if (!(sx > 0.f)) sx = 1.f;
+    for (int i = t; i < total; i += blockDim.x) xs[i] = e4m3_value(e4m3_code(div_rn(DT::ld(x[i]), sx)));
+    __syncthreads();
+    const bool vec = (K & 3) == 0 && ((u64)wq & 3) == 0;
+    for (int n = blockIdx.x * (FP8_GEMM_THREADS / 32) + warp; n < N; n += gridDim.x * (FP8_GEMM_THREADS / 32)) {
+        const unsigned char* row = wq + (i64)n * K;
+        float acc[FP8_GEMV_MAX_M] = {};
+        if (vec) {
+            // four coalesced 128-byte warp loads in flight, then their products
+            for (int k0 = lane * 4; k0 < K; k0 += 4 * 128) {
+                u32 w[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++) w[j] = k0 + 128 * j < K ? *reinterpret_cast<const u32*>(row + k0 + 128 * j) : 0u;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (k0 + 128 * j < K) dot4<FP8_GEMV_MAX_M>(w[j], xs, M, K, k0 + 128 * j, acc);
+            }
+        } else {
+            for (int k = lane; k < K; k += 32) {
+                const float v = e4m3_value(row[k]);
+#pragma unroll
+                for (int m = 0; m < FP8_GEMV_MAX_M; m++) {
+                    if (m >= M) break;
+                    acc[m] = fmaf(v, xs[m * K + k], acc[m]);
+                }
+            }
+        }
+        const float s = sx * w_scale[per_channel ? n : 0];
+        const float b = bias ? DT::ld(bias[n]) : 0.f;
+#pragma unroll
+        for (int m = 0; m < FP8_GEMV_MAX_M; m++) {
+            if (m >= M) break;
+            float sum = acc[m];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) {
+                const i64 o = (i64)m * N + n;
+                float v = sum * s + b;
+                if (residual) v += DT::ld(residual[o]);
+                y[o] = DT::st(apply_act<ACTS>(v, act));
+            }
+        }
+    }
+}
+
 }  // namespace fp8g
 
 // ---------------------------------------------------------------------------------------------------
@@ -138,5 +235,17 @@ __device__ __forceinline__ void gemm1(const unsigned char* __restrict__ xq, cons
         fp8g::gemm1<libnn::DT>(xq, wq, x_scale, w_scale, bias, residual, y, M, N, K, per_channel, act); \
     }
 
+#define FP8_GEMV_PARAMS(T) const T* __restrict__ x, const unsigned char* __restrict__ wq,                   \
+    const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ residual,        \
+    T* __restrict__ y, int M, int N, int K, int per_channel, int act
+
+#define FP8_GEMV2(SUFFIX, DT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMM_THREADS)                                       \
+        fp8_gemv2_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
+        fp8g::gemv2<libnn::DT>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act);           \
+    }
+
 FP8_GEMM1(f16, dt_f16)
 FP8_GEMM1(bf16, dt_bf16)
+FP8_GEMV2(f16, dt_f16)
+FP8_GEMV2(bf16, dt_bf16)

@@ -42,6 +42,7 @@ Both kernels read one element per thread and step (2 or 4 bytes): memory-bound a
 activations of one linear call are read twice and written once, in a quarter of their size.
 */
 #include "common.cuh"
+#include "fp8.cuh"
 
 constexpr int FP8_THREADS = 256;             // threads per block, both kernels (the launch bound)
 constexpr int FP8_MAX_PARTIALS = 512;        // blocks of kernel 1: what each block of kernel 2 reduces
@@ -50,48 +51,6 @@ constexpr int FP8_MAX_QUANT_BLOCKS = 1024;   // blocks of kernel 2 (grid-stride 
 namespace fp8q {
 
 using namespace libnn;
-
-constexpr float E4M3_MAX = 448.f;
-constexpr float F32_MAX = 3.4028234663852886e38f;
-
-__device__ __forceinline__ u32 bits_of(float f) {
-    u32 u; asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f)); return u;
-}
-__device__ __forceinline__ float div_rn(float a, float b) {
-    float d; asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d;
-}
-// round to the nearest integer, half to even
-__device__ __forceinline__ float rint_even(float a) {
-    float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
-}
-
-// |v| if finite, else 0: NaN and inf take no part in the scale
-__device__ __forceinline__ float finite_abs(float v) {
-    const float a = fabsf(v);
-    return a <= F32_MAX ? a : 0.f;
-}
-
-// the E4M3 code of q (see the file's opening comment)
-__device__ __forceinline__ u32 e4m3_code(float q) {
-    const u32 sign = (bits_of(q) >> 24) & 0x80u;
-    float a = fabsf(q);
-    if (!(a <= F32_MAX)) return sign | 0x7fu;
-    a = fminf(a, E4M3_MAX);
-    const int E = imin(8, imax(-6, (int)(bits_of(a) >> 23) - 127));
-    const float r = rint_even(a * u32_as_f32((u32)(130 - E) << 23));   // a * 2^(3 - E), exact
-    return sign | (u32)(8 * E + 48 + (int)r);
-}
-
-// max of v over the block (every thread gets it); `red` holds FP8_THREADS / 32 floats
-__device__ __forceinline__ float block_max(float v, float* red) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = red[0];
-    for (int i = 1; i < (int)(blockDim.x >> 5); i++) v = fmaxf(v, red[i]);
-    return v;
-}
 
 template <class DT>
 __device__ __forceinline__ void amax(const typename DT::T* __restrict__ x, float* __restrict__ partial, i64 total) {

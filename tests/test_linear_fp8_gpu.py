@@ -197,19 +197,61 @@ def test_nan_and_inf_rows_are_nan_and_the_others_exact(rng, path):
 
 def test_auto_runs_cublaslt_where_it_can_and_custom_otherwise(rng):
     op = get_op("linear_fp8")
-    x, weight, b, _ = draw(rng, 7, 64, 128, "fp16", per_channel=False)
+    x, weight, b, _ = draw(rng, 130, 64, 128, "fp16", per_channel=False)
     linear_fp8(*to_gpu(x, *weight, b))
     assert op.last_decision.path == "cublaslt"
+    x, weight, b, _ = draw(rng, 1, 64, 128, "fp16", per_channel=False)  # decode-sized: the GEMV first
+    y = linear_fp8(*to_gpu(x, *weight, b))
+    assert op.last_decision.path == "custom"
+    assert op.last_decision.passed_over["cublaslt"].startswith("tried last: decode-sized M")
+    check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
     x, weight, b, _ = draw(rng, 7, 60, 128, "fp16", per_channel=False)
     y = linear_fp8(*to_gpu(x, *weight, b))
     assert op.last_decision.path == "custom" and "multiples of 16" in op.last_decision.passed_over["cublaslt"]
     check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
 
 
+# the GEMV (kernels/linear_fp8.cu version 2, M <= 8 and M * K <= 12288): word loads (K % 4 == 0), byte loads
+# (K odd, or the weight one byte off), the largest M and M * K it takes, a decode step's shapes
+GEMV_SHAPES = [(1, 2048, 2048), (1, 3, 12288), (8, 33, 1536), (2, 19, 6), (5, 9, 45), (3, 257, 516), (1, 1, 1)]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+@pytest.mark.parametrize("epilogue", [(True, "gelu_erf", True), (False, None, False), (True, "relu", False)],
+                         ids=["bias+residual+gelu_erf", "plain", "bias+relu"])
+def test_gemv_matches_reference(rng, dtype, shape, per_channel, epilogue):
+    from libnn.ops.linear_fp8 import gemv_fits, linear_fp8_problem
+
+    bias, activation, residual = epilogue
+    x, weight, b, r = draw(rng, *shape, dtype, per_channel=per_channel, bias=bias, residual=residual)
+    xg, wg, sg, bg, rg = to_gpu(x, *weight, b, r)
+    assert gemv_fits(linear_fp8_problem(xg, wg, sg, bg, activation, rg))
+    y = linear_fp8(xg, wg, sg, bg, activation, residual=rg, path="custom")
+    check(y, linear_fp8(x, *weight, b, activation, residual=r, path="reference").astype(np.float64), x, weight, b, r,
+          dtype)
+
+
+def test_gemv_reads_a_weight_one_byte_off_and_strided_x(rng):
+    import cupy
+
+    x, weight, b, _ = draw(rng, 3, 40, 64, "bf16")
+    buffer = cupy.zeros(40 * 64 + 16, cupy.uint8)
+    w = buffer[1:1 + 40 * 64].reshape(40, 64)  # byte loads
+    w[...] = cupy.asarray(weight.data)
+    x_wide = cupy.asarray(np.concatenate([x, x], axis=1))[:, ::2]  # strided: copied to a contiguous (M, K)
+    x_host = x_wide.get()
+    y = linear_fp8(x_wide, w, cupy.asarray(weight.scale), cupy.asarray(b), "gelu", path="custom")
+    expected = linear_fp8(x_host, *weight, b, "gelu", path="reference").astype(np.float64)
+    check(y, expected, x_host, weight, b, None, "bf16")
+
+
 def test_a_misaligned_weight_falls_back_from_cublaslt_to_custom(rng):
     import cupy
 
-    x, weight, b, _ = draw(rng, 5, 32, 64, "fp16", per_channel=False)
+    x, weight, b, _ = draw(rng, 130, 32, 64, "fp16", per_channel=False)  # past the GEMV's M: cuBLASLt first
     buffer = cupy.zeros(32 * 64 + 16, cupy.uint8)
     w = buffer[1:1 + 32 * 64].reshape(32, 64)  # one byte past an aligned start
     w[...] = cupy.asarray(weight.data)

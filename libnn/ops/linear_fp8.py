@@ -21,7 +21,10 @@ Paths, in `auto` order:
              multiples of 16 and w, w_scale, b and the residual 16-byte aligned (cuBLASLt's FP8
              requirements); anything else, or a problem cuBLASLt declines, runs on custom.
 - custom:    kernels/linear_fp8.cu: the codes decoded to fp32 in shared memory, FFMA in fp32, scales,
-             bias, residual and activation in the epilogue. Any shape; not tuned, the comparison.
+             bias, residual and activation in the epilogue. Any shape; not tuned, the comparison. At
+             decode-sized M (M <= 8, M * K <= 12288) its version 2, a GEMV that quantises x itself: one
+             kernel per call, each weight byte read once; `auto` takes it there before cuBLASLt, whose
+             FP8 GEMM at one row plus the two quantiser kernels took longer on the H100.
 - reference: NumPy in float64 from the dequantised values: x quantised by the NumPy twin of the GPU
              quantiser (the same codes and scale, bit for bit), both operands decoded and scaled, the
              product and epilogue in float64, rounded to x's dtype once.
@@ -197,7 +200,14 @@ def _bind_gpu(bind_gemm: Callable[..., Callable[..., Any]], scale_count: int, fu
     return run
 
 
-@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_cublaslt_support, binds=True)
+def _cublaslt_slower(problem: LinearFp8Problem) -> str | None:
+    if gemv_fits(problem):
+        return "decode-sized M: custom's GEMV quantises x itself and reads each weight byte once, in one kernel"
+    return None
+
+
+@op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_cublaslt_support,
+         slower=_cublaslt_slower, binds=True)
 def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r):
     # outer-vector scaling takes one activation scale per row of x: the quantiser writes its scale M times
     scale_count = problem.M if problem.per_channel else 1
@@ -207,6 +217,7 @@ def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r):
 
 # --- custom path: kernels/linear_fp8.cu --------------------------------------------------------------------
 _GEMM = contracts.params("linear_fp8.cu", "FP8_GEMM_PARAMS")
+_GEMV = contracts.params("linear_fp8.cu", "FP8_GEMV_PARAMS")
 _G = contracts.constants("linear_fp8.cu")
 
 
@@ -233,8 +244,44 @@ def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scal
     return run
 
 
+def gemv_fits(problem: LinearFp8Problem) -> bool:
+    """Whether kernels/linear_fp8.cu's version 2 (the GEMV that quantises x itself) takes the problem."""
+    return 1 <= problem.M <= _G["FP8_GEMV_MAX_M"] and problem.M * problem.K <= _G["FP8_GEMV_MAX_MK"] and \
+        problem.N >= 1
+
+
+def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
+              r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
+    """The runner of kernels/linear_fp8.cu's version 2, run(x, w, w_scale, b, r) -> y: one launch that
+    quantises x (as kernels/quantize_fp8.cu does) and computes the problem, for x of any rank and strides
+    (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
+    import cupy
+
+    M, N, K = problem.M, problem.N, problem.K
+    runtime = cupy.cuda.runtime
+    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, problem.device_id)
+    warps = _G["FP8_GEMM_THREADS"] // 32
+    kernel = launch.bind("linear_fp8.cu", f"fp8_gemv2_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
+                         (min(-(-N // warps), _G["FP8_GEMV_BLOCKS_PER_SM"] * sms),), (_G["FP8_GEMM_THREADS"],),
+                         _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
+                                    residual=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
+                                    per_channel=int(problem.per_channel),
+                                    act=activations.KERNEL_CODES[problem.activation]),
+                         shared_mem=4 * M * K)
+    out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
+
+    def run(x, w, w_scale, b, r):
+        y = cupy.empty(out_shape, dtype)
+        kernel(_matrix(x, M, K), contiguous(w), contiguous(w_scale), None if b is None else contiguous(b),
+               None if r is None else _matrix(r, M, N), y)
+        return y
+    return run
+
+
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r):
+    if gemv_fits(problem) and problem.K > 0:
+        return bind_gemv(problem, x, w, w_scale, b, r)
     return _bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r)
 
 
