@@ -21,13 +21,15 @@ Version 1: fp8_gemm1_tiled_{f16,bf16}
     k-major), with one 8-byte load where the 8 codes are in range and 8-byte aligned (K % 8 == 0 and the
     pointers 8-byte aligned), byte by byte with zeros past M, N and K otherwise.
 
-Version 2: fp8_gemv2_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * K <= FP8_GEMV_MAX_MK)
+Version 2: fp8_gemv2_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * Kp <= FP8_GEMV_MAX_MKP, with Kp
+    K rounded up to FP8_GEMV_RUN)
     One kernel for the whole call: it quantises x itself, as kernels/quantize_fp8.cu does (the same amax,
     scale and codes, from kernels/fp8.cuh), so a decode step launches no quantiser. Every block reduces
     max|x| over all of x (M * K elements, a few KB at decode), computes sx and keeps e4m3(x / sx) decoded
-    to fp32 in shared memory; then each warp owns output columns n (grid-strided) and streams row n of
-    wq once, 4 codes per lane and load, four loads in flight (where K % 4 == 0 and wq is 4-byte aligned;
-    byte loads otherwise), decoded with cvt.rn.f16x2.e4m3x2 (sm_89+; the exact arithmetic decode below
+    to fp32 in shared memory, permuted (xs_slot) so that the warp's reads are free of bank conflicts;
+    then each warp owns output columns n (grid-strided) and streams row n of wq once, 16 codes per lane
+    and load, four 512-byte warp loads in flight (where K % 16 == 0 and wq is 16-byte aligned; byte
+    loads otherwise), decoded with cvt.rn.f16x2.e4m3x2 (sm_89+; the exact arithmetic decode below
     that, never run: FP8 refuses older GPUs), and sums the M dot products in fp32 across the warp. The
     epilogue is version 1's. The sums run in another order than version 1's: results agree to fp32
     rounding, not bit for bit.
@@ -43,8 +45,8 @@ LAUNCH (version 2)
     (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, T* y,
      int M, int N, int K, int per_channel, int act)
     block (FP8_GEMM_THREADS, 1, 1), grid (min(ceil(N / (FP8_GEMM_THREADS / 32)), FP8_GEMV_BLOCKS_PER_SM x SMs), 1, 1),
-    dynamic shared memory 4 * M * K bytes. Preconditions: 1 <= M <= FP8_GEMV_MAX_M, M * K <= FP8_GEMV_MAX_MK,
-    N >= 1; x (M, K) and y (M, N) row-major and contiguous; y does not overlap the inputs.
+    dynamic shared memory 4 * M * Kp bytes (with the kernel's 32 static bytes, at most 48 KB: no opt-in).
+    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, M * Kp <= FP8_GEMV_MAX_MKP, K >= 1, N >= 1; x (M, K) and y (M, N) row-major and contiguous; y does not overlap the inputs.
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -54,7 +56,8 @@ constexpr int FP8_GEMM_BM = 64;   // rows of y per block
 constexpr int FP8_GEMM_BN = 64;   // columns of y per block
 constexpr int FP8_GEMM_BK = 32;   // codes of K per step: BM * BK / 8 = one 8-code group per thread
 constexpr int FP8_GEMV_MAX_M = 8;          // rows of x version 2 takes (a decode step's batch)
-constexpr int FP8_GEMV_MAX_MK = 12288;     // M * K: x decoded to fp32 fits 48 KB of shared memory
+constexpr int FP8_GEMV_MAX_MKP = 11776;    // M * Kp (K rounded up to 512): 4 * M * Kp bytes + 32 <= 48 KB
+constexpr int FP8_GEMV_RUN = 512;          // codes a warp loads at once (Kp's multiple)
 constexpr int FP8_GEMV_BLOCKS_PER_SM = 2;  // every block quantises all of x: few blocks, columns grid-strided
 
 namespace fp8g {
@@ -149,18 +152,25 @@ __device__ __forceinline__ void e4m3x2_values(u32 c, float& lo, float& hi) {
 #endif
 }
 
-// acc[m] += the 4 codes of word w (columns k .. k+3, k % 4 == 0) times x's e4m3 values there: one
-// 16-byte shared load per row, consecutive across the warp's lanes (no bank conflicts)
+// Slot of x's value k in shared memory (rows padded to Kp, a multiple of 512): permuted so that the 4
+// values a lane multiplies with word j of its 16-byte load of codes 512c + 16l .. +15 sit in 16-byte slot
+// l of a run of 32 such slots, consecutive across the warp (no bank conflicts):
+// k = 512c + 16l + 4j + e  ->  512c + 128j + 4l + e
+__device__ __forceinline__ int xs_slot(int k) {
+    return (k & ~511) | ((k & 12) << 5) | ((k & 496) >> 2) | (k & 3);
+}
+
+// acc[m] += the 4 codes of word w times x's values at xv + m * Kp (4 consecutive floats)
 template <int MAX_M>
-__device__ __forceinline__ void dot4(u32 w, const float* __restrict__ xs, int M, int K, int k, float* acc) {
+__device__ __forceinline__ void dot4(u32 w, const float* __restrict__ xv, int M, int Kp, float* acc) {
     float v0, v1, v2, v3;
     e4m3x2_values(w, v0, v1);
     e4m3x2_values(w >> 16, v2, v3);
 #pragma unroll
     for (int m = 0; m < MAX_M; m++) {
         if (m >= M) break;
-        const f32x4 xv = *reinterpret_cast<const f32x4*>(xs + m * K + k);
-        acc[m] = fmaf(v0, xv.x, fmaf(v1, xv.y, fmaf(v2, xv.z, fmaf(v3, xv.w, acc[m]))));
+        const f32x4 x4 = *reinterpret_cast<const f32x4*>(xv + m * Kp);
+        acc[m] = fmaf(v0, x4.x, fmaf(v1, x4.y, fmaf(v2, x4.z, fmaf(v3, x4.w, acc[m]))));
     }
 }
 
@@ -169,37 +179,49 @@ __device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, cons
                                       const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
                                       const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
                                       int M, int N, int K, int per_channel, int act) {
-    extern __shared__ float xs[];   // e4m3(x / sx), (M, K) row-major
+    extern __shared__ float xs[];   // e4m3(x / sx), M rows of Kp slots (xs_slot)
     __shared__ float red[FP8_GEMM_THREADS / 32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int total = M * K;
+    const int Kp = (K + 511) & ~511;
     float amax = 0.f;
-    for (int i = t; i < total; i += blockDim.x) amax = fmaxf(amax, finite_abs(DT::ld(x[i])));
+    for (int i = t; i < M * K; i += blockDim.x) amax = fmaxf(amax, finite_abs(DT::ld(x[i])));
     float sx = div_rn(block_max(amax, red), E4M3_MAX);
     if (!(sx > 0.f)) sx = 1.f;
-    for (int i = t; i < total; i += blockDim.x) xs[i] = e4m3_value(e4m3_code(div_rn(DT::ld(x[i]), sx)));
+    for (int m = 0; m < M; m++)
+        for (int k = t; k < K; k += blockDim.x)
+            xs[m * Kp + xs_slot(k)] = e4m3_value(e4m3_code(div_rn(DT::ld(x[(i64)m * K + k]), sx)));
     __syncthreads();
-    const bool vec = (K & 3) == 0 && ((u64)wq & 3) == 0;
+    const bool vec = (K & 15) == 0 && ((u64)wq & 15) == 0;
     for (int n = blockIdx.x * (FP8_GEMM_THREADS / 32) + warp; n < N; n += gridDim.x * (FP8_GEMM_THREADS / 32)) {
         const unsigned char* row = wq + (i64)n * K;
         float acc[FP8_GEMV_MAX_M] = {};
         if (vec) {
-            // four coalesced 128-byte warp loads in flight, then their products
-            for (int k0 = lane * 4; k0 < K; k0 += 4 * 128) {
-                u32 w[4];
+            // four 512-code runs at a time: four coalesced 512-byte warp loads in flight, then their products
+            for (int c0 = 0; c0 < K; c0 += 4 * 512) {
+                u32x4 w[4];
 #pragma unroll
-                for (int j = 0; j < 4; j++) w[j] = k0 + 128 * j < K ? *reinterpret_cast<const u32*>(row + k0 + 128 * j) : 0u;
+                for (int u = 0; u < 4; u++) {   // zeros past K (a conditional load spilled w under ptxas 13.0)
+                    const int k = c0 + 512 * u + 16 * lane;
+                    w[u] = k < K ? *reinterpret_cast<const u32x4*>(row + k) : u32x4{0u, 0u, 0u, 0u};
+                }
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (k0 + 128 * j < K) dot4<FP8_GEMV_MAX_M>(w[j], xs, M, K, k0 + 128 * j, acc);
+                for (int u = 0; u < 4; u++) {
+                    if (c0 + 512 * u + 16 * lane >= K) continue;
+                    const float* xv = xs + c0 + 512 * u + 4 * lane;
+                    dot4<FP8_GEMV_MAX_M>(w[u].a, xv, M, Kp, acc);
+                    dot4<FP8_GEMV_MAX_M>(w[u].b, xv + 128, M, Kp, acc);
+                    dot4<FP8_GEMV_MAX_M>(w[u].c, xv + 256, M, Kp, acc);
+                    dot4<FP8_GEMV_MAX_M>(w[u].d, xv + 384, M, Kp, acc);
+                }
             }
         } else {
             for (int k = lane; k < K; k += 32) {
                 const float v = e4m3_value(row[k]);
+                const int slot = xs_slot(k);
 #pragma unroll
                 for (int m = 0; m < FP8_GEMV_MAX_M; m++) {
                     if (m >= M) break;
-                    acc[m] = fmaf(v, xs[m * K + k], acc[m]);
+                    acc[m] = fmaf(v, xs[m * Kp + slot], acc[m]);
                 }
             }
         }

@@ -211,9 +211,11 @@ def test_auto_runs_cublaslt_where_it_can_and_custom_otherwise(rng):
     check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
 
 
-# the GEMV (kernels/linear_fp8.cu version 2, M <= 8 and M * K <= 12288): word loads (K % 4 == 0), byte loads
-# (K odd, or the weight one byte off), the largest M and M * K it takes, a decode step's shapes
-GEMV_SHAPES = [(1, 2048, 2048), (1, 3, 12288), (8, 33, 1536), (2, 19, 6), (5, 9, 45), (3, 257, 516), (1, 1, 1)]
+# the GEMV (kernels/linear_fp8.cu version 2, M <= 8 and M * K <= 11776 with K rounded up to 512): 16-byte
+# loads (K % 16 == 0; K = 516 runs a partial 512-code run), byte loads (K % 16 != 0, or the weight one byte
+# off), the largest K at M = 1 and the largest M, a decode step's shapes
+GEMV_SHAPES = [(1, 2048, 2048), (1, 64, 8192), (1, 3, 11776), (8, 33, 1024), (2, 19, 6), (5, 9, 45),
+               (3, 257, 516), (2, 100, 5000), (3, 70, 1040), (1, 1, 1)]
 
 
 @pytest.mark.usefixtures("poisoned_gpu_memory")

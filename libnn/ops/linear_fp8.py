@@ -22,7 +22,7 @@ Paths, in `auto` order:
              requirements); anything else, or a problem cuBLASLt declines, runs on custom.
 - custom:    kernels/linear_fp8.cu: the codes decoded to fp32 in shared memory, FFMA in fp32, scales,
              bias, residual and activation in the epilogue. Any shape; not tuned, the comparison. At
-             decode-sized M (M <= 8, M * K <= 12288) its version 2, a GEMV that quantises x itself: one
+             decode-sized M (M <= 8, M * K <= 11776 with K rounded up to 512) its version 2, a GEMV that quantises x itself: one
              kernel per call, each weight byte read once; `auto` takes it there before cuBLASLt, whose
              FP8 GEMM at one row plus the two quantiser kernels took longer on the H100.
 - reference: NumPy in float64 from the dequantised values: x quantised by the NumPy twin of the GPU
@@ -244,10 +244,15 @@ def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scal
     return run
 
 
+def _gemv_row(K: int) -> int:
+    """K rounded up to the GEMV's run: the shared-memory row of x it keeps."""
+    return -(-K // _G["FP8_GEMV_RUN"]) * _G["FP8_GEMV_RUN"]
+
+
 def gemv_fits(problem: LinearFp8Problem) -> bool:
     """Whether kernels/linear_fp8.cu's version 2 (the GEMV that quantises x itself) takes the problem."""
-    return 1 <= problem.M <= _G["FP8_GEMV_MAX_M"] and problem.M * problem.K <= _G["FP8_GEMV_MAX_MK"] and \
-        problem.N >= 1
+    return (1 <= problem.M <= _G["FP8_GEMV_MAX_M"] and problem.K >= 1 and problem.N >= 1
+            and problem.M * _gemv_row(problem.K) <= _G["FP8_GEMV_MAX_MKP"])
 
 
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
@@ -267,7 +272,7 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
                                     residual=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
                                     per_channel=int(problem.per_channel),
                                     act=activations.KERNEL_CODES[problem.activation]),
-                         shared_mem=4 * M * K)
+                         shared_mem=4 * M * _gemv_row(K))
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
 
     def run(x, w, w_scale, b, r):
@@ -280,7 +285,7 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r):
-    if gemv_fits(problem) and problem.K > 0:
+    if gemv_fits(problem):
         return bind_gemv(problem, x, w, w_scale, b, r)
     return _bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r)
 
