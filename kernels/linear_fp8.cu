@@ -24,9 +24,9 @@ Version 1: fp8_gemm1_tiled_{f16,bf16}
 Version 2: fp8_gemv2_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * Kp <= FP8_GEMV_MAX_MKP, with Kp
     K rounded up to FP8_GEMV_RUN)
     One kernel for the whole call: it quantises x itself, as kernels/quantize_fp8.cu does (the same amax,
-    scale and codes, from kernels/fp8.cuh), so a decode step launches no quantiser. Every block reduces
-    max|x| over all of x (M * K elements, a few KB at decode), computes sx and keeps e4m3(x / sx) decoded
-    to fp32 in shared memory, permuted (xs_slot) so that the warp's reads are free of bank conflicts;
+    scale and codes, from kernels/fp8.cuh), so a decode step launches no quantiser. Every block reads all
+    of x once (M * K elements, a few KB at decode) into shared memory, reducing max|x| on the way,
+    computes sx and replaces each value by e4m3(x / sx) decoded to fp32, kept permuted (xs_slot) so that the warp's reads are free of bank conflicts;
     then each warp owns output columns n (grid-strided) and streams row n of wq once, 16 codes per lane
     and load, four 512-byte warp loads in flight (where K % 16 == 0 and wq is 16-byte aligned; byte
     loads otherwise), decoded with cvt.rn.f16x2.e4m3x2 (sm_89+; the exact arithmetic decode below
@@ -183,13 +183,24 @@ __device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, cons
     __shared__ float red[FP8_GEMM_THREADS / 32];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int Kp = (K + 511) & ~511;
+    // x read once, into its slots (the loads independent of each other: unrolled, several in flight),
+    // max|x| on the way; then each thread quantises the slots it wrote
     float amax = 0.f;
-    for (int i = t; i < M * K; i += blockDim.x) amax = fmaxf(amax, finite_abs(DT::ld(x[i])));
+    for (int m = 0; m < M; m++) {
+#pragma unroll 4
+        for (int k = t; k < K; k += blockDim.x) {
+            const float v = DT::ld(x[(i64)m * K + k]);
+            xs[m * Kp + xs_slot(k)] = v;
+            amax = fmaxf(amax, finite_abs(v));
+        }
+    }
     float sx = div_rn(block_max(amax, red), E4M3_MAX);
     if (!(sx > 0.f)) sx = 1.f;
     for (int m = 0; m < M; m++)
-        for (int k = t; k < K; k += blockDim.x)
-            xs[m * Kp + xs_slot(k)] = e4m3_value(e4m3_code(div_rn(DT::ld(x[(i64)m * K + k]), sx)));
+        for (int k = t; k < K; k += blockDim.x) {
+            float& slot = xs[m * Kp + xs_slot(k)];
+            slot = e4m3_value(e4m3_code(div_rn(slot, sx)));
+        }
     __syncthreads();
     const bool vec = (K & 15) == 0 && ((u64)wq & 15) == 0;
     for (int n = blockIdx.x * (FP8_GEMM_THREADS / 32) + warp; n < N; n += gridDim.x * (FP8_GEMM_THREADS / 32)) {
@@ -262,7 +273,7 @@ __device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, cons
     T* __restrict__ y, int M, int N, int K, int per_channel, int act
 
 #define FP8_GEMV2(SUFFIX, DT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FP8_GEMM_THREADS)                                       \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMM_THREADS, FP8_GEMV_BLOCKS_PER_SM)               \
         fp8_gemv2_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
         fp8g::gemv2<libnn::DT>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act);           \
     }
