@@ -64,12 +64,9 @@ def test_cutlass_equals_its_unfused_twin(rng, dtype):
 
 def test_auto_takes_cutlass_for_gelu_erf_where_its_tiles_fill_the_gpu(rng):
     from libnn.backends import cutlass
-    from libnn.runtime.device import current_device_id
 
     op = libnn.get_op("linear")
-    sms = cutlass.multiprocessors(current_device_id())
-    M = cutlass.TILE_M * cutlass.CLUSTER_M * -(-sms // (cutlass.CLUSTER_M * 4))  # 4 tiles along N: >= sms tiles
-    x, w, b = to_gpu(*draw(rng, M, 4 * cutlass.TILE_N, 64, "fp16"))
+    x, w, b = to_gpu(*draw(rng, filling_rows(), 4 * cutlass.TILE_N, 64, "fp16"))
     linear(x, w, b, "gelu_erf")
     assert op.last_decision.path == "cutlass"
     linear(x, w, b, "gelu")
@@ -92,10 +89,23 @@ def test_shapes_outside_the_path_are_refused_by_name(rng):
     assert libnn.get_op("linear").last_decision.path != "cutlass"
 
 
+def filling_rows() -> int:
+    """Rows whose (rows, 4 * TILE_N) output has at least as many tiles as the GPU has SMs: where auto
+    tries cutlass first."""
+    from libnn.backends import cutlass
+    from libnn.runtime.device import current_device_id
+
+    sms = cutlass.multiprocessors(current_device_id())
+    return cutlass.TILE_M * cutlass.CLUSTER_M * -(-sms // (cutlass.CLUSTER_M * 4))
+
+
 def test_misaligned_arrays_fall_back_visibly(rng):
     """A bias one element into its buffer is not 16-byte aligned: the forced path says so in CUTLASS's
-    terms, and auto warns and runs the next path, with the right result."""
-    x, w, b = draw(rng, 33, 64, 32, "fp16")
+    terms, and auto (on a problem it tries cutlass first for) warns and runs the next path, with the
+    right result."""
+    from libnn.backends import cutlass
+
+    x, w, b = draw(rng, filling_rows(), 4 * cutlass.TILE_N, 32, "fp16")
     xg, wg = to_gpu(x, w)
     b_buffer = to_gpu(np.concatenate([b[:1], b]))[0]
     b_view = b_buffer[1:]
