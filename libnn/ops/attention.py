@@ -61,6 +61,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
+from libnn.ops import paging
 from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, decode_fits,
                                         flash_fits, flash_supports)
 from libnn.registry import Op, option_key
@@ -260,7 +261,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
     Bk, Hkv, Skv, Dk = kv.shape
     pages, page_size = Bk, Skv  # (paged k and v: the pools' pages and keys per page)
     if page_table is not None:  # the batch and the keys are the table's: (B, max_pages) pages of page_size
-        _check_page_table(page_table, B, pages)
+        paging.check_page_table("attention", page_table, B, f"q of batch {B} (k and v hold {pages} pages)")
         Bk, Skv = B, page_table.shape[1] * page_size
     if Dk != D or vv.shape[3] != D:
         raise ValueError(f"attention: q, k and v must share the head dimension D; got q {D}, k {Dk}, v {vv.shape[3]}")
@@ -372,16 +373,6 @@ def _paged_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias,
         return attention_problem(q, k, v, None, scale, causal, layout, seq_lens_q is not None,
                                  seq_lens_kv is not None, page_table=table)
     return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, pages)
-
-
-def _check_page_table(table, B: int, pages: int) -> None:
-    """A page table's dtype and shape: int32 (B, max_pages), max_pages >= 1, for `pages` pages."""
-    if table.dtype != np.int32:
-        raise TypeError(f"attention: page_table must be an int32 array (B, max_pages) of page indices, got dtype "
-                        f"{table.dtype}")
-    if table.ndim != 2 or table.shape[0] != B or table.shape[1] == 0:
-        raise ValueError(f"attention: page_table must have shape (B, max_pages) = ({B}, max_pages >= 1) for q of "
-                         f"batch {B} (k and v hold {pages} pages), got {tuple(table.shape)}")
 
 
 def _page_table(problem: AttentionProblem, page_table) -> Any:

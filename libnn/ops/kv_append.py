@@ -43,6 +43,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.registry import Op, option_key
+from libnn.ops import paging
 from libnn.ops.rope import POSITION_DTYPES, overlaps_itself, rope, rotary_dim_of
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import as_array, device_of, min_max, signature, stream_key
@@ -124,12 +125,7 @@ def _paged_problem(problem: KVAppendProblem, page_table, pages: int) -> KVAppend
     """The problem of paged caches: page_table (B, max_pages) int32 checked, L = max_pages x page_size (the
     pools' second dimension, a power of two)."""
     B, page_size = problem.B, problem.L
-    if page_table.dtype != np.int32:
-        raise TypeError(f"kv_append: page_table must be an int32 array (B, max_pages) of page indices, got dtype "
-                        f"{page_table.dtype}")
-    if page_table.ndim != 2 or page_table.shape[0] != B or page_table.shape[1] == 0:
-        raise ValueError(f"kv_append: page_table must have shape (B, max_pages) = ({B}, max_pages >= 1) for k of "
-                         f"batch {B}, got {tuple(page_table.shape)}")
+    paging.check_page_table("kv_append", page_table, B, f"k of batch {B}")
     if page_size & (page_size - 1):
         raise ValueError(f"kv_append: the pools' page_size (their second dimension) must be a power of two, got "
                          f"{page_size}")
