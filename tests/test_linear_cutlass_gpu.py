@@ -93,9 +93,9 @@ def filling_rows() -> int:
     """Rows whose (rows, 4 * TILE_N) output has at least as many tiles as the GPU has SMs: where auto
     tries cutlass first."""
     from libnn.backends import cutlass
-    from libnn.runtime.device import current_device_id
+    from libnn.runtime.device import current_device_id, multiprocessors
 
-    sms = cutlass.multiprocessors(current_device_id())
+    sms = multiprocessors(current_device_id())
     return cutlass.TILE_M * cutlass.CLUSTER_M * -(-sms // (cutlass.CLUSTER_M * 4))
 
 

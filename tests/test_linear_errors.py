@@ -122,7 +122,7 @@ def every_library_present(monkeypatch):
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
     monkeypatch.setattr(device, "module_missing", lambda name: None)
     monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
-    monkeypatch.setattr(cutlass, "multiprocessors", lambda device_id: 132)  # an H100 SXM
+    monkeypatch.setattr(device, "multiprocessors", lambda device_id: 132)  # an H100 SXM
     monkeypatch.setattr(memory, "gpu_available_bytes", lambda: 80 * 2**30)  # a bind checks the output fits
 
 
@@ -199,7 +199,7 @@ def test_gelu_erf_without_cudnn_installed_keeps_cutlass_and_cublaslt_first(monke
     monkeypatch.setattr(device, "module_missing", lambda name: "cudnn does not import (simulated)" if name == "cudnn"
                         else None)
     monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
-    monkeypatch.setattr(cutlass, "multiprocessors", lambda device_id: 132)
+    monkeypatch.setattr(device, "multiprocessors", lambda device_id: 132)
     names, passed_over = resolved(gpu_problem("gelu_erf"))
     assert names == ["cutlass", "cublaslt", "custom"]
     assert passed_over["cudnn"] == "cudnn does not import (simulated)"

@@ -390,11 +390,11 @@ def expected_gelu_erf_path(M: int, N: int) -> str:
     """auto's first path for gelu_erf here: cutlass where it can run (Hopper, nvcc, CUTLASS's headers) and
     its tiles fill the GPU, else cuBLASLt's GEMM then the exact-GELU pass."""
     from libnn.backends import cutlass
-    from libnn.runtime.device import current_device_id
+    from libnn.runtime.device import current_device_id, multiprocessors
 
     device = current_device_id()
     unavailable = libnn.get_op("linear").paths["cutlass"].missing() or cutlass.missing(device)
-    small = cutlass.gemm_tiles(M, N) < cutlass.multiprocessors(device) if not unavailable else True
+    small = cutlass.gemm_tiles(M, N) < multiprocessors(device) if not unavailable else True
     return "cublaslt" if unavailable or small else "cutlass"
 
 

@@ -81,15 +81,6 @@ def gemm_tiles(M: int, N: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def multiprocessors(device_id: int) -> int:
-    """The SM count of device `device_id`."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
-
-
-@functools.lru_cache(maxsize=None)
 def _gemm_gelu_erf(dtype: str) -> Callable[..., int]:
     """The C entry point libnn_gemm_gelu_erf of kernels/nvcc/gemm_cutlass.cu for `dtype`."""
     library = host_build.load(*_library(ELEMENTS[dtype]))

@@ -25,6 +25,7 @@ import math
 from libnn import dtypes
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import is_cupy
+from libnn.runtime.device import current_device_id, multiprocessors
 
 _FILE = "attention.cu"
 _VERSIONS = ("attn1_naive", "attn2_flash", "attn3_decode")  # 1) baseline, 2) and 3) where they apply
@@ -128,7 +129,7 @@ def _bind_decode(q, k, v, o, scale: float):
     B, Hq, _, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     group, itemsize = Hq // Hkv, q.itemsize
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sms = multiprocessors(current_device_id())
     chunk = decode_chunk(B, Hkv, Skv, group, itemsize, D, sms)
     splits = -(-Skv // chunk)
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]

@@ -48,6 +48,7 @@ from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
+from libnn.runtime import device as device_info
 from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -204,12 +205,9 @@ def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):
 def bind_epilogue_pass(dtype: str, rows: int, N: int, activation: str | None):
     """run(y, b): y = act(y + b) in place for a row-major (rows, N) y and a bias b (N,) or None, one pass
     of kernels/epilogue.cu's bias_act_rows (16-byte accesses where N and the pointers allow)."""
-    import cupy
-
     total = rows * N
     vector = 16 // dtypes.parse(dtype).itemsize
-    runtime = cupy.cuda.runtime
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, runtime.getDevice())
+    sms = device_info.multiprocessors(device_info.current_device_id())
     blocks = max(1, min(-(-total // (256 * vector)), 32 * sms))
     return launch.bind("epilogue.cu", epilogue_pass_kernel(dtype, activation), (blocks,), (256,),
                        _BIAS_ACT_ROWS.pack(y=launch.ARRAY, bias=launch.ARRAY, total=total, N=N))
@@ -264,7 +262,7 @@ def _cutlass_slower(problem: LinearProblem) -> str | None:
     shape (smaller tiles, split K). Measured on the H100: the encoders at batch 1 (FFN rows 4..128) ran
     0.03-0.09 ms slower per forward on cutlass than on cuBLASLt's GEMM + pass (benchmarks/RESULTS.md)."""
     tiles = cutlass.gemm_tiles(problem.M, problem.N)
-    sms = cutlass.multiprocessors(int(problem.device.split(":")[1]))
+    sms = device_info.multiprocessors(int(problem.device.split(":")[1]))
     if tiles < sms:
         return f"{tiles} output tiles of {cutlass.TILE_M}x{cutlass.TILE_N} fill less than the GPU's {sms} SMs"
     return None

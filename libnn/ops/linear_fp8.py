@@ -49,6 +49,7 @@ from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
+from libnn.runtime.device import multiprocessors
 from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -263,8 +264,7 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
     import cupy
 
     M, N, K = problem.M, problem.N, problem.K
-    runtime = cupy.cuda.runtime
-    sms = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, problem.device_id)
+    sms = multiprocessors(problem.device_id)
     warps = _G["FP8_GEMM_THREADS"] // 32
     kernel = launch.bind("linear_fp8.cu", f"fp8_gemv2_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
                          (min(-(-N // warps), _G["FP8_GEMV_BLOCKS_PER_SM"] * sms),), (_G["FP8_GEMM_THREADS"],),

@@ -185,6 +185,14 @@ def current_device_id() -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def multiprocessors(device_id: int) -> int:
+    """The SM count of device `device_id` (launch geometry sized to fill the GPU reads it)."""
+    import cupy
+    runtime = cupy.cuda.runtime
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+@functools.lru_cache(maxsize=None)
 def compute_capability(device_id: int) -> tuple[int, int]:
     import cupy
     p = cupy.cuda.runtime.getDeviceProperties(device_id)
