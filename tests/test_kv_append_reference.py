@@ -22,6 +22,20 @@ def arrays(rng, dtype="fp32", S=S):
     return k, v, positions, rope_frequencies(D), caches[0], caches[1]
 
 
+def assert_only_tokens_written(k_cache, v_cache, before_k, before_v, expected_k, v, positions, row_of):
+    """Token s of sequence b is in the caches at row_of(b, p) (p its position), k as `expected_k` and v as
+    given; every other cache row kept its value (`before_k`, `before_v`)."""
+    written = np.zeros(k_cache.shape[:2], bool)
+    for b in range(positions.shape[0]):
+        for s in range(positions.shape[1]):
+            row = row_of(b, int(positions[b, s]))
+            np.testing.assert_array_equal(k_cache[row], expected_k[b, s])
+            np.testing.assert_array_equal(v_cache[row], v[b, s])
+            written[row] = True
+    np.testing.assert_array_equal(k_cache[~written], before_k[~written])
+    np.testing.assert_array_equal(v_cache[~written], before_v[~written])
+
+
 @pytest.mark.parametrize("style, rotary_dim", [("half", None), ("interleaved", None), ("half", 4)])
 @pytest.mark.parametrize("dtype", ["fp32", "fp64"])
 def test_tokens_land_at_their_positions_rotated_and_nothing_else_moves(rng, style, rotary_dim, dtype):
@@ -30,15 +44,7 @@ def test_tokens_land_at_their_positions_rotated_and_nothing_else_moves(rng, styl
     before_k, before_v = k_cache.copy(), v_cache.copy()
     assert kv_append(k, v, positions, inv_freq, k_cache, v_cache, style=style, rotary_dim=rotary_dim) is None
     rotated = rope(k, positions, inv_freq, style=style, rotary_dim=rotary_dim, path="reference")
-    written = np.zeros((B, L), bool)
-    for b in range(B):
-        for s in range(S):
-            p = positions[b, s]
-            np.testing.assert_array_equal(k_cache[b, p], rotated[b, s])
-            np.testing.assert_array_equal(v_cache[b, p], v[b, s])
-            written[b, p] = True
-    np.testing.assert_array_equal(k_cache[~written], before_k[~written])
-    np.testing.assert_array_equal(v_cache[~written], before_v[~written])
+    assert_only_tokens_written(k_cache, v_cache, before_k, before_v, rotated, v, positions, lambda b, p: (b, p))
 
 
 def test_a_decode_step_writes_one_position_per_sequence_and_broadcast_positions_work(rng):

@@ -19,6 +19,7 @@ import pytest
 from conftest import random_normal, rel_error
 from decoder_cases import padded, prompts, write_checkpoint
 from test_gpt2 import CONFIG as GPT2_CONFIG
+from test_kv_append_reference import assert_only_tokens_written
 from test_llama import CONFIG as LLAMA_CONFIG
 from test_llama import random_state
 
@@ -52,16 +53,8 @@ def test_kv_append_writes_each_token_into_its_page_and_nothing_else(rng, page_si
     before_k, before_v = k_pool.copy(), v_pool.copy()
     kv_append(k, v, positions, inv_freq, k_pool, v_pool, page_table=table)
     expected_k = rope(k, positions, inv_freq, path="reference") if rotated else k
-    written = np.zeros((pages, page_size), bool)
-    for b in range(B):
-        for s in range(S):
-            p = int(positions[b, s])
-            page, row = table[b, p // page_size], p % page_size
-            np.testing.assert_array_equal(k_pool[page, row], expected_k[b, s])
-            np.testing.assert_array_equal(v_pool[page, row], v[b, s])
-            written[page, row] = True
-    np.testing.assert_array_equal(k_pool[~written], before_k[~written])
-    np.testing.assert_array_equal(v_pool[~written], before_v[~written])
+    assert_only_tokens_written(k_pool, v_pool, before_k, before_v, expected_k, v, positions,
+                               lambda b, p: (table[b, p // page_size], p % page_size))
 
 
 def test_kv_append_into_a_pool_stored_heads_first_writes_the_same_values(rng):
