@@ -75,7 +75,8 @@ def test_auto_takes_cutlass_for_gelu_erf_where_its_tiles_fill_the_gpu(rng):
     small = linear(x[:64], w, b, "gelu_erf")  # 2 x 4 tiles: cuBLASLt's GEMM + pass, cutlass tried last
     assert op.last_decision.path == "cublaslt"
     assert op.last_decision.passed_over["cutlass"].startswith("tried last: 8 output tiles")
-    assert rel_error(small, linear(*[a.get() for a in (x[:64], w, b)], "gelu_erf", path="reference")) <= tolerance("fp16")
+    expected = linear(*[a.get() for a in (x[:64], w, b)], "gelu_erf", path="reference")
+    assert rel_error(small, expected) <= tolerance("fp16")
 
 
 def test_shapes_outside_the_path_are_refused_by_name(rng):

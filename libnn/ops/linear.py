@@ -237,7 +237,8 @@ def _cutlass_support(problem: LinearProblem) -> str | None:
     if problem.dtype not in CUTLASS_DTYPES:
         return f"dtype {problem.dtype} is not supported (supported: {', '.join(CUTLASS_DTYPES)})"
     if problem.N % 8 or problem.K % 8:
-        return f"N and K must be multiples of 8 (TMA's 16-byte rows of {problem.dtype}), got N={problem.N} K={problem.K}"
+        return (f"N and K must be multiples of 8 (TMA's 16-byte rows of {problem.dtype}), got N={problem.N} "
+                f"K={problem.K}")
     return cutlass.missing(int(problem.device.split(":")[1]))
 
 

@@ -22,9 +22,10 @@ Paths, in `auto` order:
              requirements); anything else, or a problem cuBLASLt declines, runs on custom.
 - custom:    kernels/linear_fp8.cu: the codes decoded to fp32 in shared memory, FFMA in fp32, scales,
              bias, residual and activation in the epilogue. Any shape; not tuned, the comparison. At
-             decode-sized M (M <= 8, M * K <= 11776 with K rounded up to 512) its version 2, a GEMV that quantises x itself: one
-             kernel per call, each weight byte read once; `auto` takes it there before cuBLASLt, whose
-             FP8 GEMM at one row plus the two quantiser kernels took longer on the H100.
+             decode-sized M (M <= 8, M * K <= 11776 with K rounded up to 512) its version 2, a GEMV that
+             quantises x itself: one kernel per call, each weight byte read once; `auto` takes it there
+             before cuBLASLt, whose FP8 GEMM at one row plus the two quantiser kernels took longer on the
+             H100.
 - reference: NumPy in float64 from the dequantised values: x quantised by the NumPy twin of the GPU
              quantiser (the same codes and scale, bit for bit), both operands decoded and scaled, the
              product and epilogue in float64, rounded to x's dtype once.

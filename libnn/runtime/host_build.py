@@ -27,6 +27,7 @@ from pathlib import Path
 
 from libnn.errors import KernelCompileError
 from libnn.runtime.cache import PlanCache, cache_dir, entry_lock, register_stats
+from libnn.runtime.kernels import header_contents, kernel_dir
 
 # nvcc's options for every library: C++17, host code position-independent, assertions off, and the CUDA
 # runtime linked statically (nvcc's default), so the library needs no libcudart of a given version.
@@ -38,7 +39,6 @@ COMPILE_TIMEOUT_S = 900
 
 def nvcc_dir() -> Path:
     """kernels/nvcc/, beside the NVRTC kernel files."""
-    from libnn.runtime.kernels import kernel_dir
     return kernel_dir() / "nvcc"
 
 
@@ -89,10 +89,9 @@ def library_file(name: str, arch: str, defines: dict[str, str], include_dirs: tu
     identical build was done before. KernelCompileError with nvcc's first errors if it fails."""
     source_path = nvcc_dir() / name
     source = source_path.read_bytes()
-    libnn_headers = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(source_path.parents[1].glob("*.cuh")))
     options = _options(arch, defines, include_dirs)
-    key = hashlib.sha256(b"\0".join([source, libnn_headers, *(o.encode() for o in options), headers_version.encode(),
-                                     nvcc_version().encode()])).hexdigest()[:32]
+    key = hashlib.sha256(b"\0".join([source, header_contents(kernel_dir()), *(o.encode() for o in options),
+                                     headers_version.encode(), nvcc_version().encode()])).hexdigest()[:32]
     stored = cache_dir() / "libraries" / f"{source_path.stem}-{arch}-{key}.so"
     if stored.exists():
         _count_hit()
@@ -117,7 +116,7 @@ def _count_hit() -> None:
 
 def _options(arch: str, defines: dict[str, str], include_dirs: tuple[Path, ...]) -> list[str]:
     return [*NVCC_OPTIONS, f"-arch={arch}", *(f"-D{k}={v}" for k, v in sorted(defines.items())),
-            *(f"-I{d}" for d in (*include_dirs, nvcc_dir().parent))]
+            *(f"-I{d}" for d in (*include_dirs, kernel_dir()))]
 
 
 def _build(source_path: Path, options: list[str], stored: Path) -> None:
@@ -136,7 +135,8 @@ def _build(source_path: Path, options: list[str], stored: Path) -> None:
                                      + "\n".join(errors[:SHOWN_ERROR_LINES]))
         os.replace(partial, stored)
     except subprocess.TimeoutExpired as exc:
-        raise KernelCompileError(f"nvcc did not finish kernels/nvcc/{source_path.name} in {COMPILE_TIMEOUT_S} s") from exc
+        raise KernelCompileError(f"nvcc did not finish kernels/nvcc/{source_path.name} in {COMPILE_TIMEOUT_S} s") \
+            from exc
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
@@ -147,4 +147,5 @@ def load(name: str, arch: str, defines: dict[str, str], include_dirs: tuple[Path
     """The loaded library of kernels/nvcc/<name> for these options (built or read from the disk cache
     on first use, then kept for the process)."""
     key = (name, arch, tuple(sorted(defines.items())), include_dirs, headers_version)
-    return _libraries.get(key, lambda: ctypes.CDLL(str(library_file(name, arch, defines, include_dirs, headers_version))))
+    return _libraries.get(key, lambda: ctypes.CDLL(str(library_file(name, arch, defines, include_dirs,
+                                                                    headers_version))))

@@ -49,7 +49,7 @@ def kernel_files() -> list[Path]:
     return sorted(kernel_dir().glob("*.cu"))
 
 
-def _headers(directory: Path) -> bytes:
+def header_contents(directory: Path) -> bytes:
     """The contents of every libnn header a kernel file may include, for cache keys."""
     return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(directory.glob("*.cuh")))
 
@@ -194,7 +194,7 @@ def compile_file(path: Path | str, arch: str, options: tuple[str, ...] = DEFAULT
     an identical compile was done before (`refresh=True` compiles anyway and replaces the entry)."""
     path = Path(path) if Path(path).is_absolute() else kernel_dir() / path
     source = path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _headers(path.parent), arch.encode(), *(o.encode() for o in options),
+    key = hashlib.sha256(b"\0".join([source, header_contents(path.parent), arch.encode(), *(o.encode() for o in options),
                                      nvrtc_version().encode()])).hexdigest()[:32]
     stored = cache_dir() / "kernels" / f"{path.stem}-{arch}-{key}"
     if not use_disk_cache:
