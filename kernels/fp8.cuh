@@ -41,6 +41,20 @@ __device__ __forceinline__ u32 e4m3_code(float q) {
     return sign | (u32)(8 * E + 48 + (int)r);
 }
 
+// v / d rounded to nearest, given r = div_rn(1, d), for d >= 2^-100 and finite v: Newton's correction of v·r
+// once (within an ulp of v / d after it), then Markstein's (correctly rounded from there; each residual is
+// exact by FMA). A quotient small enough for its residual to underflow is far below E4M3's smallest value,
+// whose code is then 0 (with v's sign) however it rounds.
+__device__ __forceinline__ float div_by_reciprocal(float v, float d, float r) {
+    float q = v * r;
+    q = fmaf(fmaf(-q, d, v), r, q);
+    return fmaf(fmaf(-q, d, v), r, q);
+}
+
+// e4m3_code of two finite values, hi in the upper byte: the hardware's conversion on sm_89+ (round to
+// nearest even, saturating at 448: the same codes, tests/test_linear_fp8_gpu.py), e4m3_code below that
+__device__ __forceinline__ u32 e4m3x2_code(float lo, float hi);
+
 // max of v over the block (every thread gets it); `red` holds blockDim.x / 32 floats, and is read by
 // every thread after: a second call needs a __syncthreads() before it
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -61,6 +75,16 @@ __device__ __forceinline__ float e4m3_value(u32 c) {
     else if (e == 15u && m == 7u) v = u32_as_f32(0x7fc00000u);  // NaN
     else v = u32_as_f32(((e + 120u) << 23) | (m << 20));      // (1 + m/8) * 2^(e - 7)
     return (c & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ u32 e4m3x2_code(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+    u16 h;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(hi), "f"(lo));
+    return h;
+#else
+    return e4m3_code(lo) | e4m3_code(hi) << 8;
+#endif
 }
 
 }  // namespace libnn

@@ -21,18 +21,21 @@ Version 1: fp8_gemm1_tiled_{f16,bf16}
     k-major), with one 8-byte load where the 8 codes are in range and 8-byte aligned (K % 8 == 0 and the
     pointers 8-byte aligned), byte by byte with zeros past M, N and K otherwise.
 
-Version 2: fp8_gemv2_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * Kp <= FP8_GEMV_MAX_MKP, with Kp
-    K rounded up to FP8_GEMV_RUN)
-    One kernel for the whole call: it quantises x itself, as kernels/quantize_fp8.cu does (the same amax,
-    scale and codes, from kernels/fp8.cuh), so a decode step launches no quantiser. Every block reads all
-    of x once (M * K elements, a few KB at decode) into shared memory, reducing max|x| on the way,
-    computes sx and replaces each value by e4m3(x / sx) decoded to fp32, kept permuted (xs_slot) so that the warp's reads are free of bank conflicts;
-    then each warp owns output columns n (grid-strided) and streams row n of wq once, 16 codes per lane
-    and load, four 512-byte warp loads in flight (where K % 16 == 0 and wq is 16-byte aligned; byte
-    loads otherwise), decoded with cvt.rn.f16x2.e4m3x2 (sm_89+; the exact arithmetic decode below
-    that, never run: FP8 refuses older GPUs), and sums the M dot products in fp32 across the warp. The
-    epilogue is version 1's. The sums run in another order than version 1's: results agree to fp32
-    rounding, not bit for bit.
+Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_x_stride(K) <= FP8_GEMV3_XS_BYTES)
+    One kernel for the whole call, on the FP8 tensor cores. It quantises x itself to the codes
+    kernels/quantize_fp8.cu writes (the same amax and scale; the quotient x / sx from the reciprocal with two
+    FMA corrections, correctly rounded, and the hardware's E4M3 conversion where x is finite, e4m3_code
+    otherwise: kernels/fp8.cuh), so a decode step launches no quantiser. Each block quantises all of x
+    (a few KB at decode) into shared memory and then takes tiles of 16 rows of w, grid-strided; its 8 warps
+    each take an eighth of K of every tile. A lane streams 16 codes of two rows of w per load (rows g and
+    g + 8 of the tile, lane 4g + q: bytes 16q .. 16q + 15 of each 64-code chunk), two loads of U chunks in
+    flight, and feeds them straight to mma.sync m16n8k32 e4m3 as the A operand (y^T = w x^T: the 16 rows
+    of w are the mma's m, x's rows its n), with x's codes of the same 16 positions as B: a dot product sums
+    over k in any order as long as A and B agree. The products of two E4M3 codes are exact; the tensor
+    cores add them in fp32 (not in version 1's order: results agree to fp32 rounding). The warps' sums
+    meet in shared memory; version 1's epilogue follows. Version 2 (one warp per output, codes decoded to
+    fp32 and FFMA, x quantised by div_rn and e4m3_code) ran at a third of the copy rate at a decode step's
+    shapes; version 3 replaced it (benchmarks/RESULTS.md).
 
 LAUNCH (version 1)
     (const unsigned char* xq, const unsigned char* wq, const float* x_scale, const float* w_scale,
@@ -41,12 +44,14 @@ LAUNCH (version 1)
     shared memory. Preconditions: M, N, K >= 1; N <= 65535 * FP8_GEMM_BN; y does not overlap the inputs;
     element offsets are 64-bit.
 
-LAUNCH (version 2)
+LAUNCH (version 3)
     (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, T* y,
      int M, int N, int K, int per_channel, int act)
-    block (FP8_GEMM_THREADS, 1, 1), grid (min(ceil(N / (FP8_GEMM_THREADS / 32)), FP8_GEMV_BLOCKS_PER_SM x SMs), 1, 1),
-    dynamic shared memory 4 * M * Kp bytes (with the kernel's 32 static bytes, at most 48 KB: no opt-in).
-    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, M * Kp <= FP8_GEMV_MAX_MKP, K >= 1, N >= 1; x (M, K) and y (M, N) row-major and contiguous; y does not overlap the inputs.
+    block (FP8_GEMV3_THREADS, 1, 1), grid (min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs), 1, 1),
+    dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
+    to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
+    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K) and y (M, N) row-major and contiguous;
+    y does not overlap the inputs; sm_89 or newer.
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -56,9 +61,12 @@ constexpr int FP8_GEMM_BM = 64;   // rows of y per block
 constexpr int FP8_GEMM_BN = 64;   // columns of y per block
 constexpr int FP8_GEMM_BK = 32;   // codes of K per step: BM * BK / 8 = one 8-code group per thread
 constexpr int FP8_GEMV_MAX_M = 8;          // rows of x version 2 takes (a decode step's batch)
-constexpr int FP8_GEMV_MAX_MKP = 11776;    // M * Kp (K rounded up to 512): 4 * M * Kp bytes + 32 <= 48 KB
-constexpr int FP8_GEMV_RUN = 512;          // codes a warp loads at once (Kp's multiple)
-constexpr int FP8_GEMV_BLOCKS_PER_SM = 2;  // every block quantises all of x: few blocks, columns grid-strided
+constexpr int FP8_GEMV3_THREADS = 256;     // 8 warps, each a share of K for the block's rows of w
+constexpr int FP8_GEMV3_ROWS = 16;        // rows of w (columns of y) per block: the mma's m
+constexpr int FP8_GEMV3_CHUNK = 64;       // codes of K per row of w that 4 lanes load at once (16 each)
+constexpr int FP8_GEMV3_UNROLL = 2;       // chunks per row a lane has in each of its two loads in flight
+constexpr int FP8_GEMV3_BLOCKS_PER_SM = 2; // blocks per SM the grid holds (every block quantises x once)
+constexpr int FP8_GEMV3_XS_BYTES = 36864; // dynamic shared memory for x's codes: M * gemv3_x_stride(K), at most
 
 namespace fp8g {
 
@@ -139,118 +147,200 @@ __device__ __forceinline__ void gemm1(const unsigned char* __restrict__ xq, cons
     }
 }
 
-// codes c (two, low byte first) decoded to fp32
-__device__ __forceinline__ void e4m3x2_values(u32 c, float& lo, float& hi) {
+// ---- version 3 ------------------------------------------------------------------------------------------
+// bytes between x's rows of codes in shared memory: K in whole chunks, rounded up to 128, plus 64, so that the
+// 8 lanes of a quarter-warp (x's rows g and g + 1, 64 bytes each) read distinct banks
+__device__ __forceinline__ int gemv3_x_stride(int K) {
+    return ((((K + FP8_GEMV3_CHUNK - 1) / FP8_GEMV3_CHUNK) * FP8_GEMV3_CHUNK + 127) & ~127) + 64;
+}
+
+// d += a . b on the FP8 tensor cores: m16n8k32, E4M3 a (16 x 32, row-major) and b (32 x 8), fp32 d
+__device__ __forceinline__ void mma_e4m3(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 890
-    u32 h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((u16)c));
-    lo = f16_to_f32((u16)(h & 0xffffu));
-    hi = f16_to_f32((u16)(h >> 16));
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #else
-    lo = e4m3_value(c & 0xffu);
-    hi = e4m3_value((c >> 8) & 0xffu);
+    __trap();   // FP8 refuses GPUs below sm_89 before launching
 #endif
 }
 
-// Slot of x's value k in shared memory (rows padded to Kp, a multiple of 512): permuted so that the 4
-// values a lane multiplies with word j of its 16-byte load of codes 512c + 16l .. +15 sit in 16-byte slot
-// l of a run of 32 such slots, consecutive across the warp (no bank conflicts):
-// k = 512c + 16l + 4j + e  ->  512c + 128j + 4l + e
-__device__ __forceinline__ int xs_slot(int k) {
-    return (k & ~511) | ((k & 12) << 5) | ((k & 496) >> 2) | (k & 3);
+// 16 codes of `row` from k (zeros past K): one 16-byte load where `vec` (then K % 16 == 0), bytes otherwise
+__device__ __forceinline__ u32x4 load16(const unsigned char* __restrict__ row, int k, int K, bool vec) {
+    if (vec) return k < K ? *reinterpret_cast<const u32x4*>(row + k) : u32x4{0u, 0u, 0u, 0u};
+    u32 v[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+        if (k + j < K) v[j >> 2] |= (u32)row[k + j] << (8 * (j & 3));
+    return u32x4{v[0], v[1], v[2], v[3]};
 }
 
-// acc[m] += the 4 codes of word w times x's values at xv + m * Kp (4 consecutive floats)
-template <int MAX_M>
-__device__ __forceinline__ void dot4(u32 w, const float* __restrict__ xv, int M, int Kp, float* acc) {
-    float v0, v1, v2, v3;
-    e4m3x2_values(w, v0, v1);
-    e4m3x2_values(w >> 16, v2, v3);
+// a lane's codes of chunks c .. c + U - 1 (those before `end`) of its two rows of w
+template <int U>
+__device__ __forceinline__ void load_chunks(u32x4* a, u32x4* b, const unsigned char* row0, const unsigned char* row1,
+                                            int c, int end, int q, int K, bool vec) {
 #pragma unroll
-    for (int m = 0; m < MAX_M; m++) {
-        if (m >= M) break;
-        const f32x4 x4 = *reinterpret_cast<const f32x4*>(xv + m * Kp);
-        acc[m] = fmaf(v0, x4.x, fmaf(v1, x4.y, fmaf(v2, x4.z, fmaf(v3, x4.w, acc[m]))));
+    for (int u = 0; u < U; u++) {
+        const int k = (c + u) * FP8_GEMV3_CHUNK + 16 * q;
+        const bool live = c + u < end;
+        a[u] = load16(row0, live ? k : K, K, vec);
+        b[u] = load16(row1, live ? k : K, K, vec);
     }
 }
 
+// acc += those chunks' products: two mmas per chunk, each taking 8 of the lane's 16 codes per row of w and
+// x's codes at the same 8 positions (row g of x; zeros for rows past M); acc holds two sums (acc[0..3] for
+// even chunks, acc[4..7] for odd), so that consecutive mmas do not wait for each other
+template <int U>
+__device__ __forceinline__ void mma_chunks(float* acc, const u32x4* a, const u32x4* b, const unsigned char* xs,
+                                           int c, int end, int g, int q, int M, int S) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        if (c + u >= end) break;
+        const u32x4 xv = g < M ? *reinterpret_cast<const u32x4*>(xs + g * S + (c + u) * FP8_GEMV3_CHUNK + 16 * q)
+                               : u32x4{0u, 0u, 0u, 0u};
+        float* d = acc + 4 * (u & 1);
+        mma_e4m3(d, a[u].a, b[u].a, a[u].b, b[u].b, xv.a, xv.b);
+        mma_e4m3(d, a[u].c, b[u].c, a[u].d, b[u].d, xv.c, xv.d);
+    }
+}
+
+// x[m, k .. k + 7] in fp32, zeros past K: one 16-byte load where `vec` (K % 8 == 0, x 16-byte aligned)
 template <class DT>
-__device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, const unsigned char* __restrict__ wq,
-                                      const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
-                                      const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
-                                      int M, int N, int K, int per_channel, int act) {
-    extern __shared__ float xs[];   // e4m3(x / sx), M rows of Kp slots (xs_slot)
-    __shared__ float red[FP8_GEMM_THREADS / 32];
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int Kp = (K + 511) & ~511;
-    // x read once, into its slots (the loads independent of each other: unrolled, several in flight),
-    // max|x| on the way; then each thread quantises the slots it wrote
+__device__ __forceinline__ void load8(const typename DT::T* __restrict__ x, int m, int k, int K, bool vec, float* v) {
+    const typename DT::T* p = x + (i64)m * K + k;
+    if (vec && k + 8 <= K) {
+        const u32x4 w = *reinterpret_cast<const u32x4*>(p);
+        const u32 words[4] = {w.a, w.b, w.c, w.d};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = DT::ld((typename DT::T)(words[i] & 0xffffu));
+            v[2 * i + 1] = DT::ld((typename DT::T)(words[i] >> 16));
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = k + i < K ? DT::ld(p[i]) : 0.f;
+}
+
+// sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
+// kernels/quantize_fp8.cu's codes. Where x is finite and sx >= 2^-100 (every block decides alike) the
+// quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
+// e4m3_code otherwise. Ends with a __syncthreads().
+template <class DT>
+__device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, unsigned char* xs, int M, int K,
+                                            int S, float* red) {
+    const int t = threadIdx.x, groups = S / 8;   // 8 codes at a time; S is a multiple of 64
+    const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0;
     float amax = 0.f;
-    for (int m = 0; m < M; m++) {
-#pragma unroll 4
-        for (int k = t; k < K; k += blockDim.x) {
-            const float v = DT::ld(x[(i64)m * K + k]);
-            xs[m * Kp + xs_slot(k)] = v;
-            amax = fmaxf(amax, finite_abs(v));
+    bool finite = true;
+#pragma unroll 2
+    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+        const int m = i / groups, k = 8 * (i - m * groups);
+        if (k >= K) continue;
+        float v[8];
+        load8<DT>(x, m, k, K, vec, v);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            amax = fmaxf(amax, finite_abs(v[e]));
+            finite &= fabsf(v[e]) <= F32_MAX;
         }
     }
     float sx = div_rn(block_max(amax, red), E4M3_MAX);
     if (!(sx > 0.f)) sx = 1.f;
-    for (int m = 0; m < M; m++)
-        for (int k = t; k < K; k += blockDim.x) {
-            float& slot = xs[m * Kp + xs_slot(k)];
-            slot = e4m3_value(e4m3_code(div_rn(slot, sx)));
+    const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
+    const float r = div_rn(1.f, sx);
+#pragma unroll 2
+    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+        const int m = i / groups, k = 8 * (i - m * groups);
+        float v[8];
+        load8<DT>(x, m, k, K, vec, v);
+        u32 codes[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float* u = v + 4 * h;
+            if (fast) {
+                codes[h] = e4m3x2_code(div_by_reciprocal(u[0], sx, r), div_by_reciprocal(u[1], sx, r)) |
+                           e4m3x2_code(div_by_reciprocal(u[2], sx, r), div_by_reciprocal(u[3], sx, r)) << 16;
+            } else {
+                codes[h] = 0u;
+#pragma unroll
+                for (int e = 0; e < 4; e++) codes[h] |= e4m3_code(div_rn(u[e], sx)) << (8 * e);
+            }
         }
+        *reinterpret_cast<uint2*>(xs + m * S + k) = make_uint2(codes[0], codes[1]);
+    }
     __syncthreads();
+    return sx;
+}
+
+// the codes of item j of this warp (chunks c .. c + U - 1 of its share of K, for one tile of 16 rows of w)
+template <int U>
+__device__ __forceinline__ void load_item(u32x4* a, u32x4* b, const unsigned char* __restrict__ wq, int j,
+                                          int items, int groups, int begin, int end, int g, int q, int N, int K,
+                                          bool vec) {
+    const int tile = blockIdx.x + (j / groups) * gridDim.x, c = begin + (j % groups) * U;
+    const unsigned char* row0 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g, N - 1) * K;   // rows past N: the
+    const unsigned char* row1 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g + 8, N - 1) * K;  // last, unused
+    load_chunks<U>(a, b, row0, row1, c, j < items ? end : c, q, K, vec);
+}
+
+template <class DT, int U>
+__device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, const unsigned char* __restrict__ wq,
+                                      const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
+                                      const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
+                                      int M, int N, int K, int per_channel, int act) {
+    constexpr int WARPS = FP8_GEMV3_THREADS / 32;
+    extern __shared__ __align__(16) unsigned char xcodes[];   // x's codes, M rows of S bytes
+    __shared__ float part[2][WARPS][4][32];   // each warp's sums of a tile (two tiles: one barrier per tile)
+    __shared__ float red[WARPS];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, q = lane & 3;
+    const int S = gemv3_x_stride(K);
+    // every warp takes the same share of K of every tile in U-chunk groups: item j = (tile j / groups, group)
+    const int chunks = (K + FP8_GEMV3_CHUNK - 1) / FP8_GEMV3_CHUNK, share = (chunks + WARPS - 1) / WARPS;
+    const int begin = imin(chunks, warp * share), end = imin(chunks, begin + share);
+    const int groups = (share + U - 1) / U, tiles = (N + FP8_GEMV3_ROWS - 1) / FP8_GEMV3_ROWS;
+    const int items = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * groups;
     const bool vec = (K & 15) == 0 && ((u64)wq & 15) == 0;
-    for (int n = blockIdx.x * (FP8_GEMM_THREADS / 32) + warp; n < N; n += gridDim.x * (FP8_GEMM_THREADS / 32)) {
-        const unsigned char* row = wq + (i64)n * K;
-        float acc[FP8_GEMV_MAX_M] = {};
-        if (vec) {
-            // four 512-code runs at a time: four coalesced 512-byte warp loads in flight, then their products
-            for (int c0 = 0; c0 < K; c0 += 4 * 512) {
-                u32x4 w[4];
-#pragma unroll
-                for (int u = 0; u < 4; u++) {   // zeros past K (a conditional load spilled w under ptxas 13.0)
-                    const int k = c0 + 512 * u + 16 * lane;
-                    w[u] = k < K ? *reinterpret_cast<const u32x4*>(row + k) : u32x4{0u, 0u, 0u, 0u};
-                }
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    if (c0 + 512 * u + 16 * lane >= K) continue;
-                    const float* xv = xs + c0 + 512 * u + 4 * lane;
-                    dot4<FP8_GEMV_MAX_M>(w[u].a, xv, M, Kp, acc);
-                    dot4<FP8_GEMV_MAX_M>(w[u].b, xv + 128, M, Kp, acc);
-                    dot4<FP8_GEMV_MAX_M>(w[u].c, xv + 256, M, Kp, acc);
-                    dot4<FP8_GEMV_MAX_M>(w[u].d, xv + 384, M, Kp, acc);
-                }
-            }
-        } else {
-            for (int k = lane; k < K; k += 32) {
-                const float v = e4m3_value(row[k]);
-                const int slot = xs_slot(k);
-#pragma unroll
-                for (int m = 0; m < FP8_GEMV_MAX_M; m++) {
-                    if (m >= M) break;
-                    acc[m] = fmaf(v, xs[m * Kp + slot], acc[m]);
-                }
-            }
+    // in the epilogue thread t < 128 finishes accumulator i = t / 32 of lane l = t % 32: y^T[row (l >> 2) +
+    // 8 (i >> 1)][x's row 2 (l & 3) + (i & 1)]
+    const int l = t & 31, i = t >> 5, row = (l >> 2) + 8 * (i >> 1), m = 2 * (l & 3) + (i & 1);
+    // two buffers, both in flight while x is quantised and while a tile's results are written
+    u32x4 a0[U], b0[U], a1[U], b1[U];
+    load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec);
+    load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec);
+    const float sx = quantize_x<DT>(x, xcodes, M, K, S, red);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float scale = 0.f, shift = 0.f;   // this thread's output's sx * w_scale and bias + residual, read early
+    // the products of item j, then the next item into its buffer, then (after a tile's last group) its
+    // results: every warp reaches the barrier together
+    auto step = [&](u32x4* a, u32x4* b, int j) {
+        const int tile = j / groups, group = j % groups;
+        const int n = (blockIdx.x + tile * gridDim.x) * FP8_GEMV3_ROWS + row;
+        const bool writes = t < 4 * 32 && n < N && m < M;
+        if (group == 0 && writes) {
+            scale = sx * w_scale[per_channel ? n : 0];
+            shift = (bias ? DT::ld(bias[n]) : 0.f) + (residual ? DT::ld(residual[(i64)m * N + n]) : 0.f);
         }
-        const float s = sx * w_scale[per_channel ? n : 0];
-        const float b = bias ? DT::ld(bias[n]) : 0.f;
+        mma_chunks<U>(acc, a, b, xcodes, begin + group * U, end, g, q, M, S);
+        load_item<U>(a, b, wq, j + 2, items, groups, begin, end, g, q, N, K, vec);
+        if (group != groups - 1) return;
+        float (*p)[4][32] = part[tile & 1];
 #pragma unroll
-        for (int m = 0; m < FP8_GEMV_MAX_M; m++) {
-            if (m >= M) break;
-            float sum = acc[m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            if (lane == 0) {
-                const i64 o = (i64)m * N + n;
-                float v = sum * s + b;
-                if (residual) v += DT::ld(residual[o]);
-                y[o] = DT::st(apply_act<ACTS>(v, act));
-            }
+        for (int e = 0; e < 4; e++) {
+            p[warp][e][lane] = acc[e] + acc[4 + e];
+            acc[e] = acc[4 + e] = 0.f;
         }
+        __syncthreads();
+        if (!writes) return;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) sum += p[w][i][l];
+        y[(i64)m * N + n] = DT::st(apply_act<ACTS>(sum * scale + shift, act));
+    };
+    for (int j = 0; j < items; j += 2) {
+        step(a0, b0, j);
+        if (j + 1 < items) step(a1, b1, j + 1);
     }
 }
 
@@ -272,13 +362,13 @@ __device__ __forceinline__ void gemv2(const typename DT::T* __restrict__ x, cons
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ residual,        \
     T* __restrict__ y, int M, int N, int K, int per_channel, int act
 
-#define FP8_GEMV2(SUFFIX, DT)                                                                            \
-    extern "C" __global__ void __launch_bounds__(FP8_GEMM_THREADS, FP8_GEMV_BLOCKS_PER_SM)               \
-        fp8_gemv2_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
-        fp8g::gemv2<libnn::DT>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act);           \
+#define FP8_GEMV3(SUFFIX, DT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV3_THREADS, FP8_GEMV3_BLOCKS_PER_SM)             \
+        fp8_gemv3_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
+        fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act); \
     }
 
 FP8_GEMM1(f16, dt_f16)
 FP8_GEMM1(bf16, dt_bf16)
-FP8_GEMV2(f16, dt_f16)
-FP8_GEMV2(bf16, dt_bf16)
+FP8_GEMV3(f16, dt_f16)
+FP8_GEMV3(bf16, dt_bf16)

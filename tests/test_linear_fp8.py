@@ -404,11 +404,22 @@ def test_fp8_kernels_take_the_parameters_python_packs():
     launched = [(q8._AMAX, f"fp8_amax_{s}") for s in ("f16", "bf16", "f32")]
     launched += [(q8._QUANTIZE, f"fp8_quantize_{s}") for s in ("f16", "bf16", "f32")]
     launched += [(l8._GEMM, f"fp8_gemm1_tiled_{s}") for s in ("f16", "bf16")]
+    launched += [(l8._GEMV, f"fp8_gemv3_{s}") for s in ("f16", "bf16")]
     for declared, kernel in launched:
         assert mismatches(declared, kernel) == [], kernel
     assert max_threads("quantize_fp8.cu", "fp8_quantize_f16") == q8._Q["FP8_THREADS"] == 256
     assert max_threads("linear_fp8.cu", "fp8_gemm1_tiled_f16") == l8._G["FP8_GEMM_THREADS"] == 256
     assert l8._G["FP8_GEMM_BM"] == l8._G["FP8_GEMM_BN"] == 64 and l8._G["FP8_GEMM_BK"] == 32
+    assert max_threads("linear_fp8.cu", "fp8_gemv3_f16") == l8._G["FP8_GEMV3_THREADS"] == 256
+
+
+@pytest.mark.parametrize("M, K, fits", [(1, 36736, True), (1, 36737, False), (8, 4480, True), (8, 4481, False),
+                                        (9, 16, False), (3, 1, True)])
+def test_the_gemv_takes_up_to_8_rows_whose_codes_fit_its_shared_memory(M, K, fits):
+    """x's codes, M rows of K rounded up to 64 then 128, plus 64 bytes, within FP8_GEMV3_XS_BYTES."""
+    problem = l8.linear_fp8_problem(np.ones((M, K), np.float16), np.ones((5, K), np.uint8), np.ones(1, np.float32),
+                                    None, None)
+    assert l8.gemv_fits(problem) is fits
 
 
 def test_linear_fp8_is_registered_with_its_paths():

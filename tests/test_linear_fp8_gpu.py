@@ -211,10 +211,10 @@ def test_auto_runs_cublaslt_where_it_can_and_custom_otherwise(rng):
     check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
 
 
-# the GEMV (kernels/linear_fp8.cu version 2, M <= 8 and M * K <= 11776 with K rounded up to 512): 16-byte
-# loads (K % 16 == 0; K = 516 runs a partial 512-code run), byte loads (K % 16 != 0, or the weight one byte
-# off), the largest K at M = 1 and the largest M, a decode step's shapes
-GEMV_SHAPES = [(1, 2048, 2048), (1, 64, 8192), (1, 3, 11776), (8, 33, 1024), (2, 19, 6), (5, 9, 45),
+# the GEMV (kernels/linear_fp8.cu version 3; M <= 8, M rows of x's codes within its shared memory): 16-byte
+# loads (K % 16 == 0; K = 516 ends in a partial chunk), byte loads (K % 16 != 0, or the weight one byte off),
+# the largest K at M = 1 and at M = 8, N not a multiple of the 16-row tile, a decode step's shapes
+GEMV_SHAPES = [(1, 2048, 2048), (1, 64, 8192), (1, 3, 36736), (8, 33, 4480), (8, 33, 1024), (2, 19, 6), (5, 9, 45),
                (3, 257, 516), (2, 100, 5000), (3, 70, 1040), (1, 1, 1)]
 
 
@@ -234,6 +234,38 @@ def test_gemv_matches_reference(rng, dtype, shape, per_channel, epilogue):
     y = linear_fp8(xg, wg, sg, bg, activation, residual=rg, path="custom")
     check(y, linear_fp8(x, *weight, b, activation, residual=r, path="reference").astype(np.float64), x, weight, b, r,
           dtype)
+
+
+def e4m3_ties() -> np.ndarray:
+    """Every finite E4M3 value up to 448 and every midpoint between two neighbours (round half to even
+    decides them), both signs, and -0: exact in fp16 and bf16."""
+    from libnn.ops.quantize_fp8 import decode_e4m3
+
+    values = np.unique(decode_e4m3(np.arange(0x7f, dtype=np.uint8)).astype(np.float64))
+    magnitudes = np.concatenate([values, (values[:-1] + values[1:]) / 2])
+    return np.concatenate([magnitudes, -magnitudes, [-0.0]])
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("spread", ["ties", "normal"])
+def test_gemv_codes_x_as_the_quantiser_does(rng, dtype, spread):
+    """The GEMV quantises x itself (a reciprocal with two FMA corrections in place of the division, the
+    hardware's E4M3 conversion): with an identity weight of scale 1, y is x's dequantised codes, which
+    must be the quantiser's. A code one step off moves its element by 1/16 or more; the comparison allows
+    an fp16 rounding of the product sx · value."""
+    from libnn.ops.linear_fp8 import gemv_fits, linear_fp8_problem
+
+    ties = e4m3_ties()
+    x = (ties if spread == "ties" else rng.standard_normal(1000) * 3.7).astype(dtypes.parse(dtype))[None, :]
+    K = x.shape[1]
+    codes = np.zeros((K, K), np.uint8)
+    np.fill_diagonal(codes, 0x38)   # E4M3 1.0
+    scale = np.ones(1, np.float32)
+    xg, wg, sg = to_gpu(x, codes, scale)
+    assert gemv_fits(linear_fp8_problem(xg, wg, sg, None, None, None))
+    y = linear_fp8(xg, wg, sg, path="custom").get()
+    expected = linear_fp8(x, codes, scale, path="reference")
+    np.testing.assert_allclose(y.astype(np.float64), expected.astype(np.float64), rtol=2 ** -9, atol=0)
 
 
 def test_gemv_reads_a_weight_one_byte_off_and_strided_x(rng):

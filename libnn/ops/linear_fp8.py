@@ -22,10 +22,10 @@ Paths, in `auto` order:
              requirements); anything else, or a problem cuBLASLt declines, runs on custom.
 - custom:    kernels/linear_fp8.cu: the codes decoded to fp32 in shared memory, FFMA in fp32, scales,
              bias, residual and activation in the epilogue. Any shape; not tuned, the comparison. At
-             decode-sized M (M <= 8, M * K <= 11776 with K rounded up to 512) its version 2, a GEMV that
-             quantises x itself: one kernel per call, each weight byte read once; `auto` takes it there
-             before cuBLASLt, whose FP8 GEMM at one row plus the two quantiser kernels took longer on the
-             H100.
+             decode-sized M (M <= 8, and x's codes within the GEMV's shared memory: K up to 36736 at
+             M = 1, 4480 at M = 8) its version 3, a GEMV on the FP8 tensor cores that quantises x
+             itself: one kernel per call, each weight byte read once; `auto` takes it there before
+             cuBLASLt, whose FP8 GEMM at one row plus the two quantiser kernels took longer on the H100.
 - reference: NumPy in float64 from the dequantised values: x quantised by the NumPy twin of the GPU
              quantiser (the same codes and scale, bit for bit), both operands decoded and scaled, the
              product and epilogue in float64, rounded to x's dtype once.
@@ -246,34 +246,35 @@ def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scal
     return run
 
 
-def _gemv_row(K: int) -> int:
-    """K rounded up to the GEMV's run: the shared-memory row of x it keeps."""
-    return -(-K // _G["FP8_GEMV_RUN"]) * _G["FP8_GEMV_RUN"]
+def _gemv_x_stride(K: int) -> int:
+    """Bytes between x's rows of codes in the GEMV's shared memory (kernels/linear_fp8.cu gemv3_x_stride)."""
+    chunk = _G["FP8_GEMV3_CHUNK"]
+    return -(-(-(-K // chunk) * chunk) // 128) * 128 + 64
 
 
 def gemv_fits(problem: LinearFp8Problem) -> bool:
-    """Whether kernels/linear_fp8.cu's version 2 (the GEMV that quantises x itself) takes the problem."""
+    """Whether kernels/linear_fp8.cu's version 3 (the GEMV that quantises x itself) takes the problem."""
     return (1 <= problem.M <= _G["FP8_GEMV_MAX_M"] and problem.K >= 1 and problem.N >= 1
-            and problem.M * _gemv_row(problem.K) <= _G["FP8_GEMV_MAX_MKP"])
+            and problem.M * _gemv_x_stride(problem.K) <= _G["FP8_GEMV3_XS_BYTES"])
 
 
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
               r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
-    """The runner of kernels/linear_fp8.cu's version 2, run(x, w, w_scale, b, r) -> y: one launch that
-    quantises x (as kernels/quantize_fp8.cu does) and computes the problem, for x of any rank and strides
-    (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
+    """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r) -> y: one launch that
+    quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
+    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
     import cupy
 
     M, N, K = problem.M, problem.N, problem.K
     sms = multiprocessors(problem.device_id)
-    warps = _G["FP8_GEMM_THREADS"] // 32
-    kernel = launch.bind("linear_fp8.cu", f"fp8_gemv2_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
-                         (min(-(-N // warps), _G["FP8_GEMV_BLOCKS_PER_SM"] * sms),), (_G["FP8_GEMM_THREADS"],),
+    kernel = launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
+                         (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),
+                         (_G["FP8_GEMV3_THREADS"],),
                          _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
                                     residual=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
                                     per_channel=int(problem.per_channel),
                                     act=activations.KERNEL_CODES[problem.activation]),
-                         shared_mem=4 * M * _gemv_row(K))
+                         shared_mem=M * _gemv_x_stride(K))
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
 
     def run(x, w, w_scale, b, r):
