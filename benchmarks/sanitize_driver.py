@@ -102,6 +102,21 @@ def _linear_paths():
                 linear(x, w, b, "gelu", residual=normal((3, 5, 23), dtype), path=path)
 
 
+@item("linear: the cutlass path (CUTLASS sm90 GEMM with the exact GELU), with and without bias and residual")
+def _linear_cutlass():
+    from libnn.backends import cutlass
+    from libnn.ops import linear
+
+    if reason := cutlass.missing(0):
+        print(f"  linear cutlass: not run: {reason}")
+        return
+    for dtype in ("fp16", "bf16"):
+        for M, N, K in ((1, 8, 8), (37, 136, 72), (300, 264, 520)):
+            x, w, b = normal((M, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype)
+            linear(x, w, b, "gelu_erf", residual=normal((M, N), dtype), path="cutlass")
+            linear(x, w, None, "gelu_erf", path="cutlass")
+
+
 # --- conv2d -------------------------------------------------------------------------------------------
 @item("conv2d: custom paths (direct, depthwise, implicit GEMM fp16/bf16 and fp32), NHWC and NCHW")
 def _conv2d():
@@ -261,13 +276,15 @@ def _attention_decode():
 
 
 # --- linear_fp8 ---------------------------------------------------------------------------------------
-@item("linear_fp8: activation quantisation and the custom GEMM, odd shapes, per channel and per tensor")
+@item("linear_fp8: activation quantisation, the custom GEMM (M 13) and GEMV (M <= 8; N 4500: several 16-row "
+      "tiles per block), odd shapes, per channel and per tensor")
 def _linear_fp8():
     from libnn.ops.linear_fp8 import linear_fp8
     from libnn.ops.quantize_fp8 import quantize_weight
 
     for dtype in ("fp16", "bf16"):
-        for M, N, K in ((1, 1, 1), (3, 17, 13), (5, 64, 48), (2, 33, 1000)):
+        for M, N, K in ((1, 1, 1), (3, 17, 13), (5, 64, 48), (2, 33, 1000), (13, 19, 40), (1, 4500, 64),
+                        (8, 4500, 24)):
             for per_channel in (True, False):
                 w = quantize_weight(normal((N, K), "fp32"), per_channel=per_channel)
                 x, b = normal((M, K), dtype), normal((N,), dtype)
