@@ -50,10 +50,11 @@ reads, (pages, Hkv, page_size, D)), and a page table (max_batch, ceil(max_len / 
 model's device lists each cache row's pages. Pages are handed out on demand from a free list on the host:
 a prefill gives every page back and takes ceil(length / page_size) for each prompt, and a decode step takes
 one for a sequence whose new token starts a page, before the step runs (a graph replay reads the table
-from its fixed buffer, updated in place, a few bytes, only when a page was taken). The pool holds
-max_batch * ceil(max_len / page_size) pages, every row's worst case, so a page is always free; the
-sequences' pages interleave as they grow, which is what the page table is for (a smaller pool shared by
-more sequences is the next step, not done). Page `pages` is a spare page that every table entry not
+from its fixed buffer, updated in place, a few bytes, only when a page was taken, copied from pinned memory
+on the stream: a step that takes a page queues without waiting for the GPU, as one that takes none). The
+pool holds max_batch * ceil(max_len / page_size) pages, every row's worst case, so a page is always free;
+the sequences' pages interleave as they grow, which is what the page table is for (a smaller pool shared
+by more sequences is the next step, not done). Page `pages` is a spare page that every table entry not
 handed out names: the prompt's padding positions past a sequence's last page and a graph bucket's padding
 rows write there, and no sequence reads it. kv_append writes through the table, and attention reads
 through it (cuDNN's SDPA on the GPU, the pages gathered in NumPy on the reference path; the custom decode
@@ -383,6 +384,7 @@ class PagedKVCache:
         # the table the ops read: one buffer for the cache's life (a decode graph captures its address),
         # the host table itself on the reference path
         self.table = on_device_of(self._host, like, "CausalLM", "page_table")
+        self._upload_to = None if self.table is self._host else _QueuedUpload(self.table)
         self._held = np.zeros(max_batch, np.int64)  # pages each row holds, in table order
         self._free: list[int] = []
 
@@ -406,21 +408,23 @@ class PagedKVCache:
             self._upload()
 
     def _take(self, lengths: np.ndarray) -> bool:
-        """Pages from the free list until row b holds ceil(lengths[b] / page_size); whether any was taken."""
-        taken = False
-        for b, n in enumerate(lengths.tolist()):
-            for j in range(int(self._held[b]), -(-n // self.page_size)):
+        """Pages from the free list, row by row, until row b holds ceil(lengths[b] / page_size); whether
+        any was taken. Only the rows that grow are visited: most decode steps take no page."""
+        needed = -(-np.asarray(lengths, np.int64) // self.page_size)
+        held = self._held[:len(needed)]
+        growing = np.flatnonzero(needed > held)
+        for b in growing.tolist():
+            for j in range(int(held[b]), int(needed[b])):
                 self._host[b, j] = self._free.pop()
-                taken = True
-            self._held[b] = max(int(self._held[b]), -(-n // self.page_size))
-        return taken
+            held[b] = needed[b]
+        return bool(growing.size)
 
     def _upload(self) -> None:
-        """The host table into the ops' buffer, in place, queued on the current stream (from pageable memory
-        the copy is staged before this returns: the host table may change at once)."""
-        if self.table is not self._host:
-            import cupy
-            self.table.set(self._host, stream=cupy.cuda.get_current_stream())
+        """The host table into the ops' buffer, in place (a decode graph reads its address), queued on the
+        current stream behind the work already there, the host not waiting for it (_QueuedUpload); nothing
+        on the reference path, whose ops read the host table itself."""
+        if self._upload_to is not None:
+            self._upload_to(self._host)
 
     def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any, Any]:
         """As KVCache.store, through rows 0..B-1 of the page table: return layer `layer`'s pools as
@@ -431,6 +435,31 @@ class PagedKVCache:
         table = self.table[:B]
         kv_append(k, v, step.positions, step.inv_freq, keys, values, page_table=table, checked=True, path=path)
         return keys, values, CheckedPageTable(table)
+
+
+class _QueuedUpload:
+    """Host arrays copied into one device array in place, each copy queued on the current stream without
+    the host waiting for the GPU. From pageable memory cudaMemcpyAsync may synchronize with the stream to
+    stage the copy (CUDA's API synchronization behaviour), which at a paged decode step that takes a page
+    would hold the host until the GPU had run every step queued before it. So each copy reads a pinned
+    copy of its own (CuPy's pinned memory pool), held until its event says the copy has run: the host
+    array changes at the next page taken, possibly while this copy is still queued, and a pinned buffer
+    rewritten under a queued copy would upload the later values."""
+
+    def __init__(self, target: Any):
+        self.target = target
+        self._queued: list[tuple[Any, np.ndarray]] = []  # (the copy's event, its pinned source), oldest first
+
+    def __call__(self, host: np.ndarray) -> None:
+        import cupy
+        import cupyx
+
+        self._queued = [(done, source) for done, source in self._queued if not done.done]  # a query, no wait
+        source = cupyx.empty_pinned(host.shape, host.dtype)
+        source[...] = host
+        stream = cupy.cuda.get_current_stream()
+        self.target.set(source, stream=stream)
+        self._queued.append((stream.record(), source))
 
 
 @dataclass
@@ -510,8 +539,8 @@ class CausalLM(Module):
         "fp32"; "fp64" too on the CPU) on `device` ("gpu" or "cpu"), with a KV cache for `max_batch`
         sequences of `max_len` tokens (default min(2048, the model's positions)); `decode_graphs`,
         `kv_layout` and `page_size` as for the constructor. The parameters and the cache are refused
-        before anything is read if they would not fit; a key, shape or dtype that does not match the config is an error naming the file and
-        the keys, and nothing is kept."""
+        before anything is read if they would not fit; a key, shape or dtype that does not match the
+        config is an error naming the file and the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
         directory, config_file, config_json = checkpoint.read_config(directory, where)
         architecture = architecture_for(config_json, str(config_file))
@@ -855,7 +884,8 @@ class CausalLM(Module):
             cache = (f"KV cache: paged, k and v (layers, {self.max_batch * max_pages} + 1 spare pages, "
                      f"{c.num_key_value_heads}, {self.page_size}, {c.head_dim}), {cache_bytes}, a page table "
                      f"({self.max_batch}, {max_pages}), pages handed out as sequences grow")
-        lines += [f"lm_head: {tied if self.lm_head is None else 'its own weight'}, on each sequence's last position only",
+        head = tied if self.lm_head is None else "its own weight"
+        lines += [f"lm_head: {head}, on each sequence's last position only",
                   cache,
                   ("decode: one CUDA graph replay per step, captured per batch bucket "
                    f"{list(decode_buckets(self.max_batch))}; prefill eager" if self.decode_graphs and is_cupy(like)
