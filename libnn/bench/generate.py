@@ -25,9 +25,11 @@ Rows per (dtype, batch):
   queues each step before reading the last one's tokens back. Its time includes decode_step's copy of
   the graph's logits into an array of the caller's ((B, vocab) values, as the argmax then reads).
 - libnn graph paged: the same, on the same checkpoint loaded with `kv_layout="paged", page_size=64`: k and
-  v in pages that a page table lists, a page taken from the host's free list (and the table uploaded) at a
-  step whose token starts one, attention through the table on cuDNN (the custom decode kernels read no
-  pages). Its cost against the dense cache is a line under the targets.
+  v in pages that a page table lists, a page taken from the host's free list (and the table uploaded from
+  pinned memory, queued without waiting for the GPU) at a step whose token starts one (in the quick plan
+  only the first decode step after each prefill, a warm-up step; in the full plan 3 of the timed steps),
+  attention through the table on cuDNN (the custom decode kernels read no pages). Its cost against the
+  dense cache is a line under the targets.
 - libnn eager: the same checkpoint loaded with `decode_graphs=False`: every op of a step launched from
   Python.
 - HF eager: Hugging Face's forward in `torch.inference_mode()` (its default attention implementation,
@@ -47,23 +49,32 @@ Rows per (dtype, batch):
   fails, the row's note says why and the bench goes on.
 
 Columns: "prefill ms" is the median of 3 prefills after one untimed (CUDA events around it). "decode
-ms/step" is GPU time: one event pair around each step of a loop of every decode step after a prefill of
-the same prompts, the median of the steps after the warm-up ones (8; quick 4), whose plans and graphs are
-built. "per-call ms/step" is the decode loop as a user sees it: a new prefill, the warm-up steps, then
-the other steps back to back with nothing queued before them and one synchronisation at the end, per
-step. "tokens/s" is batch / decode ms/step. "%copy weights" is the weight bytes one decode step must read
+ms/step" is GPU time (`runtime.timing.time_gpu`): a new prefill of the same prompts, the warm-up steps (8;
+quick 4: their plans and graphs built) and a synchronisation, then a spin kernel that keeps the GPU busy
+while the host queues the other steps, one event pair around each, and the median of those pairs. The
+spin is what makes a pair time its step's GPU work alone. Until it was added the pairs began on an idle
+GPU, so a step that the host queued more slowly than the GPU ran it was timed with the host's queueing
+in it: the pair opened as the host began the step, the GPU waited for the work, then ran it; such a row
+read more GPU time than per-call time (the paged row on the H100, and Hugging Face's eager row below).
+The spin lasts 1.5 times the warm-up steps' wall time per step for each timed step, at most 0.2 s: a
+row whose host takes longer than that to queue its timed steps (Hugging Face's eager one in the full
+plan) still has pairs past the spin that time the host.
+"per-call ms/step" is the decode loop as a user sees it: a new prefill, the warm-up steps, then the other
+steps back to back with nothing queued before them and one synchronisation at the end, per step.
+"tokens/s" is batch / decode ms/step. "%copy weights" is the weight bytes one decode step must read
 (`decode_bytes`: every parameter once, except that an untied embedding table and GPT-2's position table
 are read only at the batch's rows) per step time, as a % of the device-to-device copy bandwidth measured
 in the same run; "%copy w+KV" adds the KV cache one step's attention reads at the median timed step's
 context (the same bytes for every row: Hugging Face's dynamic cache copies itself as it grows, which is
 not counted). "x HF" and "x HF compile" (on libnn's rows) are the Hugging Face row's per-call ms/step
-over libnn's: Hugging Face's eager loop is bound by the host's time per step, and on the H100 the event
-pairs around its unsynchronised steps read several times the time its loop took from Python
-(benchmarks/RESULTS.md, seventh session), so the GPU columns are not used for the ratios. "greedy vs HF"
-(batch 1): how many of the first 8 tokens agree, before the first difference, with Hugging Face's
-`generate(do_sample=False)` on the first prompt (Hugging Face with fp32 accumulation in its fp16/bf16
-GEMMs, reduced-precision reductions off): libnn's `generate` on each libnn row, the compiled loop's own
-prefill and steps on its row; near-ties in fp16/bf16 may part them, so a mismatch is reported, not fatal.
+over libnn's: Hugging Face's eager loop is bound by the host's time per step, which the per-call column
+holds, and its event pairs time the host (before the spin they read several times the time its loop
+took from Python on the H100: benchmarks/RESULTS.md, seventh session), so the GPU columns are not used
+for the ratios. "greedy vs HF" (batch 1): how many of the first 8 tokens agree, before the first
+difference, with Hugging Face's `generate(do_sample=False)` on the first prompt (Hugging Face with fp32
+accumulation in its fp16/bf16 GEMMs, reduced-precision reductions off): libnn's `generate` on each libnn
+row, the compiled loop's own prefill and steps on its row; near-ties in fp16/bf16 may part them, so a
+mismatch is reported, not fatal.
 A case that runs out of memory or that a library declines gets the reason in its note.
 
 Kernel time per decode step of the libnn graph and libnn graph paged rows, by category
@@ -297,38 +308,41 @@ def measure(runner: Runner, plan: Plan) -> dict[str, float]:
     CuPy's events on its current stream time torch's work too: both run on the legacy default stream."""
     import cupy
 
+    from libnn.runtime.timing import time_gpu
+
     stream = cupy.cuda.get_current_stream()
-
-    def timed(fn: Callable[[], Any]) -> tuple[Any, cupy.cuda.Event, cupy.cuda.Event]:
-        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-        begin.record(stream)
-        out = fn()
-        end.record(stream)
-        return out, begin, end
-
     prefills = []
     for i in range(1 + plan.prefill_runs):
         stream.synchronize()
-        tokens, begin, end = timed(runner.prefill)
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(stream)
+        runner.prefill()
+        end.record(stream)
         stream.synchronize()
         if i:
             prefills.append(cupy.cuda.get_elapsed_time(begin, end))
-    steps = []
-    for _ in range(plan.steps):
-        tokens, begin, end = timed(lambda: runner.step(tokens))
-        steps.append((begin, end))
-    stream.synchronize()
-    step_ms = statistics.median(cupy.cuda.get_elapsed_time(b, e) for b, e in steps[plan.warmup:])
-    tokens = runner.prefill()
+    step_ms = time_gpu(_decode_loop(runner), [None], warmup=plan.warmup, runs=plan.steps - plan.warmup).median_ms
+    step = _decode_loop(runner)
     for _ in range(plan.warmup):
-        tokens = runner.step(tokens)
+        step(None)
     stream.synchronize()
     start = time.perf_counter()
     for _ in range(plan.steps - plan.warmup):
-        tokens = runner.step(tokens)
+        step(None)
     stream.synchronize()
     per_call = (time.perf_counter() - start) / (plan.steps - plan.warmup) * 1e3
     return {"prefill ms": statistics.median(prefills), "decode ms/step": step_ms, "per-call ms/step": per_call}
+
+
+def _decode_loop(runner: Runner) -> Callable[[Any], None]:
+    """A new prefill of the runner's prompts, and a call that runs the next decode step on the last
+    step's tokens (its argument unused: time_gpu's inputs)."""
+    state = {"tokens": runner.prefill()}
+
+    def step(_: Any) -> None:
+        state["tokens"] = runner.step(state["tokens"])
+
+    return step
 
 
 # --- the frameworks ---------------------------------------------------------------------------------------
@@ -545,14 +559,9 @@ def _first_tokens(path: str, models: Models, prompt: Any, runner: Runner) -> lis
 def _decode_split(runner: Runner, plan: Plan) -> dict[str, Any]:
     """Kernel time per decode step by category (harness.kernel_split of SPLIT_STEPS steps after a new
     prefill, the warm-up steps and one untimed step)."""
-    tokens = runner.prefill()
+    step = _decode_loop(runner)
     for _ in range(plan.warmup):
-        tokens = runner.step(tokens)
-    state = {"tokens": tokens}
-
-    def step(_):
-        state["tokens"] = runner.step(state["tokens"])
-
+        step(None)
     return harness.kernel_split(step, SPLIT_CATEGORIES, replays=SPLIT_STEPS)
 
 
