@@ -105,18 +105,20 @@ class Op:
             return f"runs on the {p.device.upper()}, the arrays are on the {where.upper()}"
         return p.missing() or p.supports(problem)
 
-    def call(self, key: Hashable, prepare: Callable[[], Any], path: str, *args: Any) -> Any:
+    def call(self, key: Hashable, prepare: Callable[..., Any], path: str, *args: Any, checks: tuple = ()) -> Any:
         """Run the bound call of signature `key` on `args`. The first call with a signature binds it:
-        `prepare()` checks the arguments and returns the problem, the paths are resolved and bound,
-        and the bound call is kept under `key`. The cached case runs `Bound.__call__`'s body here,
-        without its frame: this is every op's per-call path."""
+        `prepare(*checks)` checks the arguments and returns the problem, the paths are resolved and
+        bound, and the bound call is kept under `key`. The cached case runs `Bound.__call__`'s body here,
+        without its frame: this is every op's per-call path. `checks` carries prepare's arguments, so
+        that an op need not make a closure over them at every call (measured on a CPU: a lambda closing
+        over six names about 0.18 µs a call, their tuple about 0.04 µs)."""
         try:
             try:
                 bound = self._lookup(key)
             except TypeError:  # an unhashable option: the checks name it, or the call runs unbound
-                return self.bind(prepare(), path, args)(*args)
+                return self.bind(prepare(*checks), path, args)(*args)
             if bound is None:
-                bound = self.bind(prepare(), path, args)
+                bound = self.bind(prepare(*checks), path, args)
                 self.calls.add(key, bound)
             self.last_decision = bound.decision
             try:
