@@ -109,9 +109,15 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, *, residual: Any = 
     weight = None if weight is None else as_array(weight, "layer_norm", "weight")
     bias = None if bias is None else as_array(bias, "layer_norm", "bias")
     residual = None if residual is None else as_array(residual, "layer_norm", "residual")
-    key = (signature(x), signature(weight), signature(bias), signature(residual), option_key(eps), option_key(return_sum), path,
-           stream_key())
-    return op.call(key, lambda: layer_norm_problem(x, weight, bias, residual, eps, return_sum), path, x, weight, bias, residual)
+    # The key of signature() and option_key() without their calls in the common cases: an absent array's
+    # signature is None; an exact float eps is its own key (of the other keys, only an exact int's can equal
+    # it, and the checks take that int as the same eps); return_sum is keyed with its type, so that 0 never
+    # finds the bound call of False and skips the check that refuses it.
+    key = (signature(x), None if weight is None else signature(weight), None if bias is None else signature(bias),
+           None if residual is None else signature(residual), eps if type(eps) is float else option_key(eps),
+           type(return_sum), return_sum, path, stream_key())
+    return op.call(key, layer_norm_problem, path, x, weight, bias, residual,
+                   checks=(x, weight, bias, residual, eps, return_sum))
 
 
 def _gpu_support(problem: LayerNormProblem) -> str | None:
@@ -166,13 +172,14 @@ def _graph_builder(problem: LayerNormProblem):
 
 
 def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
-    """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
+    """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature). The graph
+    reads pointers only, so x and the residual go as they are, of any rank, and y takes x's shape."""
     import cupy
 
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
-    misaligned = [name for name, a in (("x", rows), ("weight", weight), ("bias", bias), ("residual", residual_rows))
+    arrays = row_kernels.contiguous_arrays(x, weight, bias, residual)
+    misaligned = [name for name, a in zip(("x", "weight", "bias", "residual"), arrays)
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
@@ -182,24 +189,24 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     # cuDNN's node requires both: the identity's ones and zeros, made once
     ones, zeros = device_constant(problem.N, 1, x.dtype), device_constant(problem.N, 0, x.dtype)
     epsilon = cudnn_backend.host_scalar(problem.eps)
-    shape, dtype = (problem.M, problem.N), x.dtype
+    new, shape, dtype = cupy.ndarray, tuple(x.shape), x.dtype  # cupy.empty's own call, without its frame
 
     def run(x, weight, bias, residual):
-        y = cupy.empty(shape, dtype)
+        y = new(shape, dtype)
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y)
         return y
 
     def run_residual(x, weight, bias, residual):
-        y = cupy.empty(shape, dtype)
+        y = new(shape, dtype)
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual)
         return y
 
     def run_sum(x, weight, bias, residual):
-        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        y, h = new(shape, dtype), new(shape, dtype)
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
-    return row_kernels.as_rows(runner, problem, x, weight, bias, residual)
+    return row_kernels.copying_strided(runner, x, weight, bias, residual)
 
 
 # --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
@@ -220,35 +227,42 @@ custom_versions, custom_version, _launch = _VERSIONS.versions, _VERSIONS.version
 
 def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
     """The runner of one version of kernels/layer_norm.cu (the default: the one the custom path picks)
-    for (M, N) rows of x and the residual (or None) and (N,) vectors of this signature (their alignment
-    included). The runner takes (x, weight, bias, residual) and returns y, or (y, sum) with
-    `problem.return_sum`."""
+    for C-contiguous x and residual (or None) of M rows of N, of any rank (the kernels read pointers),
+    and (N,) vectors of this signature (their alignment included). The runner takes (x, weight, bias,
+    residual) and returns y, or (y, sum) with `problem.return_sum`, in x's shape."""
     import cupy
 
     aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     row_kernels.require_version("layer_norm", version, problem, aligned, custom_versions(problem, aligned))
     name, grid, block = _launch(version, problem, aligned)
-    # a null residual or sum: plain layer norm, no sum
+    # Without a residual, the residual and the sum are null pointers packed once (plain layer norm, no sum);
+    # a launch is passed only the arrays packed as ARRAY, in the kernel's order: x, res, w, b, y, s.
     A = launch.ARRAY
+    R, S = (A if problem.has_residual else None), (A if problem.return_sum else None)
     kernel = launch.bind("layer_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         _LN.pack(x=A, res=A, w=A, b=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
-    shape, dtype = (problem.M, problem.N), x.dtype
+                         _LN.pack(x=A, res=R, w=A, b=A, y=A, s=S, M=problem.M, N=problem.N, eps=problem.eps))
+    new, shape, dtype = cupy.ndarray, tuple(x.shape), x.dtype  # cupy.empty's own call, without its frame
 
     def run(x, weight, bias, residual):
-        y = cupy.empty(shape, dtype)
-        kernel(x, residual, weight, bias, y, None)
+        y = new(shape, dtype)
+        kernel(x, weight, bias, y)
+        return y
+
+    def run_residual(x, weight, bias, residual):
+        y = new(shape, dtype)
+        kernel(x, residual, weight, bias, y)
         return y
 
     def run_sum(x, weight, bias, residual):
-        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        y, h = new(shape, dtype), new(shape, dtype)
         kernel(x, residual, weight, bias, y, h)
         return y, h
-    return run_sum if problem.return_sum else run
+    return run_sum if problem.return_sum else run_residual if problem.has_residual else run
 
 
 def launch_custom(problem: LayerNormProblem, x, weight, bias, residual=None, version: str | None = None):
-    """y, or (y, sum), for the (M, N) rows x (and residual) with one version of kernels/layer_norm.cu
+    """y, or (y, sum), for the C-contiguous x (and residual) with one version of kernels/layer_norm.cu
     (for tests and benchmarks)."""
     return bind_custom(problem, x, weight, bias, residual, version)(x, weight, bias, residual)
 
@@ -267,9 +281,8 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
 def _custom(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
-    return row_kernels.as_rows(bind_custom(problem, rows, weight, bias, residual_rows), problem, x, weight, bias,
-                               residual)
+    return row_kernels.copying_strided(bind_custom(problem, *row_kernels.contiguous_arrays(x, weight, bias, residual)),
+                                       x, weight, bias, residual)
 
 
 op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)(_cudnn)

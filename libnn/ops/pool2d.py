@@ -96,24 +96,26 @@ def _reference_fits(p: PoolProblem) -> None:
                    f"{p.N}x{p.H}x{p.W}x{p.C} (N, H, W, C) (the reference path's float64 buffers)")
 
 
-def _pool(mode: str, x: Any, kernel_size, stride, padding, count_include_pad: bool, layout: str, path: str) -> Any:
-    x = as_array(x, f"{mode}_pool2d", "x")
-    key = (mode, signature(x), option_key(kernel_size), option_key(stride), option_key(padding),
-           option_key(count_include_pad), layout, path, stream_key())
-    return op.call(key, lambda: pool2d_problem(mode, x, kernel_size, stride, padding, count_include_pad, layout), path, x)
-
-
 def max_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
                padding: int | Sequence[int] = 0, *, layout: str = "NHWC", path: str = "auto") -> Any:
     """Max over each window; stride defaults to the kernel size (PyTorch's default)."""
-    return _pool("max", x, kernel_size, stride, padding, True, layout, path)
+    # each function builds its own key (no shared helper's frame per call); max's count_include_pad is
+    # always True, so it is not keyed
+    x = as_array(x, "max_pool2d", "x")
+    key = ("max", signature(x), option_key(kernel_size), option_key(stride), option_key(padding), layout, path,
+           stream_key())
+    return op.call(key, pool2d_problem, path, x, checks=("max", x, kernel_size, stride, padding, True, layout))
 
 
 def avg_pool2d(x: Any, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
                padding: int | Sequence[int] = 0, *, count_include_pad: bool = True, layout: str = "NHWC",
                path: str = "auto") -> Any:
     """Mean over each window; stride defaults to the kernel size (PyTorch's default)."""
-    return _pool("avg", x, kernel_size, stride, padding, count_include_pad, layout, path)
+    x = as_array(x, "avg_pool2d", "x")
+    key = ("avg", signature(x), option_key(kernel_size), option_key(stride), option_key(padding),
+           type(count_include_pad), count_include_pad, layout, path, stream_key())
+    return op.call(key, pool2d_problem, path, x,
+                   checks=("avg", x, kernel_size, stride, padding, count_include_pad, layout))
 
 
 def _gpu_support(problem: PoolProblem) -> str | None:
@@ -153,13 +155,18 @@ def bind_pool(problem: PoolProblem, x):
     kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
                          (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
                          _pool_args(p, launch.ARRAY, launch.ARRAY))
-    shape, dtype, contiguous_input = p.output_shape(), x.dtype, x.flags.c_contiguous
+    new, shape, dtype = cupy.ndarray, p.output_shape(), x.dtype  # cupy.empty's own call, without its frame
 
     def run(x):
-        y = cupy.empty(shape, dtype)
-        kernel(x if contiguous_input else cupy.ascontiguousarray(x), y)
+        y = new(shape, dtype)
+        kernel(x, y)
         return y
-    return run
+
+    def run_copy(x):
+        y = new(shape, dtype)
+        kernel(cupy.ascontiguousarray(x), y)
+        return y
+    return run if x.flags.c_contiguous else run_copy
 
 
 def launch_pool(problem: PoolProblem, x):

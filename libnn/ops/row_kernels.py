@@ -10,8 +10,9 @@ one its custom path runs, and with what grid and block.
 It also holds what the row-normalizing ops (layer_norm, rms_norm, embedding's fused LayerNorm) share
 on the host: the checks of a weight or bias vector against the rows, of eps, of a fused residual and
 return_sum, and the memory check of the float64 reference; and what layer_norm's and rms_norm's paths
-share: x and the residual as (M, N) rows, a runner of rows wrapped for any signature, the result of an
-empty problem, and the float64 reference's rows and result.
+share: the contiguous arrays a bind packs for, a runner of pointers wrapped for any signature (layer_norm's;
+rms_norm's runners of (M, N) rows have their own wrapper), the result of an empty problem, and the
+float64 reference's rows and result.
 """
 
 from __future__ import annotations
@@ -157,7 +158,25 @@ def reference_fits(op: str, M: int, N: int, dtype: str, return_sum: bool, shape:
                    f"x of shape {shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of its size)")
 
 
-# --- layer_norm's and rms_norm's paths: rows of x and the residual, each op adding its (N,) vectors ------
+# --- layer_norm's and rms_norm's paths: x and the residual, each op adding its (N,) vectors ----------------
+def contiguous_arrays(*arrays: Any) -> tuple[Any, ...]:
+    """Each of `arrays` C-contiguous (a copy where it is not), None where absent: what a bind packs for."""
+    return tuple(None if a is None else contiguous(a) for a in arrays)
+
+
+def copying_strided(run: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
+    """`run`, a runner of C-contiguous arrays that reads only their pointers (so x and the residual may
+    have any rank, and it gives its results x's shape), for the signature of the arrays `bound` (None:
+    absent): `run` itself where every one is C-contiguous, so a cached call adds nothing to it; else a
+    runner that passes C-contiguous copies (one more pass over each strided array, as pool2d does)."""
+    if all(a is None or a.flags.c_contiguous for a in bound):
+        return run
+
+    def copying(*arrays):
+        return run(*contiguous_arrays(*arrays))
+    return copying
+
+
 def _rows(problem: Any, a: Any) -> Any:
     return None if a is None else contiguous(a).reshape(problem.M, problem.N)
 
@@ -168,29 +187,26 @@ def gpu_rows(problem: Any, x: Any, residual: Any) -> tuple[Any, Any]:
     return _rows(problem, x), _rows(problem, residual)
 
 
-def as_rows(run: Callable[..., Any], problem: Any, x: Any, *args: Any) -> Callable[..., Any]:
-    """`run`, a runner of C-contiguous (M, N) rows of x and the residual and contiguous (N,) vectors,
-    called (x, *vectors, residual), wrapped for the signature of the arrays bound, x and `args` (the
-    vectors and the residual): y (and the sum) take x's shape; copies only where the signature is not
-    contiguous. One vector (rms_norm's weight) or two (layer_norm's weight and bias): a wrapper of each
-    arity, since a decoder's (B, S, H) hidden states pass through it at every eager call and unpacking
-    *args there cost about 0.5 us a call more."""
-    if x.ndim == 2 and all(a is None or a.flags.c_contiguous for a in (x, *args)):
-        return run
+def as_rows(run: Callable[..., Any], problem: Any, x: Any, weight: Any, residual: Any) -> Callable[..., Any]:
+    """`run`, rms_norm's runner of C-contiguous (M, N) rows of x and the residual and a contiguous (N,)
+    weight, called (x, weight, residual), wrapped for the signature of the arrays bound: y (and the sum)
+    take x's shape; copies only where the signature is not contiguous. The runners read only the arrays'
+    pointers, so contiguous arrays of any rank go to them as they are, with no view made per call."""
     shape, sums = x.shape, problem.return_sum
 
     def shaped(out):
         return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
 
-    def vector(a):
-        return None if a is None else contiguous(a)
+    if all(a is None or a.flags.c_contiguous for a in (x, weight, residual)):
+        if x.ndim == 2:
+            return run
 
-    if len(args) == 2:
-        def rows_of(x, weight, residual):
-            return shaped(run(_rows(problem, x), vector(weight), _rows(problem, residual)))
-    else:
-        def rows_of(x, weight, bias, residual):
-            return shaped(run(_rows(problem, x), vector(weight), vector(bias), _rows(problem, residual)))
+        def reshaped(x, weight, residual):
+            return shaped(run(x, weight, residual))
+        return reshaped
+
+    def rows_of(x, weight, residual):
+        return shaped(run(_rows(problem, x), None if weight is None else contiguous(weight), _rows(problem, residual)))
     return rows_of
 
 

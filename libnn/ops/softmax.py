@@ -93,8 +93,10 @@ def softmax(x: Any, dim: int = -1, *, log: bool = False, path: str = "auto") -> 
     """softmax (or, with log=True, log-softmax) of x along `dim`; returns an array of x's shape,
     dtype and device. `path` is "auto" or one of `libnn.paths("softmax")`."""
     x = as_array(x, "log_softmax" if log else "softmax", "x")
-    key = (signature(x), option_key(dim), option_key(log), path, stream_key())
-    return op.call(key, lambda: softmax_problem(x, dim, log), path, x)
+    # option_key's keys without its call in the common cases: an exact int dim is its own key, and log is
+    # keyed with its type (log=1 never finds the bound call of True and skips the check that refuses it)
+    key = (signature(x), dim if type(dim) is int else option_key(dim), type(log), log, path, stream_key())
+    return op.call(key, softmax_problem, path, x, checks=(x, dim, log))
 
 
 def _formula(xp, x, dim: int, log: bool):
@@ -155,20 +157,24 @@ def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None)
     every kernel strides over its rows or slices, so any grid >= 1 is correct)."""
     import cupy
 
-    shape, dtype = problem.shape, x.dtype
+    new, shape, dtype = cupy.ndarray, problem.shape, x.dtype  # cupy.empty's own call, without its frame
     if 0 in shape:  # no slice to normalise, nothing to launch
-        return lambda x: cupy.empty(shape, dtype)
+        return lambda x: new(shape, dtype)
     name, table_grid, block = custom_launch(problem)
     kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid or table_grid, block,
                          _SM.pack(x=launch.ARRAY, y=launch.ARRAY, outer=problem.outer, n=problem.n,
                                   inner=problem.inner, log=problem.log))
-    contiguous_input = x.flags.c_contiguous
 
     def run(x):
-        y = cupy.empty(shape, dtype)
-        kernel(x if contiguous_input else cupy.ascontiguousarray(x), y)
+        y = new(shape, dtype)
+        kernel(x, y)
         return y
-    return run
+
+    def run_copy(x):
+        y = new(shape, dtype)
+        kernel(cupy.ascontiguousarray(x), y)
+        return y
+    return run if x.flags.c_contiguous else run_copy
 
 
 op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)(bind_custom)
