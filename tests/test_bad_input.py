@@ -75,6 +75,7 @@ test_swiglu_reference.py.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -101,10 +102,12 @@ def run_libnn(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
 # --- libnn.runtime.memory.require ------------------------------------------------------------------
 
 def test_require_refuses_with_the_function_argument_and_both_byte_counts():
-    available = memory.available_bytes("cpu")
-    with pytest.raises(MemoryError, match=rf"^op: x needs .* \({available + 1} bytes\), more than the .* "
+    # more than the machine's physical RAM: never available, whatever other processes free meanwhile
+    # (available + 1 raced with the suite's other workers: one freed memory between the two reads)
+    request = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + 1
+    with pytest.raises(MemoryError, match=rf"^op: x needs .* \({request} bytes\), more than the .* "
                                           rf"\(\d+ bytes\) of host RAM available$"):
-        memory.require(available + 1, "cpu", "op", "x")
+        memory.require(request, "cpu", "op", "x")
 
 
 def test_require_lets_what_fits_through():
