@@ -125,8 +125,9 @@ def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, resi
     x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
     b = None if b is None else as_array(b, "linear", "b")
     r = None if residual is None else as_array(residual, "linear", "residual")
-    key = (signature(x), signature(w), signature(b), signature(r), activation, allow_tf32, path, stream_key())
-    return op.call(key, lambda: linear_problem(x, w, b, activation, allow_tf32, r), path, x, w, b, r)
+    key = (signature(x), signature(w), None if b is None else signature(b), None if r is None else signature(r),
+           activation, allow_tf32, path, stream_key())
+    return op.call(key, linear_problem, path, x, w, b, r, checks=(x, w, b, activation, allow_tf32, r))
 
 
 def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
