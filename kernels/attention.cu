@@ -745,6 +745,7 @@ ATTN_SOFTMAX(bf16, dt_bf16)
 
 extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batches(
     const int* __restrict__ lens_kv, unsigned short* __restrict__ o, long long words) {
+    libnn::pdl_launch_dependents();   // the output projection's GEMV streams its weight meanwhile
     if (lens_kv[blockIdx.x] > 0) return;
     unsigned short* ob = o + (long long)blockIdx.x * words;
     for (long long j = threadIdx.x; j < words; j += ZERO_THREADS) ob[j] = 0;

@@ -216,4 +216,20 @@ __device__ __forceinline__ u32 pack_f32x2(float lo, float hi) {
 }
 
 
+// Programmatic dependent launch (sm_90 and newer; no-ops below). A kernel launched with the programmatic
+// stream serialization attribute (runtime/launch.py, programmatic=True) may start before the kernel ahead of it
+// in the stream has finished: `pdl_wait` blocks until that kernel has completed and its writes are visible, so a
+// dependent calls it before reading what the kernel ahead wrote or writing anything it may still read (reading
+// what no kernel writes, a weight, may come first). `pdl_launch_dependents` lets such a dependent start now.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace libnn

@@ -51,7 +51,9 @@ LAUNCH (version 3)
     dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
     to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
     Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K) and y (M, N) row-major and contiguous;
-    y does not overlap the inputs; sm_89 or newer.
+    y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with programmatic stream
+    serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel ahead, whose output x
+    is, before it reads x; the norms, swiglu and attention's zeroing kernel let it start (pdl_launch_dependents).
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -309,6 +311,7 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     u32x4 a0[U], b0[U], a1[U], b1[U];
     load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec);
     load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec);
+    pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
     const float sx = quantize_x<DT>(x, xcodes, M, K, S, red);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float scale = 0.f, shift = 0.f;   // this thread's output's sx * w_scale and bias + residual, read early

@@ -169,6 +169,7 @@ __device__ __forceinline__ void rms_loop(const typename DT::T* __restrict__ x, c
 
 #define RMS_REGISTERS(name, BOUNDS, DT, VPT, VEC, ROW_IS_BLOCK)                                        \
     extern "C" __global__ void __launch_bounds__(BOUNDS) name(RMS_PARAMS(rmsk::DT::T)) {               \
+        libnn::pdl_launch_dependents();   /* the GEMV after a norm streams its weight meanwhile */       \
         rmsk::rms_registers<rmsk::DT, VPT, VEC, ROW_IS_BLOCK>(x, res, w, y, s, M, N, eps);             \
     }
 #define RMS1(SUFFIX, DT, VPT)                                                                          \
@@ -177,6 +178,7 @@ __device__ __forceinline__ void rms_loop(const typename DT::T* __restrict__ x, c
 #define RMS2(SUFFIX, DT, VPT) RMS_REGISTERS(rms2_block_vec##VPT##_##SUFFIX, 512, DT, VPT, true, true)
 #define RMS3(SUFFIX, DT)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) rms3_loop_##SUFFIX(RMS_PARAMS(rmsk::DT::T)) {    \
+        libnn::pdl_launch_dependents();                                                                \
         rmsk::rms_loop<rmsk::DT>(x, res, w, y, s, M, N, eps);                                          \
     }
 ROW_KERNELS(RMS1, RMS2, RMS3)

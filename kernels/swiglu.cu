@@ -116,10 +116,12 @@ __device__ __forceinline__ void swiglu_vec(const typename DT::T* __restrict__ x,
 #define SWIGLU(SUFFIX, DT)                                                                               \
     extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)                                         \
         swiglu1_scalar_##SUFFIX(SWIGLU_PARAMS(libnn::DT::T)) {                                           \
+        libnn::pdl_launch_dependents();   /* the down projection's GEMV streams its weight meanwhile */  \
         swigluk::swiglu_scalar<libnn::DT>(x, y, M, F, ldx);                                              \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)                                         \
         swiglu2_vec_##SUFFIX(SWIGLU_PARAMS(libnn::DT::T)) {                                              \
+        libnn::pdl_launch_dependents();                                                                  \
         swigluk::swiglu_vec<libnn::DT>(x, y, M, F, ldx);                                                 \
     }
 

@@ -34,7 +34,7 @@ class Launch:
                  "_invalid_context", "_device", "name")
 
     def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
-                 stream_ptr: int, args: Sequence[Any]):
+                 stream_ptr: int, args: Sequence[Any], programmatic: bool = False):
         import cupy
         from cuda.bindings import driver
 
@@ -51,8 +51,14 @@ class Launch:
         self._pointers = np.array([self._slots.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
         # cuLaunchKernel's arguments, built once: the packed argument array's address is read once
         # (.ctypes costs microseconds per access) and only the slots behind it change between launches
-        self._args = (driver.CUfunction(function.kernel.ptr), *grid, *(1,) * (3 - len(grid)), *block,
-                      *(1,) * (3 - len(block)), shared_mem, driver.CUstream(stream_ptr), self._pointers.ctypes.data, 0)
+        grid, block = (*grid, *(1,) * (3 - len(grid))), (*block, *(1,) * (3 - len(block)))
+        if programmatic:
+            self._launch = driver.cuLaunchKernelEx
+            self._args = (_programmatic_config(grid, block, shared_mem, stream_ptr),
+                          driver.CUfunction(function.kernel.ptr), self._pointers.ctypes.data, 0)
+        else:
+            self._args = (driver.CUfunction(function.kernel.ptr), *grid, *block, shared_mem,
+                          driver.CUstream(stream_ptr), self._pointers.ctypes.data, 0)
         self._lock = threading.Lock()
 
     def __call__(self, *arrays: Any) -> None:
@@ -77,10 +83,29 @@ class Launch:
 
 
 def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], *,
-         shared_mem: int = 0, stream_ptr: int | None = None) -> Launch:
+         shared_mem: int = 0, stream_ptr: int | None = None, programmatic: bool = False) -> Launch:
     """A packed launch of kernels/<file>'s `kernel` on the stream (default: the current one). `args`
     lists the kernel's parameters in order: ARRAY for each array (passed at launch), NumPy scalars
-    (np.int32, np.int64, np.float32, np.uint64) for the rest."""
+    (np.int32, np.int64, np.float32, np.uint64) for the rest. `programmatic`: launched with CUDA's
+    programmatic stream serialization (sm_90 and newer), so that it may start while the kernel ahead of it
+    finishes; the kernel must call pdl_wait (kernels/common.cuh) before touching that kernel's data."""
     function = kernels.function(file, kernel, shared_mem)
     return Launch(function, f"kernels/{file}:{kernel}", grid, block, shared_mem,
-                  current_stream().ptr if stream_ptr is None else stream_ptr, args)
+                  current_stream().ptr if stream_ptr is None else stream_ptr, args, programmatic)
+
+
+def _programmatic_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream_ptr: int) -> Any:
+    """cuLaunchKernelEx's configuration with the programmatic stream serialization attribute."""
+    from cuda.bindings import driver
+
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = driver.CUstream(stream_ptr)
+    config.attrs = [attribute]
+    config.numAttrs = 1
+    return config
