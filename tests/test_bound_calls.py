@@ -187,8 +187,8 @@ def _attention_stubs(monkeypatch):
 
     monkeypatch.setattr(launch, "bind", bind)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        empty=np.empty, zeros=np.zeros, broadcast_to=np.broadcast_to, ascontiguousarray=np.ascontiguousarray,
-        matmul=np.matmul, float32=np.float32))
+        empty=np.empty, ndarray=np.ndarray, zeros=np.zeros, broadcast_to=np.broadcast_to,
+        ascontiguousarray=np.ascontiguousarray, matmul=np.matmul, float32=np.float32))
     return binds, launches
 
 

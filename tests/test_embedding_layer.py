@@ -43,7 +43,8 @@ def test_embedding_checks_and_keys_id_errors(rng):
 
 
 def _stub_gpu(monkeypatch):
-    """launch.bind recorded and CuPy's empty stood in for by NumPy's: the custom bind runs on host arrays."""
+    """launch.bind recorded and CuPy's array constructors stood in for by NumPy's: the custom bind runs on host
+    arrays."""
     binds = []
 
     def bind(file, kernel, grid, block, args, *, shared_mem=0):
@@ -52,7 +53,7 @@ def _stub_gpu(monkeypatch):
 
     monkeypatch.setattr(launch, "bind", bind)
     monkeypatch.setattr(emb, "_aligned", lambda problem, arrays: False)  # host arrays have no .data.ptr
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ndarray=np.ndarray))
     return binds
 
 

@@ -214,11 +214,14 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
         return None
     checked = isinstance(lens, CheckedLengths)
     lens = lens.lengths if checked else lens
-    if is_cupy(lens) and not is_cupy(like):
-        raise TypeError(f"attention: {name} is on the GPU but q is a host array; pass both on one device")
-    if is_cupy(lens) and lens.device.id != like.device.id:
-        raise ValueError(f"attention: {name} is on GPU {lens.device.id} but q is on GPU {like.device.id}")
-    lens = as_array(np.asarray(lens) if isinstance(lens, (list, tuple)) else lens, "attention", name)
+    on_gpu = is_cupy(lens)
+    if on_gpu:
+        if not is_cupy(like):
+            raise TypeError(f"attention: {name} is on the GPU but q is a host array; pass both on one device")
+        if lens.data.device_id != like.data.device_id:  # the pointers' devices: no cupy.cuda.Device made per call
+            raise ValueError(f"attention: {name} is on GPU {lens.device.id} but q is on GPU {like.device.id}")
+    else:
+        lens = as_array(np.asarray(lens) if isinstance(lens, (list, tuple)) else lens, "attention", name)
     if lens.ndim != 1 or lens.shape[0] != B:
         raise ValueError(f"attention: {name} must have shape ({B},), one length per batch entry, "
                          f"got {tuple(lens.shape)}")
@@ -229,10 +232,15 @@ def _seq_lens(lens, name: str, B: int, S: int, like):
         if lo < 0 or hi > S:
             raise ValueError(f"attention: {name} must lie in [0, {S}] (the padded sequence length), "
                              f"got values from {lo} to {hi}")
-    if is_cupy(like):
-        import cupy
-        return cupy.asarray(lens, dtype=cupy.int32)
-    return lens.astype(np.int32, copy=False)
+    if not is_cupy(like):
+        return lens.astype(np.int32, copy=False)
+    if on_gpu and lens.dtype == _INT32:  # what cupy.asarray would return: the caller's array itself
+        return lens
+    import cupy
+    return cupy.asarray(lens, dtype=cupy.int32)
+
+
+_INT32 = np.dtype(np.int32)
 
 
 def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv, *,
@@ -329,20 +337,32 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     if layout == "THD" or packed is not None:
         return _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias, layout, packed, path)
     q, k, v = as_array(q, "attention", "q"), as_array(k, "attention", "k"), as_array(v, "attention", "v")
-    keeps_a_key = isinstance(attn_bias, KeyPaddingBias)
-    attn_bias = attn_bias.bias if keeps_a_key else attn_bias
-    bias = None if attn_bias is None else as_array(attn_bias, "attention", "attn_bias")
-    key = (signature(q), signature(k), signature(v), signature(bias), keeps_a_key, option_key(scale),
-           option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, path, stream_key())
+    bias, keeps_a_key = attn_bias, False
+    if attn_bias is not None:
+        keeps_a_key = isinstance(attn_bias, KeyPaddingBias)
+        bias = attn_bias.bias if keeps_a_key else attn_bias
+        bias = None if bias is None else as_array(bias, "attention", "attn_bias")
+    # The key of signature() and option_key() without their calls in the common cases (as layer_norm's): an
+    # absent bias's signature is None; a scale of None or an exact float is its own key (of option_key's other
+    # keys, only an exact int's can equal a float, and the checks take that int as the same scale); causal is
+    # keyed with its type, so that 1 never finds the bound call of True and skips the check that refuses it.
+    key = (signature(q), signature(k), signature(v), None if bias is None else signature(bias), keeps_a_key,
+           scale if scale is None or type(scale) is float else option_key(scale), type(causal), causal, layout,
+           seq_lens_q is None, seq_lens_kv is None, path, stream_key())
+    return op.call(key, _padded_problem, path, q, k, v, seq_lens_q, seq_lens_kv, bias,
+                   checks=(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None,
+                           keeps_a_key))
 
-    def prepare():
-        _check_head_contiguous(q, k, v)
-        problem = attention_problem(q, k, v, bias, scale, causal, layout, seq_lens_q is not None,
-                                    seq_lens_kv is not None)
-        if keeps_a_key:
-            _check_key_padding_bias(problem)
-        return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None)
-    return op.call(key, prepare, path, q, k, v, seq_lens_q, seq_lens_kv, bias)
+
+def _padded_problem(q, k, v, bias, scale, causal, layout: str, has_lens_q: bool, has_lens_kv: bool,
+                    keeps_a_key: bool) -> AttentionProblem:
+    """attention()'s checks and problem for dense k and v in layout BHSD or BSHD: what Op.call runs on a
+    signature's first call (`keeps_a_key`: the bias came as a KeyPaddingBias)."""
+    _check_head_contiguous(q, k, v)
+    problem = attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv)
+    if keeps_a_key:
+        _check_key_padding_bias(problem)
+    return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None)
 
 
 def _check_head_contiguous(q, k, v) -> None:
@@ -633,13 +653,18 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
     zero_rows = _bind_zero_rows(p)
-    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+    new, shape, dtype = cupy.ndarray, _output_shape(p), dtypes.parse(p.dtype)  # cupy.empty's call, without its frame
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
+        o = new(shape, dtype)
+        execute(q, k, v, o)
+        return o
+
+    def run_masked(q, k, v, seq_lens_q, seq_lens_kv, bias):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
         if not contiguous_bias:
             bias = bias.copy()
-        o = cupy.empty(shape, dtype)
+        o = new(shape, dtype)
         extra = [] if bias is None else [bias]
         if padded:
             extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
@@ -647,7 +672,8 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
         if zero_rows:
             zero_rows(o, lens_q, lens_kv, bias)
         return o
-    return run
+    # without lengths or a bias (a causal mask at most) the graph takes q, k, v and o alone, and no row is zeroed
+    return run if not padded and p.bias_shape is None and zero_rows is None else run_masked
 
 
 def _bind_cudnn_packed(problem: AttentionProblem):
@@ -738,17 +764,28 @@ def _bind_kernels(bind, problem: AttentionProblem, q, k, v, bias, *, views_per_c
     import cupy
 
     p = problem
-    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+    new, shape, dtype = cupy.ndarray, _output_shape(p), dtypes.parse(p.dtype)  # cupy.empty's call, without its frame
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     # o's geometry and alignment are read from a real output, as q's are: one allocation per signature
     kernels = bind(*_kernel_views(p, q, k, v, cupy.empty(shape, dtype), bias), scale=p.scale, causal=p.causal)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
-        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
-        o = cupy.empty(shape, dtype)
-        kernels(*(_kernel_views(p, q, k, v, o, bias) if views_per_call else (q, k, v, o, bias)), lens_q, lens_kv)
+        o = new(shape, dtype)
+        kernels(q, k, v, o, bias, None, None)
         return o
-    return run
+
+    def run_padded(q, k, v, seq_lens_q, seq_lens_kv, bias):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
+        o = new(shape, dtype)
+        kernels(q, k, v, o, bias, lens_q, lens_kv)
+        return o
+
+    def run_views(q, k, v, seq_lens_q, seq_lens_kv, bias):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
+        o = new(shape, dtype)
+        kernels(*_kernel_views(p, q, k, v, o, bias), lens_q, lens_kv)
+        return o
+    return run_views if views_per_call else run_padded if padded else run
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)

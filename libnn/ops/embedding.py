@@ -234,18 +234,27 @@ def embedding(ids: Any, weight: Any, *, position_weight: Any = None, position_of
             and norm_bias is None):  # a plain lookup (nn.Embedding's): no call per absent array
         optional_key = None
     else:
-        position_weight, type_ids, type_weight, norm_weight, norm_bias = optional = tuple(
-            None if a is None else as_array(a, "embedding", name)
-            for a, name in zip((position_weight, type_ids, type_weight, norm_weight, norm_bias), _OPTIONAL_NAMES))
+        position_weight, type_ids, type_weight, norm_weight, norm_bias = optional = (
+            _optional(position_weight, "position_weight"), _optional(type_ids, "type_ids"),
+            _optional(type_weight, "type_weight"), _optional(norm_weight, "norm_weight"),
+            _optional(norm_bias, "norm_bias"))
         optional_key = tuple(map(signature, optional))
-    key = (signature(ids), signature(weight), optional_key, option_key(position_offset), option_key(eps),
-           option_key(normalize), option_key(id_errors), path, stream_key())
-    return op.call(key, lambda: embedding_problem(ids, weight, position_weight, position_offset, type_ids, type_weight,
-                                       norm_weight, norm_bias, eps, normalize, id_errors),
-                   path, ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
+    # option_key's keys without its call in the common cases (as layer_norm's): an exact int position_offset
+    # and an exact float eps are their own keys (of option_key's other keys, only an exact int's can equal a
+    # float, and the checks take that int as the same eps), normalize is keyed with its type (0 never finds
+    # the bound call of False), and None or an IdErrors (equal to itself alone) is its own key.
+    key = (signature(ids), signature(weight), optional_key,
+           position_offset if type(position_offset) is int else option_key(position_offset),
+           eps if type(eps) is float else option_key(eps), type(normalize), normalize,
+           id_errors if id_errors is None or type(id_errors) is IdErrors else option_key(id_errors), path, stream_key())
+    return op.call(key, embedding_problem, path, ids, weight, position_weight, type_ids, type_weight, norm_weight,
+                   norm_bias, checks=(ids, weight, position_weight, position_offset, type_ids, type_weight, norm_weight,
+                                      norm_bias, eps, normalize, id_errors))
 
 
-_OPTIONAL_NAMES = ("position_weight", "type_ids", "type_weight", "norm_weight", "norm_bias")
+def _optional(a: Any, name: str) -> Any:
+    """An optional array argument of embedding() as an array, or None."""
+    return None if a is None else as_array(a, "embedding", name)
 
 
 def _gpu_support(problem: EmbeddingProblem) -> str | None:
@@ -356,15 +365,21 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
                                    pos_offset=problem.position_offset, type_rows=problem.type_rows or 0, flags=flags,
                                    eps=problem.eps,
                                    bad=None if problem.id_errors is None else np.uint64(problem.id_errors.pointer)))
-    shape, dtype = problem.out_shape, weight.dtype
+    new, shape, dtype = cupy.ndarray, problem.out_shape, weight.dtype  # cupy.empty's call, without its frame
 
     def run(*arrays):
-        y = cupy.empty(shape, dtype)
+        y = new(shape, dtype)
         kernel(*pick(arrays), y)  # ids and weight are always there: `pick` gives a tuple
         return y
-    if as_given:
-        return run
-    return lambda *arrays: run(*_kernel_inputs(*arrays))
+
+    def run_lookup(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
+        y = new(shape, dtype)
+        kernel(ids, weight, y)
+        return y
+    if not as_given:
+        return lambda *arrays: run(*_kernel_inputs(*arrays))
+    # a plain lookup (nn.Embedding's): the kernel takes ids, weight and y, without `pick`'s tuple
+    return run_lookup if all(a is None for a in kernel_inputs[2:]) else run
 
 
 def launch_custom(problem: EmbeddingProblem, *arrays, version: str | None = None):
