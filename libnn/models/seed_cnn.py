@@ -67,6 +67,7 @@ class SeedCNN(Module):
         if layout not in LAYOUTS:
             raise ValueError(f"SeedCNN: layout must be one of {LAYOUTS}, got {layout!r}")
         self.layout = layout
+        self._input_weight: tuple[int, Any] | None = None  # (version, features[0].weight): see _first_weight
         kw = dict(layout=layout, dtype=dtype, device=device)
         self.features = Sequential(
             Conv2d(1, 32, 3, padding=1, path=path, **kw), BatchNorm2d(32, **kw), ReLU(),
@@ -95,18 +96,29 @@ class SeedCNN(Module):
 
     def forward(self, x: Any) -> Any:
         x = as_array(x, "SeedCNN", "x")
-        if x.ndim != 4 or tuple(x.shape[1:]) != INPUT_SHAPE or x.shape[0] < 1:
-            raise ValueError(f"SeedCNN: expected input (N, 1, 28, 28) with N >= 1, got {tuple(x.shape)}")
+        shape = x.shape  # read once: CuPy makes the tuple at every read
+        if len(shape) != 4 or shape[1:] != INPUT_SHAPE or shape[0] < 1:
+            raise ValueError(f"SeedCNN: expected input (N, 1, 28, 28) with N >= 1, got {tuple(shape)}")
         if not dtypes.is_float(x.dtype):
             raise TypeError(f"SeedCNN: expected a floating-point input, got dtype {x.dtype}")
-        weight = self.features[0].weight
+        weight = self._first_weight()
         if is_cupy(x) != is_cupy(weight):
             raise TypeError(f"SeedCNN: x is {describe(x)} but the model's weights are {describe(weight)}; "
                             "move x with cupy.asarray(x) / cupy.asnumpy(x), or the model with .to('gpu' / 'cpu')")
-        x = x.astype(weight.dtype, copy=False)
+        if x.dtype != weight.dtype:  # astype(copy=False) would return x itself, at a call's cost
+            x = x.astype(weight.dtype)
         if self.layout == "NHWC":
-            x = x.reshape(x.shape[0], 28, 28, 1)  # one channel: NCHW and NHWC order the values alike
+            x = x.reshape(shape[0], 28, 28, 1)  # one channel: NCHW and NHWC order the values alike
         return self.classifier(self.features(x))
+
+    def _first_weight(self) -> Any:
+        """features[0].weight, whose device and dtype the input takes; looked up again only when the
+        model's version changed (a parameter or layer was replaced), not through Sequential's
+        indexing at every call."""
+        cached = self._input_weight
+        if cached is None or cached[0] != self._version:
+            cached = self._input_weight = (self._version, self.features[0].weight)
+        return cached[1]
 
 
 def preprocess_digits(images: Any) -> np.ndarray:

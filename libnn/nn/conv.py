@@ -20,7 +20,7 @@ from libnn.nn.module import Module, init_uniform, uninitialised
 from libnn.nn.norm import BatchNorm2d
 from libnn.ops import activations
 from libnn.ops.conv2d import ACTIVATIONS as CONV_ACTIVATIONS
-from libnn.ops.conv2d import LAYOUTS, conv2d, fold_batchnorm
+from libnn.ops.conv2d import LAYOUTS, ConvOptions, conv2d_with, conv_options, fold_batchnorm
 from libnn.ops.fft_conv import fft_conv2d
 from libnn.runtime.arrays import array_module, as_array, is_cupy
 
@@ -31,13 +31,19 @@ from libnn.runtime.arrays import array_module, as_array, is_cupy
 FFT_CROSSOVER = {"single channel": ((64, 63), (256, 31), (1024, 7), (2048, 3)),
                  "multi channel": ((256, 15), (1024, 15), (2048, 15))}
 ALGOS = ("auto", "direct", "fft")
+# The layer's attributes that are conv2d's options: setting one (use_path sets path) drops the layer's
+# ConvOptions, made again at its next call.
+CONV_OPTIONS = frozenset({"stride", "padding", "dilation", "groups", "layout", "path"})
 
 
 def prefers_fft(channels: int, size: int, kernel: int) -> bool:
     """Whether FFT convolution is expected to be faster than direct, from FFT_CROSSOVER: the row of
     the largest measured image size not above `size` (none: direct)."""
-    rows = [k for s, k in FFT_CROSSOVER["single channel" if channels == 1 else "multi channel"] if s <= size]
-    return bool(rows) and kernel >= rows[-1]
+    crossover = None  # a loop, not a list of the rows: every call of an "auto" layer asks
+    for measured, kernel_from in FFT_CROSSOVER["single channel" if channels == 1 else "multi channel"]:
+        if measured <= size:
+            crossover = kernel_from
+    return crossover is not None and kernel >= crossover
 
 
 class Conv2d(Module):
@@ -83,6 +89,11 @@ class Conv2d(Module):
         self._converted: tuple[Any, Any] | None = None
         self._bias32: tuple[Any, Any] | None = None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in CONV_OPTIONS:
+            object.__setattr__(self, "_options", None)
+
     def filters(self) -> Any:
         """The weight in the filter layout of `self.layout` (KRSC for NHWC), converted once."""
         if self.layout == "NCHW":
@@ -108,9 +119,10 @@ class Conv2d(Module):
     def uses_fft(self, x: Any) -> bool:
         if self.algo != "auto":
             return self.algo == "fft"
-        if x.ndim != 4:  # conv2d names the expected rank
+        shape = x.shape  # read once: CuPy makes the tuple at every read
+        if len(shape) != 4:  # conv2d names the expected rank
             return False
-        h, w = (x.shape[1], x.shape[2]) if self.layout == "NHWC" else (x.shape[2], x.shape[3])
+        h, w = (shape[1], shape[2]) if self.layout == "NHWC" else (shape[2], shape[3])
         return self._fft_able and prefers_fft(self.in_channels, min(h, w), min(self.kernel_size))
 
     def forward(self, x: Any, bn: Any = None, activation: str | None = None) -> Any:
@@ -118,17 +130,25 @@ class Conv2d(Module):
         x = as_array(x, "Conv2d", "x")
         if self.uses_fft(x):
             return self._fft_forward(x, bn, activation)
-        return conv2d(x, self.filters(), self.epilogue_bias(), stride=self.stride, padding=self.padding,
-                      dilation=self.dilation, groups=self.groups, bn=bn, activation=activation, layout=self.layout,
-                      path=self.path)
+        return conv2d_with(self._options or self.conv2d_options(), x, self.filters(), self.epilogue_bias(), bn,
+                           activation)
+
+    def conv2d_options(self) -> ConvOptions:
+        """conv2d's options from this layer's attributes, keyed once until one of them is set again."""
+        if self._options is None:
+            self._options = conv_options(stride=self.stride, padding=self.padding, dilation=self.dilation,
+                                         groups=self.groups, layout=self.layout, path=self.path)
+        return self._options
 
     def epilogue_bias(self) -> Any:
         """The bias as conv2d's epilogue reads it: an fp16/bf16 bias on the GPU in fp32, converted once
         per bias array (as `filters` converts the weight), not by a kernel in every call."""
-        if self.bias is None or not is_cupy(self.bias) or self.bias.dtype.itemsize != 2:
-            return self.bias
-        if self._bias32 is None or self._bias32[0] is not self.bias:
-            self._bias32 = (self.bias, self.bias.astype(np.float32))
+        bias, converted = self.bias, self._bias32
+        if converted is not None and converted[0] is bias:  # the common case first: one test per call
+            return converted[1]
+        if bias is None or not is_cupy(bias) or bias.dtype.itemsize != 2:
+            return bias
+        self._bias32 = (bias, bias.astype(np.float32))
         return self._bias32[1]
 
     def _fft_forward(self, x: Any, bn: Any, activation: str | None) -> Any:
@@ -173,7 +193,11 @@ class Conv2dBNAct(Module):
             if self._epilogue is None:  # computed once: Sequential builds a new one when parameters change
                 self._epilogue = self.bn.folded()
             return self.conv(x, bn=self._epilogue, activation=self.activation)
-        return self._folded_conv()(x, activation=self.activation)
+        folded = self._folded
+        if folded is None:
+            folded = self._folded_conv()
+        # the clone is a plain Conv2d of ours: its forward is what calling it runs, without Module.__call__
+        return folded.forward(x, activation=self.activation)
 
     def _folded_conv(self) -> Conv2d:
         """A Conv2d with w' = w · scale and b' = b · scale + shift, computed in fp32 (fp64 for fp64

@@ -8,14 +8,15 @@ Before running, Sequential fuses what follows each other:
   flattened as it lies, with no transpose, and the GEMM uses the Linear's weight with its columns
   permuted once from PyTorch's (C, H, W) order to (H, W, C) (a quantised Linear's E4M3 codes alike: its
   scales are per output row, which the permutation leaves alone).
-Each fusion is one rule (`_RULES`, tried in order at each position). The fused plan is rebuilt
-whenever a parameter or layer is replaced (load_state_dict, to(), `seq[0].weight = w`: the module's
-version changes). state_dict keys stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
+Each fusion is one rule (`_RULES`, tried in order at each position). The fused plan is made once and
+rebuilt whenever a parameter or layer is replaced (load_state_dict, to(), `seq[0].weight = w`: the
+module's version changes) or fold_bn is set. state_dict keys stay those of the original modules
+("0.weight", "1.running_mean", ...), as in PyTorch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from libnn.nn import checks
 from libnn.nn.activation import Activation
@@ -56,7 +57,7 @@ class FlattenLinear(Module):
     def __init__(self, flatten: Flatten, layer: Linear, activation: str | None):
         super().__init__()
         self.flatten, self.layer, self.activation = flatten, layer, activation
-        self._permuted: tuple[Any, tuple[int, int, int], Any] | None = None
+        self._permuted: tuple[Any, tuple[int, ...], Any] | None = None  # (weight, (H, W, C), permuted or None)
 
     def describe(self) -> str:
         act = f"+{self.activation}" if self.activation else ""
@@ -64,22 +65,40 @@ class FlattenLinear(Module):
 
     def forward(self, x: Any) -> Any:
         x = as_array(x, "Flatten", "x")
-        f, w = self.flatten, self.layer.weight
-        as_it_lies = (x.ndim == 4 and f.start_dim == 1 and f.end_dim in (-1, 3) and w.ndim == 2
-                      and w.shape[1] == x.shape[1] * x.shape[2] * x.shape[3])
-        if not as_it_lies:  # another rank or dims, or a shape the Linear will refuse: as the layers would
-            return self.layer(f(x), activation=self.activation)
-        n, h, wd, c = x.shape
-        return dense(x.reshape(n, h * wd * c), self._weight(h, wd, c), self.layer.bias, self.activation,
-                     w_scale=self.layer.weight_scale, path=self.layer.path)
+        f, layer, shape = self.flatten, self.layer, x.shape  # shape read once: CuPy makes the tuple at every read
+        weight = self._weight(shape) if f.start_dim == 1 and f.end_dim in (-1, 3) else None
+        if weight is None:  # another rank or dims, or a shape the Linear will refuse: as the layers would
+            return layer(f(x), activation=self.activation)
+        return dense(x.reshape(shape[0], weight.shape[1]), weight, layer.bias, self.activation,
+                     w_scale=layer.weight_scale, path=layer.path)
 
-    def _weight(self, h: int, w: int, c: int) -> Any:
-        weight = self.layer.weight
-        if self._permuted is None or self._permuted[0] is not weight or self._permuted[1] != (h, w, c):
-            k = weight.shape[0]
-            permuted = weight.reshape(k, c, h, w).transpose(0, 2, 3, 1).reshape(k, h * w * c)
-            self._permuted = (weight, (h, w, c), array_module(weight).ascontiguousarray(permuted))
-        return self._permuted[2]
+    def _weight(self, shape: tuple[int, ...]) -> Any:
+        """The Linear's weight with its columns in (H, W, C) order for an input of `shape`, permuted
+        once per weight and (H, W, C); None where the input is not 4-D or the weight does not take
+        its H·W·C features."""
+        weight, hwc = self.layer.weight, shape[1:]
+        cached = self._permuted
+        if cached is None or cached[0] is not weight or cached[1] != hwc:
+            cached = self._permuted = (weight, hwc, _permuted_columns(weight, hwc))
+        return cached[2]
+
+
+def _permuted_columns(weight: Any, hwc: tuple[int, ...]) -> Any:
+    """A contiguous copy of `weight` (K, C·H·W) with its columns reordered to (H, W, C); None unless
+    `hwc` is (H, W, C) and the weight is a matrix of H·W·C columns."""
+    if len(hwc) != 3 or weight.ndim != 2 or weight.shape[1] != hwc[0] * hwc[1] * hwc[2]:
+        return None
+    (h, w, c), k = hwc, weight.shape[0]
+    permuted = weight.reshape(k, c, h, w).transpose(0, 2, 3, 1).reshape(k, h * w * c)
+    return array_module(weight).ascontiguousarray(permuted)
+
+
+class _Plan(NamedTuple):
+    """Sequential's fused modules for one `version` of it."""
+    version: int
+    fused: list[tuple[str, Module]]  # each module that runs, with the names of the layers it covers
+    modules: tuple[Module, ...]      # the same modules, in order
+    by_forward: bool                 # none overrides Module.__call__, so calling forward is calling it
 
 
 class Sequential(Module):
@@ -91,7 +110,12 @@ class Sequential(Module):
                                 f"{module!r}; wrap a function in a Module subclass whose forward() calls it")
             setattr(self, str(i), module)
         self.fold_bn = checks.flag("Sequential", "fold_bn", fold_bn)
-        self._plan: tuple[int, list[tuple[str, Module]]] | None = None
+        self._plan: _Plan | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "fold_bn":  # the plan folds as fold_bn says: made again at the next call
+            object.__setattr__(self, "_plan", None)
 
     def __getitem__(self, index: int) -> Module:
         """The module at `index` (negative counts from the end, as for a list)."""
@@ -105,9 +129,17 @@ class Sequential(Module):
 
     def fused(self) -> list[tuple[str, Module]]:
         """The modules that run, each with the names of the layers it covers."""
-        if self._plan is None or self._plan[0] != self.version:  # a parameter or layer was replaced
-            self._plan = (self.version, self._fuse())
-        return self._plan[1]
+        return self._current_plan().fused
+
+    def _current_plan(self) -> _Plan:
+        """The fusion plan, made again only when the version changed (a parameter or layer was replaced)."""
+        plan = self._plan
+        if plan is None or plan.version != self._version:
+            fused = self._fuse()
+            modules = tuple(module for _, module in fused)
+            plan = self._plan = _Plan(self._version, fused, modules,
+                                      all(type(m).__call__ is Module.__call__ for m in modules))
+        return plan
 
     def _fuse(self) -> list[tuple[str, Module]]:
         names, modules = list(self._children), list(self._children.values())
@@ -124,8 +156,15 @@ class Sequential(Module):
         return [f"{names}: {m.describe() if hasattr(m, 'describe') else type(m).__name__}" for names, m in self.fused()]
 
     def forward(self, x: Any) -> Any:
-        for _, module in self.fused():
-            x = module(x)
+        plan = self._plan  # _current_plan's check inline: this runs at every call
+        if plan is None or plan.version != self._version:
+            plan = self._current_plan()
+        if plan.by_forward:  # without Module.__call__'s frame, which would only call forward
+            for module in plan.modules:
+                x = module.forward(x)
+        else:
+            for module in plan.modules:
+                x = module(x)
         return x
 
 

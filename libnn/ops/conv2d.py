@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -220,15 +220,65 @@ def conv2d(x: Any, w: Any, b: Any = None, *, stride: int | Sequence[int] = 1, pa
     dtype, layout and device."""
     x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
     b = None if b is None else as_array(b, "conv2d", "b")
-    bn_key = None if bn is None else _bn_signature(bn)
-    key = (signature(x), signature(w), signature(b), bn_key, option_key(stride), option_key(padding),
-           option_key(dilation), option_key(groups), activation, layout, allow_tf32, path, stream_key())
+    # an absent b or bn keys as None without a call; prepare's arguments go as checks=, not in a closure.
+    # The options' part of the key is _options_key's (inline: a frame less per call), so conv2d and
+    # conv2d_with find each other's bound calls.
+    key = (signature(x), signature(w), None if b is None else signature(b), None if bn is None else _bn_signature(bn),
+           activation, (option_key(stride), option_key(padding), option_key(dilation), option_key(groups), layout,
+                        allow_tf32, path), stream_key())
+    return op.call(key, _checked_problem, path, x, w, b, bn,
+                   checks=(x, w, b, bn, activation, stride, padding, dilation, groups, layout, allow_tf32))
 
-    def prepare():
-        problem = conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
-        _epilogue_vectors(bn, b, problem.K, x)  # validates bn
-        return problem
-    return op.call(key, prepare, path, x, w, b, bn)
+
+class ConvOptions(NamedTuple):
+    """conv2d's options for calls that all pass the same ones (an nn.Conv2d's), with `key`, their part
+    of the bound-call key, made once by conv_options rather than at every call (each option keyed with
+    its type costs about 0.25 µs on a CPU for a pair). Checked as conv2d checks them, at each bind."""
+    stride: Any
+    padding: Any
+    dilation: Any
+    groups: Any
+    layout: str
+    allow_tf32: bool
+    path: str
+    key: tuple
+
+
+def conv_options(*, stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+                 dilation: int | Sequence[int] = 1, groups: int = 1, layout: str = "NHWC", allow_tf32: bool = False,
+                 path: str = "auto") -> ConvOptions:
+    """conv2d's keyword options (its defaults) held for conv2d_with."""
+    return ConvOptions(stride, padding, dilation, groups, layout, allow_tf32, path,
+                       _options_key(stride, padding, dilation, groups, layout, allow_tf32, path))
+
+
+def conv2d_with(options: ConvOptions, x: Any, w: Any, b: Any = None, bn: Sequence[Any] | None = None,
+                activation: str | None = None) -> Any:
+    """conv2d(x, w, b, bn=bn, activation=activation) with the options `options` holds: the same checks,
+    errors and bound calls, without keying the options again."""
+    x, w = as_array(x, "conv2d", "x"), as_array(w, "conv2d", "w")
+    b = None if b is None else as_array(b, "conv2d", "b")
+    key = (signature(x), signature(w), None if b is None else signature(b), None if bn is None else _bn_signature(bn),
+           activation, options.key, stream_key())
+    return op.call(key, _checked_problem_with, options.path, x, w, b, bn, checks=(x, w, b, bn, activation, options))
+
+
+def _options_key(stride, padding, dilation, groups, layout, allow_tf32, path) -> tuple:
+    """The options' part of a bound call's key, each option with its type (conv2d builds it inline)."""
+    return (option_key(stride), option_key(padding), option_key(dilation), option_key(groups), layout, allow_tf32,
+            path)
+
+
+def _checked_problem(x, w, b, bn, activation, stride, padding, dilation, groups, layout, allow_tf32) -> ConvProblem:
+    """conv2d_problem, and bn's checks (_epilogue_vectors raises what is wrong with it): a bind's prepare."""
+    problem = conv2d_problem(x, w, b, bn, stride, padding, dilation, groups, activation, layout, allow_tf32)
+    _epilogue_vectors(bn, b, problem.K, x)  # validates bn
+    return problem
+
+
+def _checked_problem_with(x, w, b, bn, activation, options: ConvOptions) -> ConvProblem:
+    o = options
+    return _checked_problem(x, w, b, bn, activation, o.stride, o.padding, o.dilation, o.groups, o.layout, o.allow_tf32)
 
 
 def _bn_signature(bn) -> tuple:
@@ -237,7 +287,6 @@ def _bn_signature(bn) -> tuple:
         return tuple(signature(v) if hasattr(v, "shape") else option_key(v) for v in bn)
     except TypeError:  # not a sequence: the checks say so
         return (type(bn),)
-
 
 
 def _inputs(problem: ConvProblem, x, w, b, bn):
