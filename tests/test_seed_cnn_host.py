@@ -219,6 +219,19 @@ def test_a_module_that_overrides_call_is_called_and_forward_is_looked_up_at_ever
     np.testing.assert_array_equal(plain(x), -np.maximum(x, 0))
 
 
+def test_use_path_after_a_call_reaches_the_folded_conv(rng):
+    """The folded conv is a clone of the model's Conv2d made at the first call: a path use_path sets on
+    the model later is the clone's too (here a GPU path, refused for host arrays by the first op)."""
+    model = SeedCNN.pretrained()
+    x = rng.standard_normal((1, 1, 28, 28)).astype(np.float32)
+    model(x)
+    model.use_path("custom")
+    with pytest.raises(TypeError, match=r"^conv2d: path 'custom' runs on the GPU"):
+        model(x)
+    model.use_path("reference")
+    assert model(x).shape == (1, 10)
+
+
 # --- SeedCNN's input parameter ------------------------------------------------------------------------------
 def test_the_input_follows_the_first_conv_after_a_cast_or_a_replaced_weight(rng):
     model = SeedCNN.pretrained()

@@ -196,6 +196,8 @@ class Conv2dBNAct(Module):
         folded = self._folded
         if folded is None:
             folded = self._folded_conv()
+        elif folded.path != self.conv.path:  # use_path reaches the conv, not the clone made from it
+            folded.path = self.conv.path
         # the clone is a plain Conv2d of ours: its forward is what calling it runs, without Module.__call__
         return folded.forward(x, activation=self.activation)
 
