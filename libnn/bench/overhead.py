@@ -345,6 +345,16 @@ def _floor_culaunch():
     return launch
 
 
+def _floor_culaunch_ex():
+    """The same launch through cuLaunchKernelEx with its configuration built once, as runtime/launch.py does."""
+    from libnn.runtime import launch as launcher
+
+    f, y, args, cupy = _epilogue_kernel_args()
+    bound = launcher.Launch(f, "channel_epilogue_f16", (4,), (256,), 0, cupy.cuda.get_current_stream().ptr,
+                            [launcher.ARRAY, *args[1:]])
+    return lambda: bound(y)
+
+
 def _floor_cublaslt():
     import cupy
 
@@ -442,6 +452,7 @@ FLOORS = [
     ("torch.empty (16, 64) fp16", _floor_torch_empty),
     ("kernel launch: cupy RawKernel (7 args)", _floor_rawkernel),
     ("kernel launch: cuda-bindings cuLaunchKernel, pre-packed", _floor_culaunch),
+    ("kernel launch: libnn's Launch (cuLaunchKernelEx, configuration built once)", _floor_culaunch_ex),
     ("cuBLASLt matmul (libnn's plan, raw binding)", _floor_cublaslt),
     ("cuDNN frontend execute(dict)", _floor_cudnn_execute),
     ("cuDNN frontend execute_plan_at_index(dict)", _floor_cudnn_execute_at_index),

@@ -2,13 +2,13 @@
 
 A bound call knows everything about its launches but the arrays' pointers: the kernel, the grid, the
 block, the shared memory, the stream and every scalar argument. `bind(...)` packs all of it once; each
-launch then writes the pointers into their slots and calls `cuLaunchKernel` through cuda-bindings with
-the address of the packed argument array. CuPy's `RawKernel.__call__` converts every argument again
+launch then writes the pointers into their slots and calls `cuLaunchKernelEx` through cuda-bindings
+with a configuration built once and the address of the packed argument array. CuPy's `RawKernel.__call__` converts every argument again
 on every launch, several times the cost (`libnn bench overhead`, "floors").
 
 Argument slots are 8 bytes each; the driver copies each parameter's own size from its slot (4 bytes for
 an int32 or float32, stored in the slot's low bytes on a little-endian host) when the launch is issued,
-so the slots may be rewritten as soon as `cuLaunchKernel` returns. A lock keeps two threads launching
+so the slots may be rewritten as soon as `cuLaunchKernelEx` returns. A lock keeps two threads launching
 through one bound call (the same stream) from mixing their pointers.
 """
 
@@ -40,7 +40,7 @@ class Launch:
 
         self.name = name
         self._device = cupy.cuda.runtime.getDevice()  # the device `function` is loaded on
-        self._launch = driver.cuLaunchKernel
+        self._launch = driver.cuLaunchKernelEx
         self._success = driver.CUresult.CUDA_SUCCESS
         self._invalid_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         self._slots = np.zeros(len(args), np.uint64)
@@ -49,16 +49,12 @@ class Launch:
             if a is not ARRAY:
                 self._slots[i:i + 1].view(np.asarray(a).dtype)[0] = a  # the value in the slot's low bytes
         self._pointers = np.array([self._slots.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
-        # cuLaunchKernel's arguments, built once: the packed argument array's address is read once
-        # (.ctypes costs microseconds per access) and only the slots behind it change between launches
-        grid, block = (*grid, *(1,) * (3 - len(grid))), (*block, *(1,) * (3 - len(block)))
-        if programmatic:
-            self._launch = driver.cuLaunchKernelEx
-            self._args = (_programmatic_config(grid, block, shared_mem, stream_ptr),
-                          driver.CUfunction(function.kernel.ptr), self._pointers.ctypes.data, 0)
-        else:
-            self._args = (driver.CUfunction(function.kernel.ptr), *grid, *block, shared_mem,
-                          driver.CUstream(stream_ptr), self._pointers.ctypes.data, 0)
+        # cuLaunchKernelEx's arguments, built once: the configuration (four arguments to convert per launch,
+        # not cuLaunchKernel's eleven: 0.4-0.8 µs less per launch on the H100's host, benchmarks/RESULTS.md)
+        # and the packed argument array's address, read once (.ctypes costs microseconds per access); only
+        # the slots behind it change between launches
+        self._args = (_launch_config(grid, block, shared_mem, stream_ptr, programmatic),
+                      driver.CUfunction(function.kernel.ptr), self._pointers.ctypes.data, 0)
         self._lock = threading.Lock()
 
     def __call__(self, *arrays: Any) -> None:
@@ -94,18 +90,22 @@ def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args
                   current_stream().ptr if stream_ptr is None else stream_ptr, args, programmatic)
 
 
-def _programmatic_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream_ptr: int) -> Any:
-    """cuLaunchKernelEx's configuration with the programmatic stream serialization attribute."""
+def _launch_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream_ptr: int,
+                   programmatic: bool) -> Any:
+    """cuLaunchKernelEx's configuration (grid and block padded to three dimensions with 1s), with the
+    programmatic stream serialization attribute where `programmatic`."""
     from cuda.bindings import driver
 
-    attribute = driver.CUlaunchAttribute()
-    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
     config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.gridDimX, config.gridDimY, config.gridDimZ = (*grid, *(1,) * (3 - len(grid)))
+    config.blockDimX, config.blockDimY, config.blockDimZ = (*block, *(1,) * (3 - len(block)))
     config.sharedMemBytes = shared_mem
     config.hStream = driver.CUstream(stream_ptr)
-    config.attrs = [attribute]
-    config.numAttrs = 1
+    config.numAttrs = 0
+    if programmatic:
+        attribute = driver.CUlaunchAttribute()
+        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attribute]
+        config.numAttrs = 1
     return config
