@@ -7,9 +7,10 @@ cuBLASLt's FP8 GEMM; not tuned.
     wq  (N, K) E4M3 codes of the weight; w_scale[0] (per tensor) or w_scale[n] (per output channel)
     y[m, n] = act(x_scale[0] * w_scale[n or 0] * sum_k e4m3(xq[m, k]) * e4m3(wq[n, k]) + bias[n] + residual[m, n])
 
-Numerics: each code is decoded exactly to fp32 (a table of the 256 values in shared memory; 0x7f and 0xff
-are NaN, which propagates), every product of two E4M3 values is exact in fp32 (4 significant bits each),
-and the products are summed in fp32 by FFMA, in K order per thread. The scales, bias, residual and
+Numerics (version 1's; version 3 sums on the tensor cores, as its paragraph says): each code is decoded
+exactly to fp32 (a table of the 256 values in shared memory; 0x7f and 0xff are NaN, which propagates),
+every product of two E4M3 values is exact in fp32 (4 significant bits each), and the products are summed
+in fp32 by FFMA, in K order per thread. The scales, bias, residual and
 activation (kernels/common.cuh's apply_act: none, relu, gelu, gelu_erf) are applied in fp32 and the result
 rounded once to T (fp16 or bf16; raw 16-bit words converted with PTX, no toolkit header). bias and
 residual are in T, or null.
@@ -50,10 +51,11 @@ LAUNCH (version 3)
     block (FP8_GEMV3_THREADS, 1, 1), grid (min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs), 1, 1),
     dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
     to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
-    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K) and y (M, N) row-major and contiguous;
-    y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with programmatic stream
-    serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel ahead, whose output x
-    is, before it reads x; the norms, swiglu and attention's zeroing kernel let it start (pdl_launch_dependents).
+    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K), y and residual (M, N) row-major and
+    contiguous; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
+    programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
+    ahead, whose output x is, before it reads x; rms_norm, swiglu and attention's zeroing kernel let it
+    start (pdl_launch_dependents).
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -62,13 +64,13 @@ constexpr int FP8_GEMM_THREADS = 256;
 constexpr int FP8_GEMM_BM = 64;   // rows of y per block
 constexpr int FP8_GEMM_BN = 64;   // columns of y per block
 constexpr int FP8_GEMM_BK = 32;   // codes of K per step: BM * BK / 8 = one 8-code group per thread
-constexpr int FP8_GEMV_MAX_M = 8;          // rows of x version 2 takes (a decode step's batch)
+constexpr int FP8_GEMV_MAX_M = 8;          // rows of x version 3 takes (a decode step's batch)
 constexpr int FP8_GEMV3_THREADS = 256;     // 8 warps, each a share of K for the block's rows of w
-constexpr int FP8_GEMV3_ROWS = 16;        // rows of w (columns of y) per block: the mma's m
-constexpr int FP8_GEMV3_CHUNK = 64;       // codes of K per row of w that 4 lanes load at once (16 each)
-constexpr int FP8_GEMV3_UNROLL = 2;       // chunks per row a lane has in each of its two loads in flight
+constexpr int FP8_GEMV3_ROWS = 16;         // rows of w (columns of y) per block: the mma's m
+constexpr int FP8_GEMV3_CHUNK = 64;        // codes of K per row of w that 4 lanes load at once (16 each)
+constexpr int FP8_GEMV3_UNROLL = 2;        // chunks per row a lane has in each of its two loads in flight
 constexpr int FP8_GEMV3_BLOCKS_PER_SM = 2; // blocks per SM the grid holds (every block quantises x once)
-constexpr int FP8_GEMV3_XS_BYTES = 36864; // dynamic shared memory for x's codes: M * gemv3_x_stride(K), at most
+constexpr int FP8_GEMV3_XS_BYTES = 36864;  // dynamic shared memory for x's codes: M * gemv3_x_stride(K), at most
 
 namespace fp8g {
 

@@ -3,8 +3,9 @@
 A bound call knows everything about its launches but the arrays' pointers: the kernel, the grid, the
 block, the shared memory, the stream and every scalar argument. `bind(...)` packs all of it once; each
 launch then writes the pointers into their slots and calls `cuLaunchKernelEx` through cuda-bindings
-with a configuration built once and the address of the packed argument array. CuPy's `RawKernel.__call__` converts every argument again
-on every launch, several times the cost (`libnn bench overhead`, "floors").
+with a configuration built once and the address of the packed argument array. CuPy's
+`RawKernel.__call__` converts every argument again on every launch, several times the cost (`libnn bench
+overhead`, "floors").
 
 Argument slots are 8 bytes each; the driver copies each parameter's own size from its slot (4 bytes for
 an int32 or float32, stored in the slot's low bytes on a little-endian host) when the launch is issued,
