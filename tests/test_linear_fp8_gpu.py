@@ -247,16 +247,21 @@ def e4m3_ties() -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("spread", ["ties", "normal"])
+@pytest.mark.parametrize("spread", ["ties", "ties x3", "normal"])
 def test_gemv_codes_x_as_the_quantiser_does(rng, dtype, spread):
     """The GEMV quantises x itself (a reciprocal with two FMA corrections in place of the division, the
     hardware's E4M3 conversion): with an identity weight of scale 1, y is x's dequantised codes, which
     must be the quantiser's. A code one step off moves its element by 1/16 or more; the comparison allows
-    an fp16 rounding of the product sx · value."""
+    an fp16 rounding of the product sx · value. "ties" has max |x| = 448, so sx = 1 and the quotient is x
+    itself: it tests the conversion's rounding. "ties x3" (exact in fp16 and bf16: 7 significant bits at
+    most) has sx = 3, whose reciprocal is inexact, so every quotient lands on its tie only through the
+    corrections."""
     from libnn.ops.linear_fp8 import gemv_fits, linear_fp8_problem
 
     ties = e4m3_ties()
-    x = (ties if spread == "ties" else rng.standard_normal(1000) * 3.7).astype(dtypes.parse(dtype))[None, :]
+    values = rng.standard_normal(1000) * 3.7 if spread == "normal" else ties * (3 if spread == "ties x3" else 1)
+    x = values.astype(dtypes.parse(dtype))[None, :]
+    assert spread == "normal" or np.array_equal(x[0].astype(np.float64), values)   # the ties survive the cast
     K = x.shape[1]
     codes = np.zeros((K, K), np.uint8)
     np.fill_diagonal(codes, 0x38)   # E4M3 1.0
