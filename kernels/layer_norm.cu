@@ -187,6 +187,7 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
 
 #define LN_REGISTERS(name, BOUNDS, DT, VPT, VEC, ROW_IS_BLOCK)                                         \
     extern "C" __global__ void __launch_bounds__(BOUNDS) name(LN_PARAMS(lnk::DT::T)) {                 \
+        libnn::pdl_launch_dependents();   /* the GEMV after a norm streams its weight meanwhile */       \
         lnk::ln_registers<lnk::DT, VPT, VEC, ROW_IS_BLOCK>(x, res, w, b, y, s, M, N, eps);                     \
     }
 #define LN1(SUFFIX, DT, VPT)                                                                           \
@@ -195,6 +196,7 @@ __device__ __forceinline__ void ln_loop(const typename DT::T* __restrict__ x, co
 #define LN2(SUFFIX, DT, VPT) LN_REGISTERS(ln2_block_vec##VPT##_##SUFFIX, 512, DT, VPT, true, true)
 #define LN3(SUFFIX, DT)                                                                                \
     extern "C" __global__ void __launch_bounds__(512) ln3_loop_##SUFFIX(LN_PARAMS(lnk::DT::T)) {       \
+        libnn::pdl_launch_dependents();                                                                \
         lnk::ln_loop<lnk::DT>(x, res, w, b, y, s, M, N, eps);                                                  \
     }
 ROW_KERNELS(LN1, LN2, LN3)

@@ -33,7 +33,9 @@ Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_
     flight, and feeds them straight to mma.sync m16n8k32 e4m3 as the A operand (y^T = w x^T: the 16 rows
     of w are the mma's m, x's rows its n), with x's codes of the same 16 positions as B: a dot product sums
     over k in any order as long as A and B agree. The products of two E4M3 codes are exact; the tensor
-    cores add them in fp32 (not in version 1's order: results agree to fp32 rounding). The warps' sums
+    cores add them into fp32 accumulators, in another order than version 1's and possibly with fewer
+    bits kept per addition (Hopper's FP8 matrix units are reported to truncate; not measured here): the
+    tests bound the result by the dtype's tolerance against the float64 reference, not by fp32 rounding. The warps' sums
     meet in shared memory; version 1's epilogue follows. Version 2 (one warp per output, codes decoded to
     fp32 and FFMA, x quantised by div_rn and e4m3_code) ran at a third of the copy rate at a decode step's
     shapes; version 3 replaced it (benchmarks/RESULTS.md).
@@ -54,8 +56,8 @@ LAUNCH (version 3)
     Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K), y and residual (M, N) row-major and
     contiguous; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
     programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
-    ahead, whose output x is, before it reads x; rms_norm, swiglu and attention's zeroing kernel let it
-    start (pdl_launch_dependents).
+    ahead, whose output x is, before it reads x; rms_norm, layer_norm, swiglu and attention's zeroing
+    kernel let it start (pdl_launch_dependents).
 */
 #include "common.cuh"
 #include "fp8.cuh"
