@@ -13,9 +13,10 @@ import pytest
 
 import libnn
 from libnn.ops import avg_pool2d, layer_norm, max_pool2d, rms_norm, softmax
-from libnn.runtime import arrays, contracts, device, launch, memory
+from libnn.runtime import contracts, launch
 
 from conftest import random_normal
+from gpu_stand_ins import CUDA, DeviceArray, on_device, report_a_gpu
 
 LN = sys.modules["libnn.ops.layer_norm"]
 OPS = ("layer_norm", "rms_norm", "softmax", "pool2d")
@@ -67,49 +68,26 @@ def test_max_and_avg_pooling_of_one_signature_keep_their_own_bound_calls(rng):
 
 
 # --- GPU paths against a stand-in for CuPy and the launch ------------------------------------------------
-class DeviceArray(np.ndarray):
-    """A host array that the front end takes for a CuPy one (arrays.is_cupy: a type from a module named
-    cupy*, with a device): `data` gives its pointer and device as CuPy's MemoryPointer does."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
-
-
-DeviceArray.__module__ = "cupy.stand_in"
-
-
-def on_device(a: np.ndarray) -> DeviceArray:
-    return a.view(DeviceArray)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """CuPy's allocation and copies made by NumPy, a GPU and a stream reported, and every kernel launch
     recorded: returns (binds, launches), binds as (kernel, packed args), launches as the arrays passed."""
     binds, launches = [], []
 
-    def bind(file, kernel, grid, block, args, *, shared_mem=0, stream_ptr=None):
+    def bind(file, kernel, grid, block, args, **options):
         binds.append((kernel, args))
         return lambda *passed: launches.append(passed)
 
     def new(shape, dtype):
         return on_device(np.empty(shape, dtype))
 
-    stream = types.SimpleNamespace(ptr=0x7F00)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        ndarray=new, empty=new, ascontiguousarray=lambda a: on_device(np.ascontiguousarray(a)),
-        cuda=types.SimpleNamespace(get_current_stream=lambda: stream)))
+        ndarray=new, empty=new, ascontiguousarray=lambda a: on_device(np.ascontiguousarray(a)), cuda=CUDA))
     monkeypatch.setattr(launch, "bind", bind)
-    monkeypatch.setattr(device, "gpu_missing", lambda: None)
-    monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
-    monkeypatch.setattr(arrays, "_current_stream", None)
-    monkeypatch.setattr(memory, "require", lambda *args: None)
+    report_a_gpu(monkeypatch)
     # a strided array's copy stays a device array, as CuPy's does
     monkeypatch.setattr(LN.row_kernels, "contiguous",
                         lambda a: a if a.flags.c_contiguous else on_device(np.ascontiguousarray(a)))
-    # taken for a CuPy array from the first signature on (CuPy's arrays are, by as_array; NumPy's subclass is not)
-    assert arrays.is_cupy(on_device(np.empty(1)))
     for name in OPS:
         libnn.get_op(name).calls.clear()
     yield binds, launches

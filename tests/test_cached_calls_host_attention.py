@@ -17,9 +17,10 @@ from libnn import nn
 from libnn.ops import attention, embedding
 from libnn.ops.attention import CheckedLengths, KeyPaddingBias
 from libnn.ops.embedding import IdErrors
-from libnn.runtime import arrays, contracts, device, launch, memory
+from libnn.runtime import contracts, device, launch
 
 from conftest import random_normal
+from gpu_stand_ins import CUDA, DeviceArray, on_device, report_a_gpu
 
 AT = sys.modules["libnn.ops.attention"]
 EM = sys.modules["libnn.ops.embedding"]
@@ -85,27 +86,6 @@ def test_embedding_options_are_keyed_with_their_type(rng):
 
 
 # --- GPU paths against a stand-in for CuPy, the launch and the cuDNN graph ---------------------------------
-class DeviceArray(np.ndarray):
-    """A host array that the front end takes for a CuPy one (arrays.is_cupy: a type from a module named
-    cupy*, with a device): `data` gives its pointer and device as CuPy's MemoryPointer does, `device`
-    its device as CuPy's Device does."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
-
-    @property
-    def device(self):
-        return types.SimpleNamespace(id=0)
-
-
-DeviceArray.__module__ = "cupy.stand_in"
-
-
-def on_device(a: np.ndarray) -> DeviceArray:
-    return a.view(DeviceArray)
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """CuPy's allocations and conversions made by NumPy, a GPU, a stream and cuDNN reported, every kernel
@@ -113,7 +93,7 @@ def fake_gpu(monkeypatch):
     (the arrays passed), graphs (the uids of each executor) and executed (the arrays passed)."""
     seen = types.SimpleNamespace(binds=[], launches=[], graphs=[], executed=[])
 
-    def bind(file, kernel, grid, block, args, *, shared_mem=0, stream_ptr=None):
+    def bind(file, kernel, grid, block, args, **options):
         seen.binds.append((kernel, args))
         return lambda *passed: seen.launches.append(passed)
 
@@ -127,22 +107,16 @@ def fake_gpu(monkeypatch):
     def asarray(a, dtype=None):
         return a if dtype is None or a.dtype == dtype else on_device(np.asarray(a, dtype))
 
-    stream = types.SimpleNamespace(ptr=0x7F00)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         ndarray=new, empty=new, asarray=asarray, int32=np.int32, int64=np.int64,
-        ascontiguousarray=lambda a, dtype=None: on_device(np.ascontiguousarray(a, dtype)),
-        cuda=types.SimpleNamespace(get_current_stream=lambda: stream)))
+        ascontiguousarray=lambda a, dtype=None: on_device(np.ascontiguousarray(a, dtype)), cuda=CUDA))
     monkeypatch.setattr(launch, "bind", bind)
-    monkeypatch.setattr(device, "gpu_missing", lambda: None)
+    report_a_gpu(monkeypatch)
     monkeypatch.setattr(device, "module_missing", lambda name: None)  # cudnn "imports"
-    monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
-    monkeypatch.setattr(arrays, "_current_stream", None)
-    monkeypatch.setattr(memory, "require", lambda *args: None)
     monkeypatch.setattr(AT, "cudnn_backend", types.SimpleNamespace(
         graph_for=lambda key, build, describe: types.SimpleNamespace(executor=executor)))
     monkeypatch.setattr(AT, "device_constant", lambda n, value, dtype: on_device(np.full(n, value, dtype)))
     monkeypatch.setattr(IdErrors, "allocate", classmethod(lambda cls: cls(np.zeros(1, np.uint64))))
-    assert arrays.is_cupy(on_device(np.empty(1)))
     for name in OPS:
         libnn.get_op(name).calls.clear()
     yield seen

@@ -18,45 +18,16 @@ from libnn.nn import conv as conv_layers
 from libnn.nn import pool as pool_layers
 from libnn.nn import sequential
 from libnn.ops import conv2d, max_pool2d
-from libnn.runtime import arrays, device, launch, memory
+from libnn.runtime import launch
 
 from conftest import random_normal, rel_error
+from gpu_stand_ins import CUDA, device_empty, on_device, report_a_gpu
 
 CONV = sys.modules["libnn.ops.conv2d"]
 OPS = ("conv2d", "pool2d", "linear", "softmax")
 
 
 # --- the GPU path against a stand-in for CuPy and the launch ----------------------------------------------
-class DeviceArray(np.ndarray):
-    """A host array that the front end takes for a CuPy one (arrays.is_cupy: a type from a module named
-    cupy*, with a device): `data` gives its pointer and device as CuPy's MemoryPointer does."""
-
-    @property
-    def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
-
-    @property
-    def device(self):
-        return types.SimpleNamespace(id=0)
-
-
-DeviceArray.__module__ = "cupy.stand_in"
-
-
-def on_device(a) -> DeviceArray:
-    return np.asarray(a).view(DeviceArray)
-
-
-def device_empty(shape, dtype=np.float32) -> DeviceArray:
-    """An uninitialised device array at a 256-byte boundary, as CuPy's allocations are (the pointer's low
-    8 bits are keyed: NumPy's own alignment would key each output apart)."""
-    dtype = np.dtype(dtype)
-    size = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(size + 256, np.uint8)
-    start = -raw.ctypes.data % 256
-    return on_device(raw[start:start + size].view(dtype).reshape(shape))
-
-
 class StandInCupy(types.ModuleType):
     """NumPy's functions under CuPy's name, the arrays they make taken for device arrays."""
 
@@ -74,15 +45,11 @@ def fake_gpu(monkeypatch):
     cupy.ndarray = cupy.empty = device_empty
     cupy.asarray = lambda a, dtype=None: on_device(np.asarray(a, dtype))
     cupy.ascontiguousarray = lambda a: on_device(np.ascontiguousarray(a))
-    stream = types.SimpleNamespace(ptr=0x7F00)
-    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda: stream)
+    cupy.cuda = CUDA
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(launch, "bind", lambda file, kernel, grid, block, args, *, shared_mem=0, stream_ptr=None:
+    monkeypatch.setattr(launch, "bind", lambda file, kernel, grid, block, args, **options:
                         lambda *passed: launches.append(passed))
-    monkeypatch.setattr(device, "gpu_missing", lambda: None)
-    monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
-    monkeypatch.setattr(arrays, "_current_stream", None)
-    monkeypatch.setattr(memory, "require", lambda *args: None)
+    report_a_gpu(monkeypatch)
     for name in OPS:
         libnn.get_op(name).calls.clear()
     yield launches
