@@ -225,7 +225,6 @@ def _graph_replay():
 
 
 def _encoder_eager():
-    import torch
     from transformers import BertConfig as HFConfig, BertModel
 
     model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype="fp16", device="gpu")
