@@ -42,7 +42,8 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import as_array, device_constant, device_of, signature, stream_key
+from libnn.runtime.arrays import (as_array, contiguous_arrays, copying_strided, device_constant, device_of, signature,
+                                  stream_key)
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -178,7 +179,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
 
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    arrays = row_kernels.contiguous_arrays(x, weight, bias, residual)
+    arrays = contiguous_arrays(x, weight, bias, residual)
     misaligned = [name for name, a in zip(("x", "weight", "bias", "residual"), arrays)
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
@@ -206,7 +207,7 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
-    return row_kernels.copying_strided(runner, x, weight, bias, residual)
+    return copying_strided(runner, x, weight, bias, residual)
 
 
 # --- custom path: kernels/layer_norm.cu ----------------------------------------------------------------
@@ -281,7 +282,7 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
 def _custom(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    return row_kernels.copying_strided(bind_custom(problem, *row_kernels.contiguous_arrays(x, weight, bias, residual)),
+    return copying_strided(bind_custom(problem, *contiguous_arrays(x, weight, bias, residual)),
                                        x, weight, bias, residual)
 
 

@@ -18,7 +18,7 @@ from libnn import dtypes
 from libnn.ops.spatial import LAYOUTS, nhwc_strides, pair
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import as_array, contiguous, copying_strided, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -161,12 +161,7 @@ def bind_pool(problem: PoolProblem, x):
         y = new(shape, dtype)
         kernel(x, y)
         return y
-
-    def run_copy(x):
-        y = new(shape, dtype)
-        kernel(cupy.ascontiguousarray(x), y)
-        return y
-    return run if x.flags.c_contiguous else run_copy
+    return copying_strided(run, x)
 
 
 def launch_pool(problem: PoolProblem, x):

@@ -159,24 +159,6 @@ def reference_fits(op: str, M: int, N: int, dtype: str, return_sum: bool, shape:
 
 
 # --- layer_norm's and rms_norm's paths: x and the residual, each op adding its (N,) vectors ----------------
-def contiguous_arrays(*arrays: Any) -> tuple[Any, ...]:
-    """Each of `arrays` C-contiguous (a copy where it is not), None where absent: what a bind packs for."""
-    return tuple(None if a is None else contiguous(a) for a in arrays)
-
-
-def copying_strided(run: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
-    """`run`, a runner of C-contiguous arrays that reads only their pointers (so x and the residual may
-    have any rank, and it gives its results x's shape), for the signature of the arrays `bound` (None:
-    absent): `run` itself where every one is C-contiguous, so a cached call adds nothing to it; else a
-    runner that passes C-contiguous copies (one more pass over each strided array, as pool2d does)."""
-    if all(a is None or a.flags.c_contiguous for a in bound):
-        return run
-
-    def copying(*arrays):
-        return run(*contiguous_arrays(*arrays))
-    return copying
-
-
 def _rows(problem: Any, a: Any) -> Any:
     return None if a is None else contiguous(a).reshape(problem.M, problem.N)
 

@@ -32,7 +32,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, device_of, signature, stream_key
+from libnn.runtime.arrays import as_array, copying_strided, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
 
@@ -169,12 +169,7 @@ def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None)
         y = new(shape, dtype)
         kernel(x, y)
         return y
-
-    def run_copy(x):
-        y = new(shape, dtype)
-        kernel(cupy.ascontiguousarray(x), y)
-        return y
-    return run if x.flags.c_contiguous else run_copy
+    return copying_strided(run, x)
 
 
 op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)(bind_custom)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -124,6 +124,24 @@ def contiguous(a: Any):
     if a.flags.c_contiguous:
         return a
     return array_module(a).ascontiguousarray(a)
+
+
+def contiguous_arrays(*arrays: Any) -> tuple[Any, ...]:
+    """Each of `arrays` C-contiguous (a copy where it is not), None where absent: what a bind packs for."""
+    return tuple(None if a is None else contiguous(a) for a in arrays)
+
+
+def copying_strided(run: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
+    """`run`, a runner of C-contiguous arrays that reads only their pointers (layer_norm's, softmax's,
+    pool2d's), for the signature of the arrays `bound` (None: absent): `run` itself where every one is
+    C-contiguous, so a cached call adds nothing to it; else a runner that passes C-contiguous copies (one
+    more pass over each strided array)."""
+    if all(a is None or a.flags.c_contiguous for a in bound):
+        return run
+
+    def copying(*arrays):
+        return run(*contiguous_arrays(*arrays))
+    return copying
 
 
 def min_max(arrays: list[Any]) -> list[tuple[int, int]] | None:
