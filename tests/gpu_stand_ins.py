@@ -19,15 +19,17 @@ CUDA = types.SimpleNamespace(get_current_stream=lambda: STREAM)   # cupy.cuda: t
 class DeviceArray(np.ndarray):
     """A host array that the front end takes for a CuPy one (arrays.is_cupy: a type from a module named
     cupy*, with a device): `data` gives its pointer and device as CuPy's MemoryPointer does, `device` its
-    device as CuPy's Device does."""
+    device as CuPy's Device does. A subclass on another GPU sets `device_id`."""
+
+    device_id = 0
 
     @property
     def data(self):
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=0)
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0], device_id=self.device_id)
 
     @property
     def device(self):
-        return types.SimpleNamespace(id=0)
+        return types.SimpleNamespace(id=self.device_id)
 
 
 DeviceArray.__module__ = "cupy.stand_in"
