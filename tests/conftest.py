@@ -97,14 +97,16 @@ def precompile_kernels() -> list[subprocess.Popen]:
 
 def _precompile_cutlass() -> list[subprocess.Popen]:
     """On a GPU the cutlass path runs on (Hopper, nvcc and CUTLASS's headers here): nvcc's builds of its
-    libraries, about a minute each, started with the NVRTC compiles."""
+    libraries (every dtype and tile), about a minute each, started with the NVRTC compiles."""
     from libnn.backends import cutlass
 
     if gpu_missing() or cutlass.missing(0):
         return []
-    script = "import sys; from libnn.backends import cutlass; cutlass.build(sys.argv[1])"
-    return [subprocess.Popen([sys.executable, "-c", script, dtype], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for dtype in cutlass.ELEMENTS]
+    script = ("import sys; from libnn.backends import cutlass; "
+              "cutlass.build(sys.argv[1], cutlass.TILES[int(sys.argv[2])])")
+    return [subprocess.Popen([sys.executable, "-c", script, dtype, str(i)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+            for dtype in cutlass.ELEMENTS for i in range(len(cutlass.TILES))]
 
 
 def _lower_priority() -> None:

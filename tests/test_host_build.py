@@ -41,8 +41,8 @@ def test_cutlass_gemm_builds_once_and_exports_its_entry_point():
 def test_a_failed_build_names_the_file_its_options_and_nvccs_error():
     with pytest.raises(KernelCompileError, match=r"(?s)nvcc could not build kernels/nvcc/gemm_cutlass.cu "
                                                  r"\(.*-DELEMENT=not_a_type.*\).*not_a_type"):
-        host_build.library_file("gemm_cutlass.cu", cutlass.ARCH, {"ELEMENT": "not_a_type"}, cutlass.include_dirs(),
-                                cutlass.version())
+        defines = {"ELEMENT": "not_a_type", **cutlass.TILES[0].defines()}
+        host_build.library_file("gemm_cutlass.cu", cutlass.ARCH, defines, cutlass.include_dirs(), cutlass.version())
 
 
 def test_cutlass_version_is_read_from_its_headers():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import libnn
+from libnn.backends import cutlass
 from libnn.errors import FallbackWarning, LibraryError, PathUnavailableError
 from libnn.ops.linear import linear
 from conftest import rel_error
@@ -18,13 +19,13 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 8, 8), (13, 24, 40), (7, 8, 1032), (257, 136, 64), (1009, 3072, 768), (4099, 1536, 384)]
 DTYPES = ["fp16", "bf16"]
+DEFAULT = cutlass.TILES[0]
 
 
 @pytest.fixture(autouse=True)
 def cutlass_available():
     if reason := libnn.get_op("linear").paths["cutlass"].missing():
         pytest.skip(f"linear's cutlass path cannot run here: {reason}")
-    from libnn.backends import cutlass
     from libnn.runtime.device import current_device_id
     if reason := cutlass.missing(current_device_id()):
         pytest.skip(f"linear's cutlass path cannot run here: {reason}")
@@ -50,6 +51,25 @@ def test_cutlass_gelu_erf_matches_reference(rng, dtype, shape, bias, residual):
     assert rel_error(got, expected) <= tolerance(dtype)
 
 
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", cutlass.TILES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 8, 8), (131, 200, 72), (4099, 1544, 384)], ids=lambda s: "x".join(map(str, s)))
+def test_every_tile_matches_the_reference(rng, dtype, tile, shape):
+    """Each tile's build, whichever shape auto would give it, with bias and residual: partial tiles along
+    M and N (131 rows, 200 and 1544 columns are no multiples of 128, 192 or 256) included."""
+    import cupy
+
+    M, N, K = shape
+    x, w, b = draw(rng, M, N, K, dtype)
+    r = residual_like(rng, M, N, dtype)
+    expected = linear(x, w, b, "gelu_erf", residual=r, path="reference")
+    xg, wg, bg, rg = to_gpu(x, w, b, r)
+    y = cupy.empty((M, N), xg.dtype)  # poisoned: NaN where the kernel writes nothing
+    cutlass.bind_gemm_gelu_erf(dtype, M, N, K, tile)(xg, wg, bg, rg, y)
+    assert rel_error(y, expected) <= tolerance(dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cutlass_equals_its_unfused_twin(rng, dtype):
     """One kernel (cutlass) and GEMM + pass (cublaslt) compute the same function: within the dtype's
@@ -63,18 +83,16 @@ def test_cutlass_equals_its_unfused_twin(rng, dtype):
 
 
 def test_auto_takes_cutlass_for_gelu_erf_where_its_tiles_fill_the_gpu(rng):
-    from libnn.backends import cutlass
-
     op = libnn.get_op("linear")
-    x, w, b = to_gpu(*draw(rng, filling_rows(), 4 * cutlass.TILE_N, 64, "fp16"))
+    x, w, b = to_gpu(*draw(rng, filling_rows(), 4 * DEFAULT.n, 64, "fp16"))
     linear(x, w, b, "gelu_erf")
     assert op.last_decision.path == "cutlass"
     linear(x, w, b, "gelu")
     assert op.last_decision.path == "cublaslt"
     assert "only the gelu_erf epilogue" in op.last_decision.passed_over["cutlass"]
-    small = linear(x[:64], w, b, "gelu_erf")  # 2 x 4 tiles: cuBLASLt's GEMM + pass, cutlass tried last
+    small = linear(x[:64], w, b, "gelu_erf")  # one row of tiles: cuBLASLt's GEMM + pass, cutlass tried last
     assert op.last_decision.path == "cublaslt"
-    assert op.last_decision.passed_over["cutlass"].startswith("tried last: 8 output tiles")
+    assert op.last_decision.passed_over["cutlass"].startswith("tried last: 6 output tiles of 128x192")
     expected = linear(*[a.get() for a in (x[:64], w, b)], "gelu_erf", path="reference")
     assert rel_error(small, expected) <= tolerance("fp16")
 
@@ -91,22 +109,19 @@ def test_shapes_outside_the_path_are_refused_by_name(rng):
 
 
 def filling_rows() -> int:
-    """Rows whose (rows, 4 * TILE_N) output has at least as many tiles as the GPU has SMs: where auto
-    tries cutlass first."""
-    from libnn.backends import cutlass
+    """Rows whose (rows, 4 * n) output has at least as many tiles of the default tile as the GPU has SMs
+    (and so of every tile, the others being smaller): where auto tries cutlass first."""
     from libnn.runtime.device import current_device_id, multiprocessors
 
     sms = multiprocessors(current_device_id())
-    return cutlass.TILE_M * cutlass.CLUSTER_M * -(-sms // (cutlass.CLUSTER_M * 4))
+    return DEFAULT.m * DEFAULT.cluster_m * -(-sms // (DEFAULT.cluster_m * 4))
 
 
 def test_misaligned_arrays_fall_back_visibly(rng):
     """A bias one element into its buffer is not 16-byte aligned: the forced path says so in CUTLASS's
     terms, and auto (on a problem it tries cutlass first for) warns and runs the next path, with the
     right result."""
-    from libnn.backends import cutlass
-
-    x, w, b = draw(rng, filling_rows(), 4 * cutlass.TILE_N, 32, "fp16")
+    x, w, b = draw(rng, filling_rows(), 4 * DEFAULT.n, 32, "fp16")
     xg, wg = to_gpu(x, w)
     b_buffer = to_gpu(np.concatenate([b[:1], b]))[0]
     b_view = b_buffer[1:]

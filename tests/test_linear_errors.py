@@ -148,17 +148,32 @@ def test_auto_puts_cutlass_first_for_gelu_erf(every_library_present, dtype, resi
     assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
 
 
-@pytest.mark.parametrize("M, N, tiles", [(128, 3072, 24), (2048, 1536, 96), (8191, 256, 64)], ids=str)
+@pytest.mark.parametrize("M, N, tiles", [(128, 3072, "16 output tiles of 128x192"), (2048, 1536, "128 output tiles of 128x192"),
+                                         (2112, 1536, "108 output tiles of 128x256"),
+                                         (8191, 256, "128 output tiles of 128x192")], ids=str)
 def test_gelu_erf_whose_tiles_do_not_fill_the_gpu_tries_cutlass_last(every_library_present, M, N, tiles):
     """An encoder at batch 1 (FFN rows up to 128): cuBLASLt's GEMM + pass first, cutlass after custom."""
     names, passed_over = resolved(gpu_problem("gelu_erf", M=M, N=N))
     assert names == ["cublaslt", "cudnn", "custom", "cutlass"]
-    assert passed_over["cutlass"] == f"tried last: {tiles} output tiles of 128x256 fill less than the GPU's 132 SMs"
+    assert passed_over["cutlass"] == f"tried last: {tiles} fill less than the GPU's 132 SMs"
 
 
 @pytest.mark.parametrize("M, N", [(4096, 3072), (32768, 1536), (8448, 1024)], ids=str)
 def test_gelu_erf_whose_tiles_fill_the_gpu_runs_on_cutlass(every_library_present, M, N):
     assert resolved(gpu_problem("gelu_erf", M=M, N=N))[0][0] == "cutlass"
+
+
+@pytest.mark.parametrize("M, N, tile", [
+    (4096, 1536, "128x192"),   # MiniLM's FFN at batch 32: 192 tiles of 128x256 are 1.45 waves, 256 of 128x192 two full
+    (2112, 1536, "128x256"),   # 108 tiles of 128x256 are one wave; 136 of 128x192 would spill into a second
+    (16493, 1536, "128x256"),  # 6 waves of 128x256 against 8 of 128x192: the same area, so the default
+    (4096, 3072, "128x256"),   # 3 waves against 4: a tie
+    (64, 1024, "128x192"),     # one wave either way: the smaller tile's wave is shorter
+], ids=str)
+def test_the_cutlass_tile_is_the_one_with_the_least_wave_area(M, N, tile):
+    from libnn.backends import cutlass
+
+    assert str(cutlass.tile_for(M, N, 132)) == tile
 
 
 def test_gelu_erf_without_nvcc_keeps_cublaslt_first(every_library_present, monkeypatch):

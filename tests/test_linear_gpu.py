@@ -394,7 +394,8 @@ def expected_gelu_erf_path(M: int, N: int) -> str:
 
     device = current_device_id()
     unavailable = libnn.get_op("linear").paths["cutlass"].missing() or cutlass.missing(device)
-    small = cutlass.gemm_tiles(M, N) < multiprocessors(device) if not unavailable else True
+    sms = multiprocessors(device)
+    small = cutlass.tile_for(M, N, sms).count(M, N) < sms if not unavailable else True
     return "cublaslt" if unavailable or small else "cutlass"
 
 

@@ -15,12 +15,16 @@ small host entry point: a CUTLASS kernel's parameters (TMA descriptors among the
 host-side adapter, which only C++ can instantiate. Its build options and launch contract live in
 libnn/backends/cutlass.py; the entry points are below.
 
-The tiles: 128x256x64, clusters of 2x1, the cooperative schedule (two consumer warp groups share each
-tile). Of six tile and schedule choices timed on the H100 (ping-pong 128x128 and 64x256, cooperative
-256x128 and 128x256 without clusters among them) it was the fastest, or at most 5.1% behind, at every
-BERT FFN shape (benchmarks/RESULTS.md, ninth session); libnn/backends/cutlass.py mirrors the tile for
-its small-M rule. ELEMENT (cutlass::half_t or cutlass::bfloat16_t) is the build's one macro: one shared
-library per dtype.
+The tiles: TILE_M x TILE_N x 64 with clusters of CLUSTER_M x 1 and the cooperative schedule (two
+consumer warp groups share each tile), built per tile (the build's macros). Two builds are used
+(libnn/backends/cutlass.py TILES, which picks one per shape): 128x256 in clusters of 2x1, of six tile and
+schedule choices timed on the H100 (ping-pong 128x128 and 64x256, cooperative 256x128 and 128x256
+without clusters among them) the fastest, or at most 5.1% behind, at every large BERT FFN shape
+(benchmarks/RESULTS.md, ninth session); and 128x192 without clusters, for the shapes where 128x256's
+last wave of tiles would leave most SMs idle (MiniLM's FFN at 4096x1536x384: 192 tiles of 128x256 on
+132 SMs are two waves, the second half empty, where 256 tiles of 128x192 fill both; benchmarks/RESULTS.md,
+eleventh session). ELEMENT (cutlass::half_t or cutlass::bfloat16_t), TILE_M, TILE_N and CLUSTER_M are
+the build's macros: one shared library per dtype and tile.
 */
 #include <cstdio>
 
@@ -37,6 +41,9 @@ library per dtype.
 
 #ifndef ELEMENT
 #error "build with -DELEMENT=cutlass::half_t or -DELEMENT=cutlass::bfloat16_t"
+#endif
+#if !defined(TILE_M) || !defined(TILE_N) || !defined(CLUSTER_M)
+#error "build with -DTILE_M, -DTILE_N and -DCLUSTER_M (the output tile and its cluster along M)"
 #endif
 
 using namespace cute;
@@ -64,8 +71,8 @@ struct GeluErf<cutlass::Array<T, N>> {
     }
 };
 
-using TileShape = Shape<_128, _256, _64>;
-using ClusterShape = Shape<_2, _1, _1>;
+using TileShape = Shape<Int<TILE_M>, Int<TILE_N>, _64>;
+using ClusterShape = Shape<Int<CLUSTER_M>, _1, _1>;
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
 

@@ -249,7 +249,7 @@ def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
     import cupy
 
     _refuse_misaligned("CUTLASS's TMA loads need", x, w, b, r)
-    gemm = cutlass.bind_gemm_gelu_erf(problem.dtype, problem.M, problem.N, problem.K)
+    gemm = cutlass.bind_gemm_gelu_erf(problem.dtype, problem.M, problem.N, problem.K, _cutlass_tile(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
 
     def run(x, w, b, r):
@@ -259,14 +259,22 @@ def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
     return run
 
 
+def _cutlass_tile(problem: LinearProblem) -> cutlass.Tile:
+    return cutlass.tile_for(problem.M, problem.N, _multiprocessors(problem))
+
+
+def _multiprocessors(problem: LinearProblem) -> int:
+    return device_info.multiprocessors(int(problem.device.split(":")[1]))
+
+
 def _cutlass_slower(problem: LinearProblem) -> str | None:
-    """Fewer output tiles than SMs: the 128x256 tiles leave SMs idle, where cuBLASLt picks a kernel for the
-    shape (smaller tiles, split K). Measured on the H100: the encoders at batch 1 (FFN rows 4..128) ran
-    0.03-0.09 ms slower per forward on cutlass than on cuBLASLt's GEMM + pass (benchmarks/RESULTS.md)."""
-    tiles = cutlass.gemm_tiles(problem.M, problem.N)
-    sms = device_info.multiprocessors(int(problem.device.split(":")[1]))
+    """Fewer output tiles than SMs: the tiles leave SMs idle, where cuBLASLt picks a kernel for the shape
+    (smaller tiles, split K). Measured on the H100: the encoders at batch 1 (FFN rows 4..128) ran 0.03-0.09
+    ms slower per forward on cutlass than on cuBLASLt's GEMM + pass (benchmarks/RESULTS.md)."""
+    tile = _cutlass_tile(problem)
+    tiles, sms = tile.count(problem.M, problem.N), _multiprocessors(problem)
     if tiles < sms:
-        return f"{tiles} output tiles of {cutlass.TILE_M}x{cutlass.TILE_N} fill less than the GPU's {sms} SMs"
+        return f"{tiles} output tiles of {tile} fill less than the GPU's {sms} SMs"
     return None
 
 
