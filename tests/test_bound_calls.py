@@ -334,9 +334,10 @@ def test_attention_cudnn_zeroes_batches_without_keys_in_one_packed_launch(rng, m
     B, Hq, Sq, Skv, D = 3, 2, 5, 7, 8
     q, kv = random_normal(rng, (B, Sq, Hq, D), "fp16"), random_normal(rng, (B, Skv, Hq, D), "fp16")
 
-    def zeroing(bias=None, causal=None, lens_q=False, lens_kv=False, keeps_a_key=False):
+    def zeroing(bias=None, causal=None, lens_q=False, lens_kv=False, keeps_a_key=False, nonempty=False):
         problem = attn.attention_problem(q, kv, kv, bias, None, causal, "BSHD", lens_q, lens_kv)
-        return attn._bind_zero_rows(replace(problem, device="gpu:0", bias_keeps_a_key=keeps_a_key))
+        return attn._bind_zero_rows(replace(problem, device="gpu:0", bias_keeps_a_key=keeps_a_key,
+                                            lens_kv_nonempty=nonempty))
 
     key_padding = random_normal(rng, (B, 1, 1, Skv), "fp16")
     for zero in (zeroing(lens_kv=True), zeroing(key_padding, lens_kv=True, keeps_a_key=True)):
@@ -350,6 +351,28 @@ def test_attention_cudnn_zeroes_batches_without_keys_in_one_packed_launch(rng, m
     for masks in ({"lens_q": True}, {"lens_kv": True, "causal": "bottom_right"}, {"bias": key_padding}):
         assert zeroing(**masks).func is attn._zero_rows_without_keys  # rows, not only batch entries
     assert len(binds) == 2
+
+
+def test_attention_nonempty_kv_lengths_under_key_padding_bind_no_zeroing(rng, monkeypatch):
+    """Lengths vouched nonempty (CheckedLengths(nonempty=True)), alone, with a KeyPaddingBias or under a
+    top-left diagonal, leave every row a key: nothing is bound to zero rows. Query lengths, a plain bias
+    and a bottom-right diagonal (Lk < Sq) can still empty rows: their zeroing stays."""
+    attn = importlib.import_module("libnn.ops.attention")
+    binds, _ = _attention_stubs(monkeypatch)
+    B, Hq, Sq, Skv, D = 3, 2, 5, 7, 8
+    q, kv = random_normal(rng, (B, Sq, Hq, D), "fp16"), random_normal(rng, (B, Skv, Hq, D), "fp16")
+    key_padding = random_normal(rng, (B, 1, 1, Skv), "fp16")
+
+    def zeroing(bias=None, causal=None, lens_q=False, keeps_a_key=False):
+        problem = attn.attention_problem(q, kv, kv, bias, None, causal, "BSHD", lens_q, True)
+        return attn._bind_zero_rows(replace(problem, device="gpu:0", bias_keeps_a_key=keeps_a_key,
+                                            lens_kv_nonempty=True))
+
+    assert zeroing() is None and zeroing(key_padding, keeps_a_key=True) is None
+    assert zeroing(causal="top_left") is None
+    for masks in ({"lens_q": True}, {"causal": "bottom_right"}, {"bias": key_padding}):
+        assert zeroing(**masks).func is attn._zero_rows_without_keys, masks
+    assert binds == []
 
 
 def test_attention_zero_kernel_takes_what_its_launch_packs():

@@ -170,6 +170,34 @@ def test_attention_cudnn_with_a_key_padding_bias_and_lengths_passes_them_and_ful
     assert [kernel for kernel, _ in fake_gpu.binds] == ["attn_zero_empty_batches"]
 
 
+def test_attention_cudnn_with_nonempty_lengths_zeroes_nothing_and_is_keyed_apart(rng, fake_gpu):
+    """CheckedLengths(nonempty=True) with a KeyPaddingBias: the same graph and arrays, but no batch entry
+    can be without a key, so nothing is bound or launched after the graph. The flag is in the key: the
+    same arrays as plain CheckedLengths find their own bound call, which zeroes."""
+    q, k, v = _qkv(rng, "BSHD")
+    bias = on_device(random_normal(rng, (2, 1, 1, 16), "fp16"))
+    lens = on_device(np.array([1, 16], np.int32))
+    for _ in range(2):
+        o = attention(q, k, v, attn_bias=KeyPaddingBias(bias), seq_lens_kv=CheckedLengths(lens, nonempty=True),
+                      layout="BSHD", path="cudnn")
+        sent = fake_gpu.executed[-1]
+        assert same(sent[:5], (q, k, v, o, bias)) and sent[6] is lens
+    assert fake_gpu.binds == [] and fake_gpu.launches == []
+    o = attention(q, k, v, attn_bias=KeyPaddingBias(bias), seq_lens_kv=CheckedLengths(lens), layout="BSHD",
+                  path="cudnn")
+    assert [kernel for kernel, _ in fake_gpu.binds] == ["attn_zero_empty_batches"]
+    assert same(fake_gpu.launches[-1], (lens, o))
+    assert len(AT.op.calls) == 2
+
+
+def test_checked_lengths_nonempty_must_be_a_bool():
+    assert CheckedLengths(np.ones(2, np.int32)).nonempty is False
+    assert CheckedLengths(np.ones(2, np.int32), nonempty=np.True_).nonempty is True
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="CheckedLengths: nonempty must be True or False, got"):
+            CheckedLengths(np.ones(2, np.int32), nonempty=bad)
+
+
 @pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
 def test_attention_custom_passes_the_callers_arrays_as_they_are_and_a_new_o(rng, fake_gpu, layout):
     """The flash kernel reads pointers: q, k and v go as they are (no (B, H, S, D) view per call), o is

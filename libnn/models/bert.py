@@ -26,7 +26,8 @@ repeated over its layer's rows). Embeddings, LayerNorms and biases keep the mode
 
 An attention_mask whose rows are each tokens followed by padding (right padding, what tokenizers
 produce) becomes the attention op's sequence lengths, anything else an additive -inf bias. A row with
-no token at all gives zeros (Hugging Face averages every position there).
+no token at all pools to zeros (Hugging Face averages every position there); its hidden states stay
+finite (BertEncoder.forward says how).
 """
 
 from __future__ import annotations
@@ -413,7 +414,15 @@ class BertEncoder(Module):
         padding; token_type_ids (B, S) (default all 0). Host arrays are moved to the model's device.
         With `unpad` (see the class), `max_tokens` is the number of rows the tokens are packed into
         (default: token_bucket of their count); graphed() passes it, as a capture cannot read the
-        count back. A mask with more tokens than `max_tokens` is refused."""
+        count back. A mask with more tokens than `max_tokens` is refused.
+
+        A row with no token (all padding: a fixed-size batch's unused rows, say) stays finite, never
+        NaN: its attention reads its first position alone, as the key lengths are taken as at least 1
+        (decided once per call, with no synchronisation of its own, so that the attention need not
+        zero batch entries without a key after every layer). It used to attend to nothing and take
+        zeros from the attention. Hugging Face attends to every position uniformly in such a row, so
+        neither matches it there; the rows with tokens are the same either way, and `pooled` is zeros
+        for such a row."""
         like = self.embeddings.word_embeddings.weight
         c = self.config
         input_ids = self._ids(input_ids, "input_ids", like)
@@ -434,8 +443,8 @@ class BertEncoder(Module):
             if mask.dtype != np.bool_ and mask.dtype.kind not in "iu":
                 raise TypeError(f"BertEncoder: attention_mask must be boolean or integer (1 = token, 0 = padding), "
                                 f"got dtype {mask.dtype}")
-            valid = mask != 0
-            lens, bias, tokens = key_padding_and_tokens(valid, like.dtype)
+            # lengths of at least 1: the attention then has no batch entry without a key to zero after each layer
+            valid, lens, bias, tokens = key_padding_and_tokens(mask, like.dtype, nonempty=True)
         x = self.embeddings(input_ids, token_type_ids)
         packing = self._packing(valid, tokens, max_tokens)
         h = x if packing is None else packing.pack(x)

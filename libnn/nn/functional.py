@@ -1,13 +1,14 @@
 """Stateless helpers that layers and models share (PyTorch's nn.functional in spirit): how a layer's
 `path` names each op's path, moving a host mask to the layer's device, padding masks as the attention
-op's lengths and bias, a GEMM on a Linear's weight in whatever form a layer holds it (float, or FP8 codes
+op's lengths and bias (kernels/key_padding.cu), the mean over a mask's positions (kernels/masked_mean.cu),
+token packing, a GEMM on a Linear's weight in whatever form a layer holds it (float, or FP8 codes
 with scales), and packed self-attention. The transformer layers (nn/transformer.py) and the BERT model
 (models/bert.py) both build on them."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,8 +17,19 @@ from libnn.ops.attention import CheckedLengths, KeyPaddingBias, PackedSequences,
 from libnn.ops.linear import linear
 from libnn.ops.linear_fp8 import linear_fp8
 from libnn.registry import get_op
-from libnn.runtime.arrays import array_module, as_array, contiguous, describe, is_cupy
+from libnn.runtime import contracts, launch
+from libnn.runtime.arrays import array_module, as_array, contiguous, describe, is_cupy, stream_key
+from libnn.runtime.cache import PlanCache
+from libnn.runtime.device import current_device_id
 from libnn.runtime.stream import capturing
+
+_KP = contracts.params("key_padding.cu", "KP_PARAMS")  # every key_padding kernel's parameters
+_KP_THREADS = contracts.constant("key_padding.cu", "KP_THREADS")
+_MM = contracts.params("masked_mean.cu", "MM_PARAMS")  # every masked_mean kernel's parameters
+_MM_THREADS = contracts.constant("masked_mean.cu", "MM_THREADS")
+_MM_COLS = contracts.constant("masked_mean.cu", "MM_COLS")
+_MEAN_SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "fp64": "f64"}  # masked_mean.cu's kernel suffixes
+_launches: PlanCache = PlanCache("nn.functional launches")
 
 
 def op_path(path: str | dict[str, str], op: str) -> str:
@@ -55,6 +67,15 @@ def on_device_of(a: Any, like: Any, where: str, name: str) -> Any:
     return a
 
 
+class KeyPadding(NamedTuple):
+    """A (B, S) padding mask in the forms the attention op and the layers around it take
+    (key_padding_and_tokens)."""
+    valid: Any          # (B, S) booleans, True at the tokens: the mask itself where it is boolean
+    seq_lens_kv: Any    # CheckedLengths, or None where nothing is padded
+    bias: Any           # KeyPaddingBias (B, 1, 1, S) of the holes, or None where there are none
+    tokens: int | None  # how many tokens the mask holds; None while a CUDA graph is captured
+
+
 def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     """(seq_lens_kv, bias) for the attention op from `valid` (B, S) booleans, True where a key may be
     attended to: (None, None) when nothing is padded; (lengths, None) when each row is a prefix of
@@ -62,23 +83,34 @@ def key_padding(valid: Any, dtype: Any) -> tuple[Any, Any]:
     bias (B, 1, 1, S) of -inf at the Falses before it, 0 elsewhere, in `dtype`. The lengths let cuDNN
     skip the padding; the bias masks only the holes. Decided on the host for NumPy; for CuPy with one
     reduction (one synchronisation). While a CUDA graph is captured nothing can be read back, and a
-    replay may bring any mask: always lengths and bias, computed on the device by two kernels."""
-    return key_padding_and_tokens(valid, dtype)[:2]
+    replay may bring any mask: always lengths and bias, computed on the device by one kernel
+    (kernels/key_padding.cu)."""
+    padding = key_padding_and_tokens(valid, dtype)
+    return padding.seq_lens_kv, padding.bias
 
 
-def key_padding_and_tokens(valid: Any, dtype: Any) -> tuple[Any, Any, int | None]:
-    """key_padding's (seq_lens_kv, bias) and the number of Trues in `valid` (the tokens), read back in
-    the same synchronisation; None while a CUDA graph is captured."""
-    _check_mask("key_padding", valid)
+def key_padding_and_tokens(mask: Any, dtype: Any, *, nonempty: bool = False) -> KeyPadding:
+    """key_padding's (seq_lens_kv, bias) for a (B, S) `mask` of booleans or integers (nonzero at a
+    token, read in its own dtype), with the mask as booleans (`valid`) and the number of tokens, read
+    back in the same synchronisation (None while a CUDA graph is captured, where one kernel writes
+    valid, the lengths and the bias).
+
+    `nonempty`: every length at least 1, and the lengths marked so (CheckedLengths(nonempty=True)), so
+    that the attention op never looks for batch entries without a key to zero (one launch per layer
+    saved). A row with no token then attends to its first position: the bias is -inf only at holes
+    before a row's last token, so such a row's bias is 0 throughout (never a row of -inf, never NaN).
+    The lengths are otherwise the true ones."""
+    _check_mask("key_padding", mask)
     dtype = _bias_dtype(dtype)
-    xp = array_module(valid)
-    B, S = valid.shape
+    if not isinstance(nonempty, (bool, np.bool_)):  # "no" would clamp the lengths
+        raise TypeError(f"key_padding: nonempty must be True or False, got {type(nonempty).__name__} {nonempty!r}")
+    B, S = mask.shape
+    if is_cupy(mask) and capturing() and B and S:  # counted from the mask: in range by construction
+        return _captured_key_padding(contiguous(mask), dtype, bool(nonempty))
+    valid = mask if mask.dtype == np.bool_ else mask != 0
     if B == 0 or S == 0:
-        return None, None, 0
-    if is_cupy(valid) and capturing():  # counted from the mask: in range by construction
-        valid = contiguous(valid.astype(bool, copy=False))
-        lengths = _lengths_kernel()(valid, S, size=B)
-        return CheckedLengths(lengths), KeyPaddingBias(_holes(valid, lengths, dtype)[:, None, None, :]), None
+        return KeyPadding(valid, None, None, 0)
+    xp = array_module(valid)
     position = xp.arange(S, dtype=xp.int32)[None, :]
     lengths = xp.where(valid, position + 1, 0).max(axis=1).astype(xp.int32)  # up to the last True
     inside = position < lengths[:, None]
@@ -89,9 +121,31 @@ def key_padding_and_tokens(valid: Any, dtype: Any) -> tuple[Any, Any, int | None
 
     is_prefix, shortest, tokens = (int(v) for v in xp.stack([xp.all(inside == valid).astype(xp.int32),
                                                               lengths.min(), xp.count_nonzero(valid)]).tolist())
+    if nonempty and shortest == 0:  # a row without tokens gets its first position (`inside`, which holes()
+        lengths = xp.maximum(lengths, 1)  # reads, keeps the true lengths)
+    lens = CheckedLengths(lengths, nonempty=bool(nonempty))
     if is_prefix:
-        return (None if shortest == S else CheckedLengths(lengths)), None, tokens
-    return CheckedLengths(lengths), holes(), tokens
+        return KeyPadding(valid, None if shortest == S else lens, None, tokens)
+    return KeyPadding(valid, lens, holes(), tokens)
+
+
+def _captured_key_padding(mask: Any, dtype: np.dtype, nonempty: bool) -> KeyPadding:
+    """key_padding_and_tokens while a CUDA graph is captured: lengths and the holes bias whatever the
+    mask (a replay may bring any), and valid unless the mask is boolean, written by one kernel that
+    reads the mask in its own dtype (kernels/key_padding.cu)."""
+    import cupy
+
+    B, S = mask.shape
+    valid = mask if mask.dtype == np.bool_ else cupy.empty((B, S), cupy.bool_)
+    lengths, bias = cupy.empty(B, cupy.int32), cupy.empty((B, S), dtype)
+    words = bias.dtype.itemsize
+    minus_inf = int(np.array(-np.inf, bias.dtype).view(f"u{words}")[()])
+    kernel = f"key_padding_mask{8 * mask.dtype.itemsize}_bias{8 * words}"
+    rows_per_block = _KP_THREADS // 32
+    _bound("key_padding.cu", kernel, (-(-B // rows_per_block),), (_KP_THREADS,), _KP, mask=launch.ARRAY,
+           valid=launch.ARRAY, lengths=launch.ARRAY, bias=launch.ARRAY, B=B, S=S, min_length=int(nonempty),
+           minus_inf=minus_inf)(mask, None if valid is mask else valid, lengths, bias)
+    return KeyPadding(valid, CheckedLengths(lengths, nonempty=nonempty), KeyPaddingBias(bias[:, None, None, :]), None)
 
 
 class TokenPacking:
@@ -140,8 +194,10 @@ class TokenPacking:
 
 def masked_mean(x: Any, valid: Any) -> Any:
     """The mean over dim 1 of x (B, S, F) at the positions `valid` (B, S) marks, in x's dtype,
-    accumulated in fp32 (fp64 for fp64): zeros for a row with none. One kernel on the GPU (a thread per
-    output value, reading down its column), float64 on the host."""
+    accumulated in fp32 (fp64 for fp64): zeros for a row with none; positions `valid` drops are not
+    read. One kernel on the GPU (kernels/masked_mean.cu: fp16, bf16, fp32, fp64; a block per batch
+    entry and 64 columns, its threads down S; deterministic, the mean rounded once to nearest even),
+    float64 on the host."""
     x = as_array(x, "masked_mean", "x")
     _check_mask("masked_mean", valid)
     if x.ndim != 3 or tuple(valid.shape) != tuple(x.shape[:2]):  # NumPy would broadcast a 2-D x
@@ -149,6 +205,9 @@ def masked_mean(x: Any, valid: Any) -> Any:
                          f"{tuple(x.shape)} and valid {tuple(valid.shape)}")
     if not dtypes.is_float(x.dtype):  # the mean would be rounded to the integer dtype
         raise TypeError(f"masked_mean: x must be a floating-point array (fp16, bf16, fp32, fp64), got {x.dtype}")
+    if is_cupy(valid) != is_cupy(x):
+        raise TypeError(f"masked_mean: x and valid must be on one device, got x {describe(x)} and valid "
+                        f"{describe(valid)}")
     xp = array_module(x)
     if not is_cupy(x):
         kept = valid.astype(np.float64)
@@ -156,11 +215,23 @@ def masked_mean(x: Any, valid: Any) -> Any:
                 / np.maximum(kept.sum(axis=1, keepdims=True), 1)).astype(x.dtype)
     x, valid = contiguous(x), contiguous(valid.astype(bool, copy=False))
     B, S, F = x.shape
-    bits = x.dtype.itemsize == 2 and x.dtype != np.float16  # bf16, read and written as its bits
+    if x.size == 0:  # nothing to average (S = 0) or nothing to write
+        return xp.zeros((B, F), x.dtype)
     out = xp.empty((B, F), x.dtype)
-    _masked_mean_kernel(bits, x.dtype == np.float64)(x.view(xp.uint16) if bits else x, valid, S, F,
-                                                     out.view(xp.uint16) if bits else out)
+    suffix = _MEAN_SUFFIX[dtypes.short_name(x.dtype)]
+    vec = F % (16 // x.dtype.itemsize) == 0 and x.data.ptr % 16 == 0
+    kernel = f"masked_mean2_vec_{suffix}" if vec else f"masked_mean1_scalar_{suffix}"
+    _bound("masked_mean.cu", kernel, (B, -(-F // _MM_COLS)), (_MM_THREADS,), _MM, x=launch.ARRAY,
+           valid=launch.ARRAY, out=launch.ARRAY, S=S, F=F)(x, valid, out)
     return out
+
+
+def _bound(file: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], declared: contracts.Params,
+           **args: Any) -> launch.Launch:
+    """kernels/<file>'s `kernel` with `args` packed by name (launch.ARRAY for each array), bound once per
+    kernel, grid, scalars, stream and device: a later call with the same ones is one lookup."""
+    key = (kernel, grid, *args.values(), stream_key(), current_device_id())
+    return _launches.get(key, lambda: launch.bind(file, kernel, grid, block, declared.pack(**args)))
 
 
 def _check_mask(where: str, valid: Any) -> None:
@@ -302,60 +373,9 @@ def _gather_rows_kernel():
 
 
 @functools.cache
-def _masked_mean_kernel(bits: bool, wide: bool):
-    """out[b, f] = mean of x[b, s, f] over the s with valid[b, s], in fp32 (`wide`: fp64); `bits`: T is
-    bf16's uint16 bits (CuPy's arithmetic takes no bf16), widened exactly and rounded to nearest even."""
-    import cupy
-
-    acc = "double" if wide else "float"
-    load = "__uint_as_float((unsigned int)x[k] << 16)" if bits else f"({acc})x[k]"
-    store = ("unsigned int u = __float_as_uint(m); out = (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);" if bits
-             else "out = (T)m;")
-    return cupy.ElementwiseKernel(
-        "raw T x, raw bool valid, int32 S, int32 F", "T out",
-        # branch-free and unrolled, so that a thread has several loads in flight: at batch 1 there are
-        # only F threads, each reading its column down S positions
-        f"const long long b = i / F, f = i % F; {acc} sum = 0; int n = 0; "
-        "_Pragma(\"unroll 8\") for (int s = 0; s < S; ++s) { const bool t = valid[b * S + s]; "
-        f"const long long k = (b * S + s) * F + f; const {acc} v = {load}; sum += t ? v : ({acc})0; n += t; }} "
-        f"const {acc} m = sum / (n > 0 ? n : 1); {store}",
-        f"libnn_masked_mean{'_bits' if bits else ''}{'_wide' if wide else ''}")
-
-
-@functools.cache
 def _scatter_positions_kernel():
     """position[slot] = i for each token i (valid) whose slot fits the capacity."""
     import cupy
 
     return cupy.ElementwiseKernel("bool valid, int32 slot, int32 capacity", "raw int32 position",
                                   "if (valid && slot < capacity) position[slot] = i;", "libnn_scatter_positions")
-
-
-@functools.cache
-def _lengths_kernel():
-    """lengths[b] = 1 + the position of row b's last True (0 for none), one thread per row."""
-    import cupy
-
-    return cupy.ElementwiseKernel("raw bool valid, int32 S", "int32 length",
-                                  "int n = 0; for (int j = 0; j < S; j++) if (valid[i * S + j]) n = j + 1; "
-                                  "length = n;", "libnn_key_lengths")
-
-
-@functools.cache
-def _holes_kernel():
-    """bias = -inf (as the dtype's bits) at the Falses before each row's length, 0 elsewhere."""
-    import cupy
-
-    return cupy.ElementwiseKernel("raw bool valid, raw int32 lengths, int32 S, T minus_inf", "T bias",
-                                  "bias = (valid[i] || i % S >= lengths[i / S]) ? T(0) : minus_inf;",
-                                  "libnn_key_holes")
-
-
-def _holes(valid: Any, lengths: Any, dtype: Any) -> Any:
-    """The (B, S) holes bias in `dtype`, written as raw words of its size (bf16 included)."""
-    import cupy
-
-    bias = cupy.empty(valid.shape, dtype)
-    words = f"u{bias.dtype.itemsize}"
-    _holes_kernel()(valid, lengths, valid.shape[1], np.array(-np.inf, bias.dtype).view(words)[()], bias.view(words))
-    return bias

@@ -99,6 +99,7 @@ class AttentionProblem:
     aligned: bool                           # every pointer and row stride a multiple of 16 bytes
     device: str
     bias_keeps_a_key: bool = False          # a KeyPaddingBias: it never empties a row the lengths leave
+    lens_kv_nonempty: bool = False          # seq_lens_kv came as CheckedLengths(nonempty=True): every Lk >= 1
     tokens: int = 0                         # layout THD: the rows of q (and o); Sq = Skv = the longest sequence
     pages: int = 0                          # paged k and v: the pools' pages (0: dense k and v)
     page_size: int = 0                      # paged k and v: keys per page; Skv = max_pages * page_size
@@ -178,10 +179,16 @@ class PackedSequences:
 class CheckedLengths:
     """Sequence lengths the caller already knows lie in [0, S] (counted from a padding mask, say):
     `attention(seq_lens_kv=CheckedLengths(lengths))` skips their range check and its synchronisation,
-    which a layer stack would otherwise pay once per layer."""
+    which a layer stack would otherwise pay once per layer. `nonempty=True` (as seq_lens_kv) is the
+    caller's word that every length is also at least 1: under key padding alone no batch entry is then
+    without a key, and the cudnn path launches nothing after its graph to zero such entries (a layer
+    stack's launch per layer). A length of 0 passed so is not looked for: its rows are then undefined."""
 
-    def __init__(self, lengths: Any):
-        self.lengths = lengths
+    def __init__(self, lengths: Any, *, nonempty: bool = False):
+        if not isinstance(nonempty, (bool, np.bool_)):  # "no" would skip the zeroing
+            raise TypeError(f"CheckedLengths: nonempty must be True or False, got {type(nonempty).__name__} "
+                            f"{nonempty!r}")
+        self.lengths, self.nonempty = lengths, bool(nonempty)
 
 
 class CheckedPageTable:
@@ -346,23 +353,25 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     # absent bias's signature is None; a scale of None or an exact float is its own key (of option_key's other
     # keys, only an exact int's can equal a float, and the checks take that int as the same scale); causal is
     # keyed with its type, so that 1 never finds the bound call of True and skips the check that refuses it.
+    kv_nonempty = isinstance(seq_lens_kv, CheckedLengths) and seq_lens_kv.nonempty
     key = (signature(q), signature(k), signature(v), None if bias is None else signature(bias), keeps_a_key,
            scale if scale is None or type(scale) is float else option_key(scale), type(causal), causal, layout,
-           seq_lens_q is None, seq_lens_kv is None, path, stream_key())
+           seq_lens_q is None, seq_lens_kv is None, kv_nonempty, path, stream_key())
     return op.call(key, _padded_problem, path, q, k, v, seq_lens_q, seq_lens_kv, bias,
                    checks=(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None,
-                           keeps_a_key))
+                           keeps_a_key, kv_nonempty))
 
 
 def _padded_problem(q, k, v, bias, scale, causal, layout: str, has_lens_q: bool, has_lens_kv: bool,
-                    keeps_a_key: bool) -> AttentionProblem:
+                    keeps_a_key: bool, kv_nonempty: bool) -> AttentionProblem:
     """attention()'s checks and problem for dense k and v in layout BHSD or BSHD: what Op.call runs on a
-    signature's first call (`keeps_a_key`: the bias came as a KeyPaddingBias)."""
+    signature's first call (`keeps_a_key`: the bias came as a KeyPaddingBias; `kv_nonempty`: seq_lens_kv
+    as CheckedLengths(nonempty=True))."""
     _check_head_contiguous(q, k, v)
     problem = attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens_kv)
     if keeps_a_key:
         _check_key_padding_bias(problem)
-    return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None)
+    return replace(problem, bias_keeps_a_key=keeps_a_key and problem.causal is None, lens_kv_nonempty=kv_nonempty)
 
 
 def _check_head_contiguous(q, k, v) -> None:
@@ -588,7 +597,8 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 def _bind_zero_rows(problem: AttentionProblem):
     """zero(o, lens_q, lens_kv, bias), which zeroes the rows of o that attend to no key: rows past the
     query length, rows of a batch entry with no keys, rows above a bottom-right diagonal, rows whose bias
-    is -inf on every key the masks allow; or None where the masks cannot empty a row. cuDNN leaves rows
+    is -inf on every key the masks allow; or None where the masks cannot empty a row (_can_empty_rows:
+    under key padding alone with lengths the caller vouches are nonempty, none can). cuDNN leaves rows
     past Lq undefined and writes NaN into rows with no key; libnn promises zeros. Under key padding
     alone only whole batch entries can be empty: one packed launch. All on the device (no
     synchronisation)."""
@@ -631,9 +641,14 @@ def _zero_rows_without_keys(problem: AttentionProblem, o, lens_q, lens_kv, bias)
 
 
 def _can_empty_rows(problem: AttentionProblem) -> bool:
+    """Whether the masks may leave a row of o without a key. Query lengths and a plain bias may; kv
+    lengths may be 0 unless the caller vouches otherwise (CheckedLengths(nonempty=True)); then, with no
+    bias or a KeyPaddingBias (which leaves each row's last key), a top-left diagonal still leaves key 0
+    to every row, and only a bottom-right one below Lk < Sq empties rows."""
     p = problem
-    return (p.has_seq_lens_q or p.has_seq_lens_kv or (p.bias_shape is not None and not p.bias_keeps_a_key)
-            or (p.causal == "bottom_right" and p.Sq > p.Skv))
+    return (p.has_seq_lens_q or (p.has_seq_lens_kv and not p.lens_kv_nonempty)
+            or (p.bias_shape is not None and not p.bias_keeps_a_key)
+            or (p.causal == "bottom_right" and (p.Sq > p.Skv or p.has_seq_lens_kv)))
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
