@@ -59,8 +59,8 @@ def test_rows_without_keys_are_zeros_and_the_rest_match(rng, path, dtype, holes,
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("B, S", [(1, 1), (3, 17), (5, 128), (2, 1000)])
 def test_key_padding_as_captured_equals_the_host_result(rng, monkeypatch, dtype, B, S):
-    """While a graph is captured key_padding runs its two kernels (lengths, holes) whatever the mask:
-    the same lengths, and a bias that is the host's where the host gives one and zeros otherwise."""
+    """While a graph is captured key_padding runs its one kernel (kernels/key_padding.cu) whatever the
+    mask: the same lengths, and a bias that is the host's where the host gives one and zeros otherwise."""
     import cupy
 
     from libnn.nn import functional

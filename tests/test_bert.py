@@ -200,6 +200,30 @@ def test_bert_other_masks_run_as_bias(rng, checkpoint, monkeypatch):
     assert_matches(model(ids, holes, types), numpy_bert(state, config, ids, holes, types), 1e-5, holes)
 
 
+def test_bert_row_without_tokens_attends_to_its_first_position_and_leaves_the_others(rng, checkpoint, monkeypatch):
+    """An all-padding row: the attention gets lengths of at least 1, vouched nonempty (so the GPU zeroes
+    no batch entry after each layer), the row's hidden states are finite and its pooled embedding zeros;
+    the rows with tokens are what they are without it (and Hugging Face's). Hugging Face attends to every
+    position of such a row, libnn to its first: neither is compared there."""
+    directory, config, state = checkpoint
+    model = BertEncoder.from_pretrained(directory, path="reference", unpad=False)
+    calls = []
+    real = functional.attention
+    monkeypatch.setattr(functional, "attention", lambda q, k, v, **kw: calls.append(kw) or real(q, k, v, **kw))
+    ids, types = inputs(rng, 3, 10)
+    for mask in (right_padded([10, 0, 4], 10), right_padded([10, 0, 4], 10)[:, ::-1].copy()):
+        out = model(ids, mask, types)
+        lens = calls[-1]["seq_lens_kv"]
+        assert lens.nonempty and lens.lengths[1] == 1
+        assert np.all(np.isfinite(out.last_hidden_state)) and not out.pooled[1].any()
+        rows = [0, 2]
+        alone = model(ids[rows], mask[rows], types[rows])
+        for name in ("last_hidden_state", "pooled", "pooler_output"):
+            np.testing.assert_allclose(out[name][rows], alone[name], rtol=1e-6, atol=1e-6)
+        hidden, pooled, pooler = numpy_bert(state, config, ids[rows], mask[rows], types[rows])
+        assert_matches(alone, (hidden, pooled, pooler), 1e-5, mask[rows])
+
+
 @pytest.fixture
 def pack_small_batches(monkeypatch):
     """Small test batches packed as large ones are (PACK_FROM_FLOPS keeps them padded)."""
@@ -517,6 +541,42 @@ def test_bert_graphed_matches_eager(rng, checkpoint, dtype):
         mask = cupy.asarray(mask)
         got = graphed(ids, mask, types).last_hidden_state.copy()
         assert rel_error(got, model(ids, mask, types).last_hidden_state.get()) < dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_bert_graphed_row_without_tokens_is_finite_and_leaves_the_others(rng, checkpoint, request, dtype, packed):
+    """A graph replay whose mask has a row without tokens (and holes, and left padding): every output
+    finite, that row's pooled embedding zeros, the replay equal to the eager call, and the rows with
+    tokens equal to what the model gives for them alone. `packed`: small batches unpadded
+    (pack_small_batches), the attention on the packed sequences for fp16/bf16."""
+    import cupy
+
+    if packed:
+        request.getfixturevalue("pack_small_batches")
+    directory, _, _ = checkpoint
+    model = BertEncoder.from_pretrained(directory, dtype=dtype, device="gpu")
+    graphed = model.graphed()
+    ids, types = (cupy.asarray(a) for a in inputs(rng, 4, 16))
+    holes = (rng.random(16) < 0.5).astype(np.int64)
+    holes[-3] = 1
+    for mask in (right_padded([16, 0, 9, 5], 16), np.stack([right_padded([7], 16)[0, ::-1], holes,
+                                                            np.zeros(16, np.int64), np.ones(16, np.int64)])):
+        empty = ~mask.astype(bool).any(axis=1)
+        rows = np.flatnonzero(~empty)
+        tokens = mask[rows].astype(bool)
+        at = {"last_hidden_state": tokens, "pooled": slice(None), "pooler_output": tokens[:, 0]}  # where a token is
+        mask, kept = cupy.asarray(mask), cupy.asarray(rows)
+        replay = graphed(ids, mask, types)
+        got = {name: replay[name].get().astype(np.float64) for name in at}
+        eager, alone = model(ids, mask, types), model(ids[kept], mask[kept], types[kept])
+        for name, value in got.items():
+            assert np.all(np.isfinite(value)), name
+            assert rel_error(value, eager[name].get()) < GPU_TOLERANCE[dtype], name
+            assert rel_error(value[rows][at[name]], alone[name].get()[at[name]]) < GPU_TOLERANCE[dtype], name
+        assert np.all(got["pooled"][empty] == 0)
 
 
 def test_bert_parameters_are_final_after_load_and_to(checkpoint):

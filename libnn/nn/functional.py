@@ -210,8 +210,8 @@ def masked_mean(x: Any, valid: Any) -> Any:
                         f"{describe(valid)}")
     xp = array_module(x)
     if not is_cupy(x):
-        kept = valid.astype(np.float64)
-        return ((x.astype(np.float64) * kept[:, :, None]).sum(axis=1)
+        kept = valid.astype(bool)
+        return (np.where(kept[:, :, None], x.astype(np.float64), 0.0).sum(axis=1)
                 / np.maximum(kept.sum(axis=1, keepdims=True), 1)).astype(x.dtype)
     x, valid = contiguous(x), contiguous(valid.astype(bool, copy=False))
     B, S, F = x.shape
