@@ -579,6 +579,30 @@ def test_bert_graphed_row_without_tokens_is_finite_and_leaves_the_others(rng, ch
         assert np.all(got["pooled"][empty] == 0)
 
 
+@pytest.mark.gpu
+def test_bert_graphed_forward_binds_one_mask_kernel_and_no_zeroing(rng, checkpoint, monkeypatch):
+    """The captured forward's mask glue: kernels/key_padding.cu once (valid, lengths and bias from the
+    int64 mask as it is) and masked_mean.cu for pooled; the attention, its lengths vouched nonempty,
+    binds no kernel to zero batch entries without a key (attn_zero_empty_batches)."""
+    import cupy
+
+    from libnn.registry import get_op
+    from libnn.runtime import launch
+
+    bound = []
+    real = launch.bind
+    monkeypatch.setattr(launch, "bind", lambda file, kernel, *a, **kw: bound.append(kernel) or real(file, kernel, *a,
+                                                                                                  **kw))
+    functional._launches.clear()  # nothing bound before this test's forward
+    get_op("attention").calls.clear()
+    model = BertEncoder.from_pretrained(checkpoint[0], dtype="fp16", device="gpu")
+    ids, types = (cupy.asarray(a) for a in inputs(rng, 3, 16))
+    out = model.graphed()(ids, cupy.asarray(right_padded([16, 0, 9], 16)), types)
+    assert np.all(np.isfinite(out.last_hidden_state.get().astype(np.float32)))
+    assert bound.count("key_padding_mask64_bias16") == 1, bound
+    assert "masked_mean2_vec_f16" in bound and "attn_zero_empty_batches" not in bound, bound
+
+
 def test_bert_parameters_are_final_after_load_and_to(checkpoint):
     """QKV packing happens at load/to(), not in the first forward pass (a CUDA graph capture keys on
     the parameters' identity), and the packed weight follows a dtype change."""
