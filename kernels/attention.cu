@@ -50,6 +50,8 @@ attention):
    The bias kernels (separate: the bias code raised every call's registers past 255 at DB = 128)
    copy the block's BM x 64 bias tile into shared memory with K and V (cp.async) and start the S
    accumulators at bias / scale, so s * scale*log2(e) is the biased logit (a -inf bias stays -inf).
+   A bias broadcast along the rows (b_si == 0: a key-padding bias (B, 1, 1, Skv)) is staged as its one
+   row, which every warp reads: staging BM copies of it tripled a block's memory traffic at D = 32.
    Preconditions (the launcher checks them, and sends anything else to attn1): D % 8 == 0, D <= DB;
    q, k, v, o rows 16-byte aligned (pointers, and every stride but the last a multiple of 8 elements);
    bias kernels: scale != 0, b_sj == 1, Skv % 8 == 0 or the bias rows padded to a multiple of 8
@@ -259,6 +261,7 @@ __device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 stride, i
 // BN + 8 elements (the pad puts the 8 rows a warp reads at once in distinct banks); zero-filled outside
 // the live rows and Lk. It travels with the K and V tiles. (Read from global memory at the accumulator
 // positions instead, or staged by plain 2-byte loads, the bias made the kernel spill at DB = 128.)
+// A bias broadcast along the rows (b_si == 0) is staged as its row 0 alone.
 template <int BM, int BN, int NT>
 __device__ __forceinline__ void stage_bias(u32 dst, const u16* src, i64 b_si, int live, int valid) {
     constexpr int CH = BN / 8, ITERS = BM * CH / NT;
@@ -266,6 +269,7 @@ __device__ __forceinline__ void stage_bias(u32 dst, const u16* src, i64 b_si, in
 #pragma unroll
     for (int it = 0; it < ITERS; it++) {
         const int idx = threadIdx.x + it * NT, r = idx / CH, c = idx % CH;
+        if (b_si == 0 && r > 0) break;   // (idx grows with it: a thread past row 0 stays past it)
         const bool ok = r < live && c * 8 < valid;
         cp_async16(dst + (u32)((r * (BN + 8) + c * 8) * 2), ok ? src + (r * b_si + c * 8) : src, ok ? 16 : 0);
     }
@@ -275,17 +279,18 @@ __device__ __forceinline__ void stage_bias(u32 dst, const u16* src, i64 b_si, in
 // bias / scale instead of 0, so that the softmax's s * scale*log2(e) is the biased logit and the bias
 // costs no pass (nor registers) of its own; a -inf bias stays -inf. qf: Q's A fragments (kept in
 // registers: reloading them per tile was measured slower); k_addr: this lane's ldmatrix row address
-// (see attn2_body); sb: the staged bias at this lane's (row g, key 2t).
+// (see attn2_body); sb: the staged bias at this lane's (row g, key 2t); sb_rows8: the elements from its
+// row g to row g + 8 (0 for a bias broadcast along the rows, staged as one row).
 template <class DT, int DB, int BN, bool BIAS>
 __device__ __forceinline__ void tile_scores(float (&s)[8][4], const u32 (&qf)[DB / 16][4], u32 k_addr, const u16* sb,
-                                            float inv_scale) {
+                                            int sb_rows8, float inv_scale) {
     constexpr int LD = DB + 8;
 #pragma unroll
     for (int n = 0; n < 8; n++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             u32 pair = 0u;
-            if constexpr (BIAS) pair = *reinterpret_cast<const u32*>(sb + r * 8 * (BN + 8) + 8 * n);
+            if constexpr (BIAS) pair = *reinterpret_cast<const u32*>(sb + r * sb_rows8 + 8 * n);
             s[n][2 * r] = BIAS ? DT::ld((u16)pair) * inv_scale : 0.f;
             s[n][2 * r + 1] = BIAS ? DT::ld((u16)(pair >> 16)) * inv_scale : 0.f;
         }
@@ -396,7 +401,9 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
         const int i = m0 + warp * 16 + g + 8 * r;
         jend[r] = i < hd.Lq ? key_end(i, hd.Lq, hd.Lk, a.causal) : 0;
     }
-    const u16* sb_lane = sBias + (warp * 16 + g) * (BN + 8) + 2 * t;
+    const bool bias_rows = a.b_si != 0;   // else one row broadcast to every query row
+    const u16* sb_lane = sBias + (bias_rows ? (warp * 16 + g) * (BN + 8) : 0) + 2 * t;
+    const int sb_rows8 = bias_rows ? 8 * (BN + 8) : 0;
     const float inv_scale = BIAS ? fdiv_full(LOG2E, a.scale_log2) : 0.f;   // the launcher sends scale 0 to attn1
     auto load_tile_kv = [&](int j0, int stage) {   // K, V (and bias) of key tile j0 into `stage`, one group
         const u32 kv = sKV + stage * KV_STAGE;
@@ -439,7 +446,8 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
 
         float s[8][4];
         u32 pa[4][4];
-        tile_scores<DT, DB, BN, BIAS>(s, qf, k_addr + stage * KV_STAGE, sb_lane + stage * BIAS_STAGE, inv_scale);
+        tile_scores<DT, DB, BN, BIAS>(s, qf, k_addr + stage * KV_STAGE, sb_lane + stage * BIAS_STAGE, sb_rows8,
+                                      inv_scale);
         tile_softmax<DT, NO>(s, pa, acc, m, l, jend, (it + 1) * BN > kv_full, it * BN, t, a.scale_log2);
         tile_pv<BF, DB>(acc, pa, v_addr + stage * KV_STAGE);
     }
