@@ -17,7 +17,7 @@ dimensions (a key-padding bias (B, 1, 1, Skv), a relative-position bias (1, Hq, 
 dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed come out as zeros on
 every path, never NaN.
 
-Paths, in `auto` order:
+Paths, in `auto` order (except that small encoder attention, see _cudnn_slower, tries cudnn last):
 - cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs.
 - custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
               multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
@@ -651,7 +651,31 @@ def _can_empty_rows(problem: AttentionProblem) -> bool:
             or (p.causal == "bottom_right" and (p.Sq > p.Skv or p.has_seq_lens_kv)))
 
 
-@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
+# At most this many FLOPs (attention_flops), non-causal self-attention with D <= 64 runs faster on the
+# custom flash kernel than on cuDNN's SDPA, whose time there hardly grows with the work (a fixed cost
+# per call dominates). Measured on the H100 at an encoder's shapes (sequence 128, 12 heads, key-padding
+# lengths and bias): custom faster at batch 1 (D = 32 and 64) and batch 32 (D = 32, 0.8 GFLOP), cuDNN
+# from 1.6 GFLOP (batch 32 at D = 64, batch 256 at D = 32); benchmarks/RESULTS.md, eleventh session.
+CUSTOM_FASTER_BELOW_FLOPS = 10**9
+
+
+def _cudnn_slower(problem: AttentionProblem) -> str | None:
+    """Small non-causal self-attention (an encoder's), dense, with no bias or a key-padding bias (one row
+    broadcast to every query, which the flash kernel stages once), rows the flash kernel takes: its
+    custom kernel first."""
+    p = problem
+    small = (p.layout != "THD" and not p.pages and p.causal is None and p.Sq == p.Skv and p.D <= 64
+             and p.flops <= CUSTOM_FASTER_BELOW_FLOPS and p.aligned
+             and (p.bias_shape is None or p.bias_shape[2] == 1)
+             and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale))
+    if small:
+        return (f"{p.flops / 1e6:.0f} MFLOP of self-attention with D={p.D}: the custom flash kernel is faster "
+                f"below {CUSTOM_FASTER_BELOW_FLOPS / 1e9:g} GFLOP")
+    return None
+
+
+@op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, slower=_cudnn_slower,
+         binds=True)
 def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     import cupy
 
