@@ -392,7 +392,8 @@ def _embedding():
 
 
 # --- whole models on the custom paths -----------------------------------------------------------------
-@item("models: SeedCNN (bs 3) and a one-layer BERT encoder (bs 2, seq 7, padded) on the custom paths")
+@item("models: SeedCNN (bs 3) and a one-layer BERT encoder (bs 2, seq 7, padded) on the custom paths, eager and "
+      "graphed (the capture computes the mask with kernels/key_padding.cu)")
 def _models():
     import cupy
 
@@ -406,7 +407,9 @@ def _models():
                                    "num_attention_heads": 2, "intermediate_size": 40, "max_position_embeddings": 16})
     model = BertEncoder(config, dtype="fp16", device="gpu", path=custom)
     ids = cupy.asarray(rng().integers(0, 101, (2, 7)))
-    model(ids, cupy.asarray([[1] * 7, [1] * 4 + [0] * 3]))
+    mask = cupy.asarray([[1] * 7, [1] * 4 + [0] * 3])
+    model(ids, mask)
+    model.graphed()(ids, mask)
 
 
 def loaded_kernels() -> dict[str, list[str]]:
