@@ -92,3 +92,63 @@ def test_with_parameters_builds_a_conv_of_the_same_configuration_holding_the_giv
                  "activation", "layout", "algo", "path"):
         assert getattr(clone, name) == getattr(conv, name), name
     assert set(clone.state_dict()) == {"weight", "bias"}
+
+
+# --- a conv's configuration set after the model ran --------------------------------------------------------
+@pytest.mark.parametrize("fold_bn", [True, False])
+@pytest.mark.parametrize("name, value, stored", [("stride", 2, (2, 2)), ("padding", (0, 2), (0, 2)),
+                                                 ("dilation", 2, (2, 2))], ids=lambda v: str(v))
+def test_a_fused_conv_follows_its_configuration_set_after_a_call(rng, fold_bn, name, value, stored):
+    """Conv2dBNAct's folded clone was configured as the conv at the first call: a stride, padding or
+    dilation set later is the clone's too (it computed the old geometry before, silently)."""
+    m = model(fold_bn)
+    x = rng.standard_normal((2, 12, 12, 3))
+    before = m(x)
+    version = m.version
+    setattr(m[0], name, value)
+    assert getattr(m[0], name) == stored and m.version != version
+    after = m(x)
+    assert rel_error(after, layer_by_layer(m, x)) <= 1e-12
+    assert after.shape != before.shape or rel_error(after, before) > 1e-3
+
+
+def test_a_standalone_conv_bn_act_follows_a_replaced_weight_and_bn(rng):
+    """Not only Sequential's rebuild: the fused module itself makes its clone and epilogue again when the
+    conv's or the BN's parameters are replaced."""
+    m = model()
+    fused = nn.Conv2dBNAct(m[0], m[1], "relu6")
+    x = rng.standard_normal((1, 6, 6, 3))
+    fused(x)
+    m[0].weight = m[0].weight * 2
+    m[1].running_mean = m[1].running_mean + 1
+    assert rel_error(fused(x), m[2](m[1](m[0](x)))) <= 1e-12
+
+
+def test_setting_the_same_configuration_keeps_the_version_and_a_wrong_one_is_refused():
+    conv = nn.Conv2d(2, 4, 3, stride=2, dtype="fp64", seed=0)
+    version = conv.version
+    conv.stride = (2, 2)
+    conv.padding = 0
+    assert conv.version == version
+    with pytest.raises(ValueError, match=r"^Conv2d: stride must be .*got 0"):
+        conv.stride = 0
+    with pytest.raises(ValueError, match=r"^Conv2d: layout must be one of \('NHWC', 'NCHW'\), got 'HWC'"):
+        conv.layout = "HWC"
+    with pytest.raises(TypeError, match=r"^Conv2d: groups must be an int"):
+        conv.groups = 1.5
+    assert conv.stride == (2, 2) and conv.version == version
+
+
+def test_fft_after_a_stride_change_is_refused_and_auto_goes_direct(rng):
+    """algo="auto" chose FFT at stride 1; at stride 2 it must run direct (FFT convolution has no stride),
+    and algo="fft" set on a strided conv is refused at the call, as the constructor refuses it."""
+    conv = nn.Conv2d(1, 1, 63, dtype="fp64", seed=0)
+    x = rng.standard_normal((1, 70, 70, 1))
+    assert conv.uses_fft(x)
+    conv.stride = 2
+    assert not conv.uses_fft(x)
+    direct = nn.Conv2d(1, 1, 63, stride=2, dtype="fp64", algo="direct", seed=0)
+    assert rel_error(conv(x), direct(x)) <= 1e-12
+    conv.algo = "fft"
+    with pytest.raises(ValueError, match="algo='fft' needs stride 1"):
+        conv(x)

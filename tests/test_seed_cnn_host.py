@@ -80,7 +80,7 @@ def test_a_repeated_call_plans_keys_and_binds_nothing_again(rng, fake_gpu, monke
         raise AssertionError("called again by a cached call")
     for owner, name in ((nn.Sequential, "_fuse"), (nn.Sequential, "__getitem__"),
                         (conv_layers.Conv2d, "conv2d_options"), (conv_layers, "conv_options"),
-                        (conv_layers.Conv2dBNAct, "_folded_conv"), (pool_layers.MaxPool2d, "_op_sizes"),
+                        (conv_layers.Conv2dBNAct, "_remake"), (pool_layers.MaxPool2d, "_op_sizes"),
                         (sequential, "_permuted_columns")):
         monkeypatch.setattr(owner, name, refuse)
     second = model(x)

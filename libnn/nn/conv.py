@@ -34,6 +34,17 @@ ALGOS = ("auto", "direct", "fft")
 # The layer's attributes that are conv2d's options: setting one (use_path sets path) drops the layer's
 # ConvOptions, made again at its next call.
 CONV_OPTIONS = frozenset({"stride", "padding", "dilation", "groups", "layout", "path"})
+# What a built layer checks when one of these is set again, as its constructor did (path is not
+# checked: use_path sets paths of other ops on it). Setting any of them, or algo, to a new value
+# changes the layer's version, so that what was built from the old one (a Sequential's fused and
+# folded clone, a CUDA graph's capture) is made again.
+_CONFIG_CHECKS = {"stride": lambda v: checks.pair("Conv2d", "stride", v, 1),
+                  "padding": lambda v: checks.pair("Conv2d", "padding", v, 0),
+                  "dilation": lambda v: checks.pair("Conv2d", "dilation", v, 1),
+                  "groups": lambda v: checks.size("Conv2d", "groups", v),
+                  "layout": lambda v: checks.choice("Conv2d", "layout", v, LAYOUTS),
+                  "algo": lambda v: checks.choice("Conv2d", "algo", v, ALGOS)}
+CONV_CONFIG = CONV_OPTIONS | {"algo"}
 
 
 def prefers_fft(channels: int, size: int, kernel: int) -> bool:
@@ -44,6 +55,16 @@ def prefers_fft(channels: int, size: int, kernel: int) -> bool:
         if measured <= size:
             crossover = kernel_from
     return crossover is not None and kernel >= crossover
+
+
+def _fft_able(stride: tuple[int, int], dilation: tuple[int, int], groups: int) -> bool:
+    return stride == (1, 1) and dilation == (1, 1) and groups == 1
+
+
+def _check_fft(algo: str, stride: tuple[int, int], dilation: tuple[int, int], groups: int) -> None:
+    if algo == "fft" and not _fft_able(stride, dilation, groups):
+        raise ValueError("Conv2d: algo='fft' needs stride 1, dilation 1 and groups 1 "
+                         f"(got stride={stride}, dilation={dilation}, groups={groups}); use algo='direct'")
 
 
 class Conv2d(Module):
@@ -71,14 +92,11 @@ class Conv2d(Module):
         checks.path("Conv2d", path, {"direct": ("conv2d",), "fft": ("fft_conv",), "auto": ("conv2d", "fft_conv")}[algo])
         parsed, seed = checks.float_dtype("Conv2d", dtype), checks.seed("Conv2d", seed)
         checks.device("Conv2d", device)
-        fft_able = stride == (1, 1) and dilation == (1, 1) and groups == 1
-        if algo == "fft" and not fft_able:
-            raise ValueError("Conv2d: algo='fft' needs stride 1, dilation 1 and groups 1 "
-                             f"(got stride={stride}, dilation={dilation}, groups={groups}); use algo='direct'")
+        _check_fft(algo, stride, dilation, groups)
         shape = (out_channels, in_channels // groups, r, s)
         checks.parameters_fit("Conv2d", f"weight of shape {shape}", math.prod(shape) + out_channels * bias, parsed,
                               device)
-        self.algo, self._fft_able = algo, fft_able
+        self.algo = algo
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, (r, s)
         self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
         self.activation, self.layout, self.path = activation, layout, path
@@ -90,9 +108,15 @@ class Conv2d(Module):
         self._bias32: tuple[Any, Any] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
+        built = "weight" in self._parameters  # the constructor checked its own arguments
+        if built and name in _CONFIG_CHECKS:
+            value = _CONFIG_CHECKS[name](value)
+        changed = built and name in CONV_CONFIG and getattr(self, name) != value
         super().__setattr__(name, value)
         if name in CONV_OPTIONS:
             object.__setattr__(self, "_options", None)
+        if changed:
+            self._bump()
 
     def filters(self) -> Any:
         """The weight in the filter layout of `self.layout` (KRSC for NHWC), converted once."""
@@ -118,12 +142,15 @@ class Conv2d(Module):
 
     def uses_fft(self, x: Any) -> bool:
         if self.algo != "auto":
+            if self.algo == "fft":  # stride, dilation or groups may have been set since the constructor
+                _check_fft(self.algo, self.stride, self.dilation, self.groups)
             return self.algo == "fft"
         shape = x.shape  # read once: CuPy makes the tuple at every read
         if len(shape) != 4:  # conv2d names the expected rank
             return False
         h, w = (shape[1], shape[2]) if self.layout == "NHWC" else (shape[2], shape[3])
-        return self._fft_able and prefers_fft(self.in_channels, min(h, w), min(self.kernel_size))
+        return (_fft_able(self.stride, self.dilation, self.groups)
+                and prefers_fft(self.in_channels, min(h, w), min(self.kernel_size)))
 
     def forward(self, x: Any, bn: Any = None, activation: str | None = None) -> Any:
         activation = activation or self.activation
@@ -183,33 +210,32 @@ class Conv2dBNAct(Module):
         self.fold = checks.flag("Conv2dBNAct", "fold", fold)
         self._folded: Conv2d | None = None
         self._epilogue: tuple[Any, Any] | None = None
+        self._made_at: tuple[int, int] | None = None  # (conv, bn) versions the two above were made at
 
     def describe(self) -> str:
         how = "BN folded into the weights" if self.fold else "BN as the epilogue"
         return f"Conv2d+BatchNorm2d{'+' + self.activation if self.activation else ''} fused ({how})"
 
     def forward(self, x: Any) -> Any:
+        if self._made_at != (self.conv.version, self.bn.version):  # two reads a call: what was made from
+            self._remake()  # them follows a replaced parameter and the conv's stride, padding, path, ...
         if not self.fold:
-            if self._epilogue is None:  # computed once: Sequential builds a new one when parameters change
-                self._epilogue = self.bn.folded()
             return self.conv(x, bn=self._epilogue, activation=self.activation)
-        folded = self._folded
-        if folded is None:
-            folded = self._folded_conv()
-        elif folded.path != self.conv.path:  # use_path reaches the conv, not the clone made from it
-            folded.path = self.conv.path
         # the clone is a plain Conv2d of ours: its forward is what calling it runs, without Module.__call__
-        return folded.forward(x, activation=self.activation)
+        return self._folded.forward(x, activation=self.activation)
 
-    def _folded_conv(self) -> Conv2d:
-        """A Conv2d with w' = w · scale and b' = b · scale + shift, computed in fp32 (fp64 for fp64
-        layers) and rounded once to the layer's dtype."""
+    def _remake(self) -> None:
+        """The BN's scale and shift for the epilogue, or the folded clone: a Conv2d configured as the
+        conv (with_parameters) with w' = w · scale and b' = b · scale + shift, computed in fp32 (fp64
+        for fp64 layers) and rounded once to the layer's dtype."""
         c = self.conv
-        if self._folded is None:
-            scale, shift = self.bn.folded()
+        scale, shift = self.bn.folded()
+        if not self.fold:
+            self._epilogue = (scale, shift)
+        else:
             xp = array_module(c.weight)
             compute = xp.float64 if c.weight.dtype == xp.float64 else xp.float32
             w = (c.weight.astype(compute) * scale.reshape(-1, 1, 1, 1)).astype(c.weight.dtype)
             b = shift if c.bias is None else c.bias.astype(compute) * scale + shift
             self._folded = c.with_parameters(w, b.astype(c.weight.dtype))
-        return self._folded
+        self._made_at = (c.version, self.bn.version)
