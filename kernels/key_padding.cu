@@ -28,8 +28,8 @@ Versions:
    per lane (a warp's load is 32 consecutive words), writes valid and keeps the last token from each
    step's __ballot_sync (its highest set bit); pass 2 reads the row again (in cache: the warp read it
    just before) and writes the bias once `last` is known. Replaces a thread per row reading its S
-   flags one after another (6.8 us for B = 32, S = 128 on the H100, latency bound), a second kernel
-   for the holes (1.5 us) and the `mask != 0` pass the caller ran first (1.1 us); not yet timed itself.
+   flags one after another (latency bound), a second kernel for the holes and the `mask != 0` pass the
+   caller ran first (timings of both: benchmarks/RESULTS.md, eleventh session).
 
 LAUNCH (every kernel takes the same parameters)
     (const M* mask, unsigned char* valid, int* lengths, W* bias, long long B, int S, int min_length,

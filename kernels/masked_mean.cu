@@ -25,7 +25,7 @@ Versions (libnn/nn/functional.py picks one from F and x's alignment):
    column then meet in shared memory and the first 64 threads add them in order of r and divide. At
    B = 32, F = 384 that is 192 blocks of 256 threads, where a thread per output value reading down its
    column (CuPy's kernel before this one) had 12288 threads walking S = 128 steps one after another
-   (9.6 us on the H100); this one is not yet timed.
+   (timings of both: benchmarks/RESULTS.md, eleventh session).
 
 1) masked_mean1_scalar_{f16,bf16,f32,f64}   any F, any alignment: V = 1 (L = 64, R = 4)
 2) masked_mean2_vec_{f16,bf16,f32,f64}      F a multiple of V = 16 / sizeof(T) and x 16-byte aligned:

@@ -183,6 +183,15 @@ def test_masked_mean_of_nothing_is_zeros_without_a_launch(fake_gpu):
     assert out.shape == (2, 3) and not out.any() and fake_gpu.launches == []
 
 
+def test_masked_mean_refuses_more_features_than_its_grid_takes_before_allocating(fake_gpu):
+    F = 65535 * 64 + 1  # one column past the grid's y limit: a (1, 1, F) fp16 x of 8 MB
+    x = on_device(np.ones((1, 1, F), np.float16))
+    with pytest.raises(ValueError, match=r"^masked_mean: x has F=4194241 features per position, more than "
+                                         r"kernels/masked_mean.cu takes \(4194240: 64 per block"):
+        masked_mean(x, on_device(np.ones((1, 1), bool)))
+    assert fake_gpu.launches == []
+
+
 @pytest.mark.parametrize("kernel", [f"masked_mean{v}_{s}" for v in ("1_scalar", "2_vec")
                                     for s in ("f16", "bf16", "f32", "f64")])
 def test_masked_mean_kernels_take_what_the_launch_packs(kernel):

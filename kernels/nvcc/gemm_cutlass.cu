@@ -22,7 +22,7 @@ schedule choices timed on the H100 (ping-pong 128x128 and 64x256, cooperative 25
 without clusters among them) the fastest, or at most 5.1% behind, at every large BERT FFN shape
 (benchmarks/RESULTS.md, ninth session); and 128x192 without clusters, for the shapes where 128x256's
 last wave of tiles would leave most SMs idle (MiniLM's FFN at 4096x1536x384: 192 tiles of 128x256 on
-132 SMs are two waves, the second half empty, where 256 tiles of 128x192 fill both; benchmarks/RESULTS.md,
+132 SMs are 1.45 waves, the second more than half empty, where 256 tiles of 128x192 fill two; benchmarks/RESULTS.md,
 eleventh session). ELEMENT (cutlass::half_t or cutlass::bfloat16_t), TILE_M, TILE_N and CLUSTER_M are
 the build's macros: one shared library per dtype and tile.
 */

@@ -18,9 +18,9 @@ Parts (`--only` picks some, comma-separated):
 - cold: the cold start (a new process with a cold and then a warm plan cache, to the first result).
 
 Rows per case: libnn graph (one CUDA graph per input shape, replayed on its input buffers, filled once
-through `g.inputs()`, as the torch.cuda.graph peer replays its static inputs; the first call's split
-into eager warm-up and capture beside it), libnn graph with the inputs copied in (`g(*inputs)` each
-call: the same replay after one device copy per input), libnn eager (op by op from Python), for the seed CNN libnn forced to
+through `g.inputs()`, as the torch.cuda.graph peer replays its static inputs, and so are the other
+libnn graph rows; the first call's split into eager warm-up and capture beside it), libnn graph with
+the inputs copied in (`g(*inputs)` each call: the same replay after one device copy per input), libnn eager (op by op from Python), for the seed CNN libnn forced to
 its custom path, for the encoders libnn's graph with unpad=False (every padding position computed, as
 Hugging Face does; the default packs the tokens, and each call reads their count back), and the peers in the same run: PyTorch eager (Hugging Face transformers for the
 encoders), the same captured in a `torch.cuda.graph` (static inputs, replayed), and `torch.compile`
@@ -133,20 +133,24 @@ def _libnn_timings(case: Case, checkpoint: str | None) -> list[tuple[str, Callab
     first_call = time.perf_counter() - start
     stats = next(iter(graphed.stats().values()))
     split = {"first call s": first_call, "warm-up s": stats.warmup_seconds, "capture s": stats.capture_seconds}
-    for buffer, array in zip(graphed.inputs(*inputs), inputs):
-        buffer[...] = array
-    found = [("libnn graph", lambda _: graphed.replay(), split),
+    found = [("libnn graph", _replay_on_buffers(graphed, inputs), split),
              ("libnn graph, inputs copied", lambda _: graphed(*inputs), {}),
              ("libnn eager", lambda _: model(*inputs), {})]
     if case.model == "seed CNN":
         custom, custom_inputs = _libnn_model(case, path="custom")
-        custom_graphed = custom.graphed()
-        found.append(("libnn custom graph", lambda _: custom_graphed(*custom_inputs), {}))
+        found.append(("libnn custom graph", _replay_on_buffers(custom.graphed(), custom_inputs), {}))
     if case.model in SHAPES:  # the fusion's twin: every position computed, as Hugging Face does
         padded, padded_inputs = _libnn_model(case, checkpoint=checkpoint, unpad=False)
-        padded_graphed = padded.graphed()
-        found.append(("libnn graph padded", lambda _: padded_graphed(*padded_inputs), {}))
+        found.append(("libnn graph padded", _replay_on_buffers(padded.graphed(), padded_inputs), {}))
     return found
+
+
+def _replay_on_buffers(graphed: Any, inputs: tuple[Any, ...]) -> Callable[[Any], Any]:
+    """The replay of `graphed`'s capture for `inputs` on its own input buffers, filled with them once
+    (g.inputs), as the torch.cuda.graph peer replays its static inputs."""
+    for buffer, array in zip(graphed.inputs(*inputs), inputs):
+        buffer[...] = array
+    return lambda _: graphed.replay()
 
 
 # --- PyTorch's side -------------------------------------------------------------------------------

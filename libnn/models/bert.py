@@ -417,12 +417,12 @@ class BertEncoder(Module):
         count back. A mask with more tokens than `max_tokens` is refused.
 
         A row with no token (all padding: a fixed-size batch's unused rows, say) stays finite, never
-        NaN: its attention reads its first position alone, as the key lengths are taken as at least 1
-        (decided once per call, with no synchronisation of its own, so that the attention need not
-        zero batch entries without a key after every layer). It used to attend to nothing and take
-        zeros from the attention. Hugging Face attends to every position uniformly in such a row, so
-        neither matches it there; the rows with tokens are the same either way, and `pooled` is zeros
-        for such a row."""
+        NaN. Computed padded, its attention reads its first position alone, as the key lengths are
+        taken as at least 1 (decided once per call, with no synchronisation of its own, so that the
+        attention need not zero batch entries without a key after every layer); Hugging Face attends
+        to every position uniformly there, so the two differ in such a row. Packed (`unpad`), it has no
+        packed rows, and its hidden states are zeros. The rows with tokens are the same either way, and
+        `pooled` is zeros for such a row."""
         like = self.embeddings.word_embeddings.weight
         c = self.config
         input_ids = self._ids(input_ids, "input_ids", like)

@@ -651,20 +651,19 @@ def _can_empty_rows(problem: AttentionProblem) -> bool:
             or (p.causal == "bottom_right" and (p.Sq > p.Skv or p.has_seq_lens_kv)))
 
 
-# At most this many FLOPs (attention_flops), non-causal self-attention with D <= 64 runs faster on the
-# custom flash kernel than on cuDNN's SDPA, whose time there hardly grows with the work (a fixed cost
-# per call dominates). Measured on the H100 at an encoder's shapes (sequence 128, 12 heads, key-padding
-# lengths and bias): custom faster at batch 1 (D = 32 and 64) and batch 32 (D = 32, 0.8 GFLOP), cuDNN
-# from 1.6 GFLOP (batch 32 at D = 64, batch 256 at D = 32); benchmarks/RESULTS.md, eleventh session.
+# At most this many FLOPs (attention_flops), non-causal self-attention with 32 <= D <= 64 ran faster on
+# the custom flash kernel than on cuDNN's SDPA, whose time there hardly grows with the work (a fixed
+# cost per call dominates): measured at an encoder's shapes, benchmarks/RESULTS.md, eleventh session.
 CUSTOM_FASTER_BELOW_FLOPS = 10**9
 
 
 def _cudnn_slower(problem: AttentionProblem) -> str | None:
-    """Small non-causal self-attention (an encoder's), dense, with no bias or a key-padding bias (one row
-    broadcast to every query, which the flash kernel stages once), rows the flash kernel takes: its
-    custom kernel first."""
+    """Small non-causal self-attention (an encoder's), dense, with no bias or a bias broadcast along the
+    query rows (a key-padding bias, which the flash kernel stages once), rows the flash kernel takes:
+    its custom kernel first. (cudnn then comes after unfused, which the flash kernel's conditions here
+    keep from running.)"""
     p = problem
-    small = (p.layout != "THD" and not p.pages and p.causal is None and p.Sq == p.Skv and p.D <= 64
+    small = (p.layout != "THD" and not p.pages and p.causal is None and p.Sq == p.Skv and 32 <= p.D <= 64
              and p.flops <= CUSTOM_FASTER_BELOW_FLOPS and p.aligned
              and (p.bias_shape is None or p.bias_shape[2] == 1)
              and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale))
