@@ -93,8 +93,20 @@ def test_version_keeps_still_when_nothing_is_replaced():
     model.to("cpu")                                # the same arrays again
     model.load_state_dict(model.state_dict())      # the very same objects
     model[0].weight[0, 0] = 5.0                    # in place: same array, same address
-    model[0].path = "reference"                    # not a parameter
+    model[0].path = "auto"                         # a setting set to the value it has
+    model[0]._cache = object()                     # a private attribute: a cache, not a setting
     assert model.version == before
+
+
+def test_a_setting_set_to_a_new_value_changes_the_version():
+    """A capture bakes in what the layer computes, not only its parameters' addresses: a new path, eps,
+    stride or activation makes every capture (and Sequential's fusion) again."""
+    model = nn.Sequential(nn.Linear(4, 3, seed=0), nn.LayerNorm(3), nn.Conv2d(1, 1, 3, seed=0))
+    for module, name, value in ((model[0], "path", "reference"), (model[0], "activation", "relu"),
+                                (model[1], "eps", 1e-3), (model[2], "stride", 2)):
+        before = model.version
+        setattr(module, name, value)
+        assert model.version != before, name
 
 
 def test_version_reaches_every_parent_of_a_shared_module_and_follows_children_added_later():
@@ -125,6 +137,40 @@ def test_sequential_rebuilds_its_fusion_plan_after_a_parameter_is_assigned(rng):
     model[0].weight = model[0].weight * -1.0
     expected = np.maximum(x @ model[0].weight.T + model[0].bias, 0)
     assert rel_error(model(x), expected) < 1e-12
+
+
+def test_sequential_refuses_a_stale_fusion_after_a_layers_activation_is_set(rng):
+    """Linear → SiLU and Conv2d → BatchNorm2d → ReLU fuse while the first layer has no activation of its
+    own; one set later must run as well (the fused modules passed their own activation in its place)."""
+    x = random_normal(rng, (3, 5), "fp64")
+    model = nn.Sequential(nn.Linear(5, 4, seed=0, dtype="fp64"), nn.SiLU())
+    model(x)
+    model[0].activation = "relu"
+    assert rel_error(model(x), model[1](model[0](x))) < 1e-12
+    cnn = small_cnn(dtype="fp64")
+    image = random_normal(rng, (2, 8, 8, 3), "fp64")
+    cnn(image)
+    cnn[0].activation = "gelu"
+    layer_by_layer = image
+    for i in range(len(cnn)):
+        layer_by_layer = cnn[i](layer_by_layer)
+    assert rel_error(cnn(image), layer_by_layer) < 1e-12
+
+
+@pytest.mark.gpu
+def test_graph_follows_a_setting_set_after_the_capture(rng):
+    """eps and a stride are arguments the capture baked into its kernels: a new value captures anew."""
+    import cupy
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, seed=0, device="gpu"), nn.LayerNorm(4, device="gpu"))
+    graphed = model.graphed()
+    x = cupy.asarray(random_normal(rng, (2, 9, 9, 3), "fp32"))
+    graphed(x)
+    model[1].eps = 0.5
+    assert rel_error(graphed(x).copy(), model(x).get()) <= 1e-5
+    model[0].stride = 2
+    after = graphed(x).copy()
+    assert after.shape == (2, 5, 5, 4) and rel_error(after, model(x).get()) <= 1e-5
 
 
 # --- caller-filled buffers and parameter replacement (GPU) ----------------------------------------

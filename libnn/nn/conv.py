@@ -35,16 +35,16 @@ ALGOS = ("auto", "direct", "fft")
 # ConvOptions, made again at its next call.
 CONV_OPTIONS = frozenset({"stride", "padding", "dilation", "groups", "layout", "path"})
 # What a built layer checks when one of these is set again, as its constructor did (path is not
-# checked: use_path sets paths of other ops on it). Setting any of them, or algo, to a new value
-# changes the layer's version, so that what was built from the old one (a Sequential's fused and
+# checked: use_path sets paths of other ops on it). A new value changes the layer's version, as any
+# setting's does (nn.module), so that what was built from the old one (a Sequential's fused and
 # folded clone, a CUDA graph's capture) is made again.
 _CONFIG_CHECKS = {"stride": lambda v: checks.pair("Conv2d", "stride", v, 1),
                   "padding": lambda v: checks.pair("Conv2d", "padding", v, 0),
                   "dilation": lambda v: checks.pair("Conv2d", "dilation", v, 1),
                   "groups": lambda v: checks.size("Conv2d", "groups", v),
                   "layout": lambda v: checks.choice("Conv2d", "layout", v, LAYOUTS),
-                  "algo": lambda v: checks.choice("Conv2d", "algo", v, ALGOS)}
-CONV_CONFIG = CONV_OPTIONS | {"algo"}
+                  "algo": lambda v: checks.choice("Conv2d", "algo", v, ALGOS),
+                  "activation": lambda v: checks.choice("Conv2d", "activation", v, CONV_ACTIVATIONS)}
 
 
 def prefers_fft(channels: int, size: int, kernel: int) -> bool:
@@ -108,15 +108,11 @@ class Conv2d(Module):
         self._bias32: tuple[Any, Any] | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        built = "weight" in self._parameters  # the constructor checked its own arguments
-        if built and name in _CONFIG_CHECKS:
+        if name in _CONFIG_CHECKS and "weight" in self._parameters:  # the constructor checked its own
             value = _CONFIG_CHECKS[name](value)
-        changed = built and name in CONV_CONFIG and getattr(self, name) != value
         super().__setattr__(name, value)
         if name in CONV_OPTIONS:
             object.__setattr__(self, "_options", None)
-        if changed:
-            self._bump()
 
     def filters(self) -> Any:
         """The weight in the filter layout of `self.layout` (KRSC for NHWC), converted once."""

@@ -232,9 +232,9 @@ class GraphedModule:
             raise LibnnError(f"{self._name}.replay(): nothing was captured yet; call g(...) or g.inputs(...) first")
         entry, region = self._last
         if self.module.version != self._version or entry.dropped:
-            raise LibnnError(f"{self._name}.replay(): that capture was dropped (a parameter was replaced, or "
-                             f"max_captures={self.max_captures} newer ones pushed it out); call g.inputs(...) "
-                             "again and refill the buffers it returns")
+            raise LibnnError(f"{self._name}.replay(): that capture was dropped (a parameter was replaced or a "
+                             f"setting changed, or max_captures={self.max_captures} newer ones pushed it out); call "
+                             "g.inputs(...) again and refill the buffers it returns")
         tokens = None
         if entry.tokens is not None:
             mask = region.inputs[entry.mask_index]
@@ -528,7 +528,8 @@ class GraphedModule:
             self._drop_all()
 
     def _drop_all(self) -> None:
-        """A parameter was replaced: every capture reads stale addresses."""
+        """A parameter was replaced or a setting changed: every capture reads stale addresses or
+        computes what the module no longer does."""
         for entry in self._captures.clear():
             self._forget(entry)
         self._version = self.module.version

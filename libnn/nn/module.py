@@ -2,8 +2,9 @@
 moves. Inference only: there are no gradients and no training mode.
 
 Every module has a `version` that changes whenever a parameter of it or of any module below it is
-registered or replaced (register_parameter, load_state_dict, to(), `layer.weight = new`) or a child
-module is added, replaced or removed. Modules know their parents (weakly), so a change is pushed up
+registered or replaced (register_parameter, load_state_dict, to(), `layer.weight = new`), a child
+module is added, replaced or removed, or a setting (a public attribute that is neither: a conv's
+stride, a norm's eps, a layer's path or activation) is set to a new value after the module was built. Modules know their parents (weakly), so a change is pushed up
 to every ancestor at the time it happens, through every parent of a module shared by several; reading
 a model's version is then one attribute read, which is what CUDA graphs (libnn.nn.graphs) and
 Sequential's fusion plan check on each call instead of walking the parameters. Changes made in
@@ -27,6 +28,19 @@ from libnn.ops.quantize_fp8 import check_quantize
 from libnn.runtime.arrays import as_array, is_cupy
 
 
+def _same_setting(old: Any, new: Any) -> bool:
+    """Whether a setting keeps its value: the same object, or equal values (arrays count as changed
+    unless the same object: their == is elementwise)."""
+    if old is new:
+        return True
+    if hasattr(old, "shape") or hasattr(new, "shape"):
+        return False
+    try:
+        return bool(old == new)
+    except Exception:  # noqa: BLE001 - a value whose == cannot be read as one bool is a new setting
+        return False
+
+
 class Module:
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
@@ -38,6 +52,11 @@ class Module:
         if name in self._parameters:  # `layer.weight = new` replaces the parameter, as in PyTorch
             self.register_parameter(name, value)
             return
+        # A setting set again to a new value: what was made from the old one (a Sequential's fusion and
+        # folded weights, a CUDA graph's capture, which bakes eps and strides into its kernels) must
+        # be made again. Private attributes are caches; a first assignment is the constructor's.
+        resets = (not name.startswith("_") and name in self.__dict__ and name not in self._children
+                  and not isinstance(value, Module) and not _same_setting(self.__dict__[name], value))
         old = self._children.get(name)
         if isinstance(value, Module):
             self._children[name] = value
@@ -48,6 +67,8 @@ class Module:
         if old is not value and (old is not None or isinstance(value, Module)):
             if old is not None and not any(c is old for c in self._children.values()):
                 old._parents.discard(self)
+            self._bump()
+        elif resets:
             self._bump()
 
     @property
