@@ -61,3 +61,5 @@ TOLERANCE = {"fp64": 1e-12, "fp32": 1e-5, "tf32": 1e-3, "fp16": 1e-2, "bf16": 1e
 
 # The suffix of a kernel's name in kernels/*.cu for each dtype it is generated for.
 KERNEL_SUFFIX = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+# The same for the kernel files that also build fp64 kernels (softmax.cu, masked_mean.cu).
+KERNEL_SUFFIX_WITH_F64 = {**KERNEL_SUFFIX, "fp64": "f64"}

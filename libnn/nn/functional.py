@@ -29,7 +29,6 @@ _MM = contracts.params("masked_mean.cu", "MM_PARAMS")  # every masked_mean kerne
 _MM_THREADS = contracts.constant("masked_mean.cu", "MM_THREADS")
 _MM_COLS = contracts.constant("masked_mean.cu", "MM_COLS")
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's y extent
-_MEAN_SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "fp64": "f64"}  # masked_mean.cu's kernel suffixes
 _launches: PlanCache = PlanCache("nn.functional launches")
 
 
@@ -223,7 +222,7 @@ def masked_mean(x: Any, valid: Any) -> Any:
                          f"takes ({_MAX_GRID_Y * _MM_COLS}: {_MM_COLS} per block, at most {_MAX_GRID_Y} blocks "
                          "along the grid's y)")
     out = xp.empty((B, F), x.dtype)
-    suffix = _MEAN_SUFFIX[dtypes.short_name(x.dtype)]
+    suffix = dtypes.KERNEL_SUFFIX_WITH_F64[dtypes.short_name(x.dtype)]
     vec = F % (16 // x.dtype.itemsize) == 0 and x.data.ptr % 16 == 0
     kernel = f"masked_mean2_vec_{suffix}" if vec else f"masked_mean1_scalar_{suffix}"
     _bound("masked_mean.cu", kernel, (B, -(-F // _MM_COLS)), (_MM_THREADS,), _MM, x=launch.ARRAY,

@@ -4,11 +4,12 @@ moves. Inference only: there are no gradients and no training mode.
 Every module has a `version` that changes whenever a parameter of it or of any module below it is
 registered or replaced (register_parameter, load_state_dict, to(), `layer.weight = new`), a child
 module is added, replaced or removed, or a setting (a public attribute that is neither: a conv's
-stride, a norm's eps, a layer's path or activation) is set to a new value after the module was built. Modules know their parents (weakly), so a change is pushed up
-to every ancestor at the time it happens, through every parent of a module shared by several; reading
-a model's version is then one attribute read, which is what CUDA graphs (libnn.nn.graphs) and
-Sequential's fusion plan check on each call instead of walking the parameters. Changes made in
-place (`layer.weight[...] = v`) keep the version: they keep the arrays, and so the addresses.
+stride, a norm's eps, a layer's path or activation) is set to a new value after the module was built.
+Modules know their parents (weakly), so a change is pushed up to every ancestor at the time it
+happens, through every parent of a module shared by several; reading a model's version is then one
+attribute read, which is what CUDA graphs (libnn.nn.graphs) and Sequential's fusion plan check on each
+call instead of walking the parameters. Changes made in place (`layer.weight[...] = v`) keep the
+version: they keep the arrays, and so the addresses.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ Before running, Sequential fuses what follows each other:
   permuted once from PyTorch's (C, H, W) order to (H, W, C) (a quantised Linear's E4M3 codes alike: its
   scales are per output row, which the permutation leaves alone).
 Each fusion is one rule (`_RULES`, tried in order at each position). The fused plan is made once and
-rebuilt whenever a parameter or layer is replaced (load_state_dict, to(), `seq[0].weight = w`: the
-module's version changes) or fold_bn is set. state_dict keys stay those of the original modules
-("0.weight", "1.running_mean", ...), as in PyTorch.
+rebuilt whenever the module's version changes: a parameter or layer is replaced (load_state_dict, to(),
+`seq[0].weight = w`), or a setting is set to a new value (fold_bn, a layer's stride or activation).
+state_dict keys stay those of the original modules ("0.weight", "1.running_mean", ...), as in PyTorch.
 """
 
 from __future__ import annotations
@@ -111,11 +111,6 @@ class Sequential(Module):
             setattr(self, str(i), module)
         self.fold_bn = checks.flag("Sequential", "fold_bn", fold_bn)
         self._plan: _Plan | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name == "fold_bn":  # the plan folds as fold_bn says: made again at the next call
-            object.__setattr__(self, "_plan", None)
 
     def __getitem__(self, index: int) -> Module:
         """The module at `index` (negative counts from the end, as for a list)."""

@@ -282,8 +282,8 @@ def _custom_slower(problem: LayerNormProblem) -> str | None:
 def _custom(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    return copying_strided(bind_custom(problem, *contiguous_arrays(x, weight, bias, residual)),
-                                       x, weight, bias, residual)
+    return copying_strided(bind_custom(problem, *contiguous_arrays(x, weight, bias, residual)), x, weight, bias,
+                           residual)
 
 
 op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)(_cudnn)

@@ -271,8 +271,9 @@ def _cutlass_slower(problem: LinearProblem) -> str | None:
     """Fewer output tiles than SMs: the tiles leave SMs idle, where cuBLASLt picks a kernel for the shape
     (smaller tiles, split K). Measured on the H100: the encoders at batch 1 (FFN rows 4..128) ran 0.03-0.09
     ms slower per forward on cutlass than on cuBLASLt's GEMM + pass (benchmarks/RESULTS.md)."""
-    tile = _cutlass_tile(problem)
-    tiles, sms = tile.count(problem.M, problem.N), _multiprocessors(problem)
+    sms = _multiprocessors(problem)
+    tile = cutlass.tile_for(problem.M, problem.N, sms)
+    tiles = tile.count(problem.M, problem.N)
     if tiles < sms:
         return f"{tiles} output tiles of {tile} fill less than the GPU's {sms} SMs"
     return None

@@ -117,7 +117,7 @@ def _gpu_support(problem: SoftmaxProblem) -> str | None:
 
 
 # --- custom path: kernels/softmax.cu -----------------------------------------------------------------
-KERNEL_SUFFIX = {**dtypes.KERNEL_SUFFIX, "fp64": "f64"}  # softmax.cu also builds fp64 kernels
+KERNEL_SUFFIX = dtypes.KERNEL_SUFFIX_WITH_F64  # softmax.cu also builds fp64 kernels
 WARP_MAX_N = 1024              # softmax_warp* up to here (32 lanes x its largest VPT), softmax_block_* beyond
 _SM = contracts.params("softmax.cu", "SM_PARAMS")  # every softmax kernel's parameters
 _WARP_VPTS = (1, 2, 4, 8, 16, 32)  # what kernels/softmax.cu builds
