@@ -13,7 +13,14 @@ import numpy as np
 from libnn.runtime import arrays, device, memory
 
 STREAM = types.SimpleNamespace(ptr=0x7F00)
-CUDA = types.SimpleNamespace(get_current_stream=lambda: STREAM)   # cupy.cuda: the current stream
+# cupy.cuda: the current stream, and an allocator whose "memory" is the byte count (host_ndarray ignores it)
+CUDA = types.SimpleNamespace(get_current_stream=lambda: STREAM, alloc=lambda nbytes: nbytes)
+
+
+def host_ndarray(shape, dtype=np.float32, memptr=None) -> np.ndarray:
+    """cupy.ndarray's stand-in for runtime.arrays.allocator's outputs (`memptr`, from CUDA.alloc, unused):
+    an uninitialised host array."""
+    return np.empty(shape, dtype)
 
 
 class DeviceArray(np.ndarray):

@@ -15,6 +15,7 @@ from libnn.runtime import launch
 from libnn.ops import attention, conv2d, layer_norm, linear, max_pool2d, softmax
 
 from conftest import random_normal
+from gpu_stand_ins import CUDA, host_ndarray
 
 
 def test_a_repeated_signature_builds_nothing_and_reads_the_new_arrays(rng):
@@ -187,7 +188,7 @@ def _attention_stubs(monkeypatch):
 
     monkeypatch.setattr(launch, "bind", bind)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        empty=np.empty, ndarray=np.ndarray, zeros=np.zeros, broadcast_to=np.broadcast_to,
+        empty=np.empty, ndarray=host_ndarray, cuda=CUDA, zeros=np.zeros, broadcast_to=np.broadcast_to,
         ascontiguousarray=np.ascontiguousarray, matmul=np.matmul, float32=np.float32))
     return binds, launches
 

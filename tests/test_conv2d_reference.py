@@ -15,6 +15,7 @@ from libnn.runtime import launch
 from libnn.ops.activations import apply
 from libnn.ops.conv2d import conv2d, fold_batchnorm
 from conftest import random_normal, rel_error
+from gpu_stand_ins import CUDA, host_ndarray
 
 
 def loop_oracle(x, w, scale, shift, stride, padding, dilation, groups, activation):
@@ -148,8 +149,8 @@ def test_custom_binds_its_kernel_once_and_each_call_passes_that_calls_arrays(rng
         return lambda *arrays: launches.append(arrays)
 
     monkeypatch.setattr(launch, "bind", bind)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty,
-                                                                   ascontiguousarray=np.ascontiguousarray))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        empty=np.empty, ndarray=host_ndarray, cuda=CUDA, ascontiguousarray=np.ascontiguousarray))
 
     def arrays():
         x = random_normal(rng, (2, 7, 6, 8) if layout == "NHWC" else (2, 8, 7, 6), "fp32")

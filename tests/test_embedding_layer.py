@@ -14,6 +14,7 @@ from libnn import nn
 from libnn.nn import basic
 from libnn.ops.embedding import IdErrors, embedding
 from libnn.runtime import launch
+from gpu_stand_ins import CUDA, host_ndarray
 
 emb = importlib.import_module("libnn.ops.embedding")  # the module: libnn.ops.embedding is the function
 
@@ -53,7 +54,8 @@ def _stub_gpu(monkeypatch):
 
     monkeypatch.setattr(launch, "bind", bind)
     monkeypatch.setattr(emb, "_aligned", lambda problem, arrays: False)  # host arrays have no .data.ptr
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ndarray=np.ndarray))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(empty=np.empty, ndarray=host_ndarray,
+                                                                   cuda=CUDA))
     return binds
 
 

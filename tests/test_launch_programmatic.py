@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from libnn.runtime import launch
+from gpu_stand_ins import CUDA, host_ndarray
 
 l8 = importlib.import_module("libnn.ops.linear_fp8")
 
@@ -42,7 +43,7 @@ def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capabili
     monkeypatch.setattr(launch, "bind", lambda *args, **kwargs: binds.append(kwargs))
     monkeypatch.setattr(l8, "compute_capability", lambda device_id: capability)
     monkeypatch.setattr(l8, "multiprocessors", lambda device_id: 132)
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace())   # the bind itself needs no GPU
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=host_ndarray, cuda=CUDA))  # no GPU needed
     problem = l8.LinearFp8Problem(M=1, N=48, K=64, dtype="fp16", per_channel=True, has_bias=False,
                                   activation=None, has_residual=False, device="gpu:0")
     l8.bind_gemv(problem, np.ones((1, 64), np.float16), None, None, None)

@@ -42,7 +42,8 @@ def fake_gpu(monkeypatch):
     launches = []
     cupy = StandInCupy("cupy")
     cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
-    cupy.ndarray = cupy.empty = device_empty
+    cupy.empty = device_empty
+    cupy.ndarray = lambda shape, dtype, memptr=None: device_empty(shape, dtype)  # memptr: CUDA.alloc's stand-in
     cupy.asarray = lambda a, dtype=None: on_device(np.asarray(a, dtype))
     cupy.ascontiguousarray = lambda a: on_device(np.ascontiguousarray(a))
     cupy.cuda = CUDA

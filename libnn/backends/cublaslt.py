@@ -32,6 +32,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.config import config
 from libnn.errors import LibraryError
+from libnn.runtime.arrays import allocator
 from libnn.runtime.cache import PlanCache
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cublaslt_handle, workspace
@@ -216,14 +217,13 @@ def plan_for(problem, x, w, b, y, stream_ptr: int, r=None) -> GemmPlan:
 def bind_linear(problem, x, w, b, r=None):
     """The runner of y = act(x @ w.T + b + r) on cuBLASLt for C-contiguous (M, K), (N, K), (N,), (M, N)
     CuPy arrays of this signature, on the current stream."""
-    import cupy
-
     shape, dtype = (problem.M, problem.N), x.dtype
+    new = allocator(shape, dtype)
     stream_ptr = current_stream().ptr
-    matmul = plan_for(problem, x, w, b, cupy.empty(shape, dtype), stream_ptr, r).runner(stream_ptr)
+    matmul = plan_for(problem, x, w, b, new(), stream_ptr, r).runner(stream_ptr)
 
     def run(x, w, b, r):
-        y = cupy.empty(shape, dtype)  # pool memory: always 256-byte aligned, as at planning
+        y = new()  # pool memory: always 256-byte aligned, as at planning
         matmul(x, w, b, y, r)
         return y
     return run
@@ -428,20 +428,19 @@ def bind_linear_fp8(problem, xq, w, w_scale, x_scale, b, r=None):
     device buffer (M values with per_channel, else 1) that every call reads, b (N,) and r (M, N) in the
     output's dtype (fp16, bf16) or None. LibraryError where cuBLASLt declines, or an operand is not
     16-byte aligned (FP8 GEMMs need it)."""
-    import cupy
-
     misaligned = [name for name, a in (("w", w), ("w_scale", w_scale), ("b", b), ("residual", r))
                   if a is not None and a.data.ptr % 16]
     if misaligned:
         raise LibraryError(f"cuBLASLt's FP8 GEMMs need 16-byte aligned buffers; {', '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")
     shape, dtype = (problem.M, problem.N), dtypes.parse(problem.dtype)
+    new = allocator(shape, dtype)
     stream_ptr = current_stream().ptr
-    plan = fp8_plan_for(problem, xq, w, w_scale, x_scale, b, cupy.empty(shape, dtype), stream_ptr, r)
+    plan = fp8_plan_for(problem, xq, w, w_scale, x_scale, b, new(), stream_ptr, r)
     matmul = plan.runner(stream_ptr, x_scale)
 
     def run(xq, w, w_scale, b, r):
-        y = cupy.empty(shape, dtype)  # pool memory: 256-byte aligned, as planned
+        y = new()  # pool memory: 256-byte aligned, as planned
         matmul(xq, w, w_scale, b, y, r)
         return y
     return run

@@ -303,6 +303,11 @@ def _floor_alloc():
     return lambda: cupy.empty((16, 64), cupy.float16)
 
 
+def _floor_allocator():
+    from libnn.runtime.arrays import allocator
+    return allocator((16, 64), "float16")
+
+
 def _floor_stream():
     import cupy
     return lambda: cupy.cuda.get_current_stream().ptr
@@ -344,14 +349,17 @@ def _floor_culaunch():
     return launch
 
 
-def _floor_culaunch_ex():
-    """The same launch through cuLaunchKernelEx with its configuration built once, as runtime/launch.py does."""
+def _floor_launch(programmatic: bool):
+    """libnn's Launch of the same kernel: cuLaunchKernelEx (cuda-bindings) with its configuration built once
+    where `programmatic`, CuPy's driver binding of cuLaunchKernel otherwise (runtime/launch.py)."""
     from libnn.runtime import launch as launcher
 
-    f, y, args, cupy = _epilogue_kernel_args()
-    bound = launcher.Launch(f, "channel_epilogue_f16", (4,), (256,), 0, cupy.cuda.get_current_stream().ptr,
-                            [launcher.ARRAY, *args[1:]])
-    return lambda: bound(y)
+    def setup():
+        f, y, args, cupy = _epilogue_kernel_args()
+        bound = launcher.Launch(f, "channel_epilogue_f16", (4,), (256,), 0, cupy.cuda.get_current_stream().ptr,
+                                [launcher.ARRAY, *args[1:]], programmatic=programmatic)
+        return lambda: bound(y)
+    return setup
 
 
 def _floor_cublaslt():
@@ -447,11 +455,13 @@ def _floor_torch_empty():
 
 FLOORS = [
     ("cupy.empty (16, 64) fp16", _floor_alloc),
+    ("cupy.ndarray (16, 64) fp16 given cupy.cuda.alloc's memory (libnn's allocator)", _floor_allocator),
     ("cupy current stream .ptr", _floor_stream),
     ("torch.empty (16, 64) fp16", _floor_torch_empty),
     ("kernel launch: cupy RawKernel (7 args)", _floor_rawkernel),
     ("kernel launch: cuda-bindings cuLaunchKernel, pre-packed", _floor_culaunch),
-    ("kernel launch: libnn's Launch (cuLaunchKernelEx, configuration built once)", _floor_culaunch_ex),
+    ("kernel launch: libnn's plain Launch (CuPy's driver binding of cuLaunchKernel)", _floor_launch(False)),
+    ("kernel launch: libnn's programmatic Launch (cuLaunchKernelEx, configuration built once)", _floor_launch(True)),
     ("cuBLASLt matmul (libnn's plan, raw binding)", _floor_cublaslt),
     ("cuDNN frontend execute(dict)", _floor_cudnn_execute),
     ("cuDNN frontend execute_plan_at_index(dict)", _floor_cudnn_execute_at_index),

@@ -66,8 +66,8 @@ from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bin
                                         flash_fits, flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
-from libnn.runtime.arrays import (array_module, as_array, device_constant, device_of, is_cupy, min_max, signature,
-                                  stream_key)
+from libnn.runtime.arrays import (allocator, array_module, as_array, device_constant, device_of, is_cupy, min_max,
+                                  signature, stream_key)
 
 LAYOUTS = ("BHSD", "BSHD", "THD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -676,8 +676,6 @@ def _cudnn_slower(problem: AttentionProblem) -> str | None:
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, slower=_cudnn_slower,
          binds=True)
 def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    import cupy
-
     p = problem
     if p.layout == "THD":
         return _bind_cudnn_packed(p)
@@ -691,10 +689,10 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
     zero_rows = _bind_zero_rows(p)
-    new, shape, dtype = cupy.ndarray, _output_shape(p), dtypes.parse(p.dtype)  # cupy.empty's call, without its frame
+    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
-        o = new(shape, dtype)
+        o = new()
         execute(q, k, v, o)
         return o
 
@@ -702,7 +700,7 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
         if not contiguous_bias:
             bias = bias.copy()
-        o = new(shape, dtype)
+        o = new()
         extra = [] if bias is None else [bias]
         if padded:
             extra += [full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv]
@@ -748,11 +746,12 @@ def _bind_cudnn_paged(problem: AttentionProblem):
     full_q, full_kv = device_constant(p.B, p.Sq, np.int32), device_constant(p.B, p.Skv, np.int32)
     zero_rows = _bind_zero_rows(p)
     shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
+    new = allocator(shape, dtype)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, page_table):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
         table = cupy.ascontiguousarray(_page_table(p, page_table))  # the graph's rows are max_pages apart
-        o = cupy.empty(shape, dtype)
+        o = new()
         execute(q, k, v, o, full_q if lens_q is None else lens_q, full_kv if lens_kv is None else lens_kv, table,
                 table)
         if zero_rows:
@@ -799,28 +798,26 @@ def _bind_kernels(bind, problem: AttentionProblem, q, k, v, bias, *, views_per_c
     validates its lengths, allocates o and runs the bound kernels. `views_per_call`: whether the bound
     kernels need the views themselves; the flash kernels read only pointers, which the views share
     with the arrays, so their calls skip making them."""
-    import cupy
-
     p = problem
-    new, shape, dtype = cupy.ndarray, _output_shape(p), dtypes.parse(p.dtype)  # cupy.empty's call, without its frame
+    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     # o's geometry and alignment are read from a real output, as q's are: one allocation per signature
-    kernels = bind(*_kernel_views(p, q, k, v, cupy.empty(shape, dtype), bias), scale=p.scale, causal=p.causal)
+    kernels = bind(*_kernel_views(p, q, k, v, new(), bias), scale=p.scale, causal=p.causal)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
-        o = new(shape, dtype)
+        o = new()
         kernels(q, k, v, o, bias, None, None)
         return o
 
     def run_padded(q, k, v, seq_lens_q, seq_lens_kv, bias):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
-        o = new(shape, dtype)
+        o = new()
         kernels(q, k, v, o, bias, lens_q, lens_kv)
         return o
 
     def run_views(q, k, v, seq_lens_q, seq_lens_kv, bias):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv) if padded else (None, None)
-        o = new(shape, dtype)
+        o = new()
         kernels(*_kernel_views(p, q, k, v, o, bias), lens_q, lens_kv)
         return o
     return run_views if views_per_call else run_padded if padded else run

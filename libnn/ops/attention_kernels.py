@@ -24,7 +24,7 @@ import math
 
 from libnn import dtypes
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import is_cupy
+from libnn.runtime.arrays import allocator, is_cupy
 from libnn.runtime.device import current_device_id, multiprocessors
 
 _FILE = "attention.cu"
@@ -124,8 +124,6 @@ def _decode_smem(group: int, head_dim: int, chunk: int, itemsize: int) -> int:
 def _bind_decode(q, k, v, o, scale: float):
     """run(q, k, v, o, bias, lens_q, lens_kv): attn3_decode's splits into fp32 partials (from CuPy's pool
     at each call), then attn3_combine into o."""
-    import cupy
-
     B, Hq, _, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     group, itemsize = Hq // Hkv, q.itemsize
@@ -146,9 +144,10 @@ def _bind_decode(q, k, v, o, scale: float):
     combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (DECODE_THREADS,),
                           _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh))
 
+    new_part_o, new_part_ml = allocator((B, Hq, splits, D), "float32"), allocator((B, Hq, splits, 2), "float32")
+
     def run(q, k, v, o, bias, lens_q, lens_kv):
-        part_o = cupy.empty((B, Hq, splits, D), cupy.float32)
-        part_ml = cupy.empty((B, Hq, splits, 2), cupy.float32)
+        part_o, part_ml = new_part_o(), new_part_ml()
         split(q, k, v, part_o, part_ml, lens_q, lens_kv)
         combine(part_o, part_ml, o)
     return run

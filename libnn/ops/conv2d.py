@@ -32,7 +32,7 @@ from libnn.ops import activations
 from libnn.ops.spatial import LAYOUTS, is_int, nhwc_strides, pair
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, kernels, launch, memory
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -365,15 +365,14 @@ def conv2d_graph_builder(problem: ConvProblem):
 
 def bind_cudnn_graph(problem: ConvProblem):
     """run(x, w, scale, shift) -> y through the cuDNN graph of `problem` (LibraryError if cuDNN declines it)."""
-    import cupy
-
     uids = [UID_X, UID_W] + ([UID_SCALE] if problem.has_scale else []) + ([UID_SHIFT] if problem.has_shift else []) \
         + [UID_Y]
     execute = cudnn_backend.graph_for(problem, conv2d_graph_builder(problem), problem.describe).executor(uids)
     shape, dtype = output_shape(problem), dtypes.parse(problem.dtype)
+    new = allocator(shape, dtype)
 
     def run(x, w, scale, shift):
-        y = cupy.empty(shape, dtype)
+        y = new()
         epilogue = [v for v in (scale, shift) if v is not None]
         execute(x, w, *epilogue, y)
         return y
@@ -483,12 +482,13 @@ def bind_custom(problem: ConvProblem, version: str | None = None) -> Callable[..
     kernel = launch.bind("conv2d.cu", f"{version}_{dtypes.KERNEL_SUFFIX[p.dtype]}", grid, (block,), _conv_args(p),
                          shared_mem=smem)
     shape, dtype = output_shape(p), dtypes.parse(p.dtype)
+    new = allocator(shape, dtype)
     to_krsc = p.layout == "NCHW" and p.groups != p.C  # the kernels read KRSC filters (depthwise: the same bytes)
 
     def run(x, w, scale, shift):
         if to_krsc:  # at every call: w's values may have changed since the last one
             w = cupy.ascontiguousarray(w.transpose(0, 2, 3, 1))
-        y = cupy.empty(shape, dtype)
+        y = new()
         kernel(x, w, scale, shift, y)
         return y
     return run

@@ -51,7 +51,7 @@ from libnn.ops import row_kernels
 from libnn.ops.layer_norm import layer_norm
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 KERNEL_IDS = (np.dtype(np.int32), np.dtype(np.int64))  # what kernels/embedding.cu reads; others convert
@@ -334,8 +334,6 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
                 norm_bias, version: str | None = None):
     """The runner of one version of kernels/embedding.cu (the default: the one the custom path picks)
     for arrays of this signature (their alignment and contiguity included)."""
-    import cupy
-
     arrays = (ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias)
     if problem.M == 0 or problem.H == 0:
         return functools.partial(_empty_result, problem)
@@ -365,15 +363,15 @@ def bind_custom(problem: EmbeddingProblem, ids, weight, position_weight, type_id
                                    pos_offset=problem.position_offset, type_rows=problem.type_rows or 0, flags=flags,
                                    eps=problem.eps,
                                    bad=None if problem.id_errors is None else np.uint64(problem.id_errors.pointer)))
-    new, shape, dtype = cupy.ndarray, problem.out_shape, weight.dtype  # cupy.empty's call, without its frame
+    new = allocator(problem.out_shape, weight.dtype)
 
     def run(*arrays):
-        y = new(shape, dtype)
+        y = new()
         kernel(*pick(arrays), y)  # ids and weight are always there: `pick` gives a tuple
         return y
 
     def run_lookup(ids, weight, position_weight, type_ids, type_weight, norm_weight, norm_bias):
-        y = new(shape, dtype)
+        y = new()
         kernel(ids, weight, y)
         return y
     if not as_given:

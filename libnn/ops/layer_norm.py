@@ -42,8 +42,8 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import (as_array, contiguous_arrays, copying_strided, device_constant, device_of, signature,
-                                  stream_key)
+from libnn.runtime.arrays import (allocator, as_array, contiguous_arrays, copying_strided, device_constant, device_of,
+                                  signature, stream_key)
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -175,8 +175,6 @@ def _graph_builder(problem: LayerNormProblem):
 def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature). The graph
     reads pointers only, so x and the residual go as they are, of any rank, and y takes x's shape."""
-    import cupy
-
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
     arrays = contiguous_arrays(x, weight, bias, residual)
@@ -190,20 +188,20 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     # cuDNN's node requires both: the identity's ones and zeros, made once
     ones, zeros = device_constant(problem.N, 1, x.dtype), device_constant(problem.N, 0, x.dtype)
     epsilon = cudnn_backend.host_scalar(problem.eps)
-    new, shape, dtype = cupy.ndarray, tuple(x.shape), x.dtype  # cupy.empty's own call, without its frame
+    new = allocator(tuple(x.shape), x.dtype)
 
     def run(x, weight, bias, residual):
-        y = new(shape, dtype)
+        y = new()
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y)
         return y
 
     def run_residual(x, weight, bias, residual):
-        y = new(shape, dtype)
+        y = new()
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual)
         return y
 
     def run_sum(x, weight, bias, residual):
-        y, h = new(shape, dtype), new(shape, dtype)
+        y, h = new(), new()
         execute(x, ones if weight is None else weight, zeros if bias is None else bias, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
@@ -231,8 +229,6 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
     for C-contiguous x and residual (or None) of M rows of N, of any rank (the kernels read pointers),
     and (N,) vectors of this signature (their alignment included). The runner takes (x, weight, bias,
     residual) and returns y, or (y, sum) with `problem.return_sum`, in x's shape."""
-    import cupy
-
     aligned = _aligned(problem, x, weight, bias, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     row_kernels.require_version("layer_norm", version, problem, aligned, custom_versions(problem, aligned))
@@ -243,20 +239,20 @@ def bind_custom(problem: LayerNormProblem, x, weight, bias, residual=None, versi
     R, S = (A if problem.has_residual else None), (A if problem.return_sum else None)
     kernel = launch.bind("layer_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
                          _LN.pack(x=A, res=R, w=A, b=A, y=A, s=S, M=problem.M, N=problem.N, eps=problem.eps))
-    new, shape, dtype = cupy.ndarray, tuple(x.shape), x.dtype  # cupy.empty's own call, without its frame
+    new = allocator(tuple(x.shape), x.dtype)
 
     def run(x, weight, bias, residual):
-        y = new(shape, dtype)
+        y = new()
         kernel(x, weight, bias, y)
         return y
 
     def run_residual(x, weight, bias, residual):
-        y = new(shape, dtype)
+        y = new()
         kernel(x, residual, weight, bias, y)
         return y
 
     def run_sum(x, weight, bias, residual):
-        y, h = new(shape, dtype), new(shape, dtype)
+        y, h = new(), new()
         kernel(x, residual, weight, bias, y, h)
         return y, h
     return run_sum if problem.return_sum else run_residual if problem.has_residual else run

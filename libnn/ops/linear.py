@@ -49,7 +49,7 @@ from libnn.ops import activations
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime import device as device_info
-from libnn.runtime.arrays import array_module, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, array_module, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
@@ -246,14 +246,13 @@ def _cutlass_support(problem: LinearProblem) -> str | None:
 def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
     """The runner of the CUTLASS GEMM for C-contiguous (M, K), (N, K), (N,) and (M, N) CuPy arrays (b and
     r None where the problem has none). LibraryError if an array is not 16-byte aligned (TMA's boxes)."""
-    import cupy
-
     _refuse_misaligned("CUTLASS's TMA loads need", x, w, b, r)
     gemm = cutlass.bind_gemm_gelu_erf(problem.dtype, problem.M, problem.N, problem.K, _cutlass_tile(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
+    new = allocator(shape, dtype)
 
     def run(x, w, b, r):
-        y = cupy.empty(shape, dtype)
+        y = new()
         gemm(x, w, b, r, y)
         return y
     return run
@@ -383,16 +382,15 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
     arrays of this signature (b and r None where the problem has none). LibraryError where cuDNN
     declines the graph (no engine for the shape or the fusion; remembered, so a later bind fails fast)
     or an array is not 16-byte aligned (the frontend declares every tensor so)."""
-    import cupy
-
     _refuse_misaligned("cuDNN needs", x, w, b, r)
     execute = cudnn_backend.graph_for(cudnn_graph_key(problem), linear_graph_builder(problem),
                                       problem.describe).executor(_cudnn_uids(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
+    new = allocator(shape, dtype)
     constants = _exact_gelu_constants() if problem.activation == "gelu_erf" else []
 
     def run(x, w, b, r):
-        y = cupy.empty(shape, dtype)
+        y = new()
         # b and r are None exactly when not in the graph
         execute(*[a for a in (x, w, b, r) if a is not None], y, *constants)
         return y
@@ -471,8 +469,6 @@ def _custom_fuses(problem: LinearProblem) -> bool:
 def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = None):
     """The runner of one version of kernels/gemm.cu (default: the custom path's) for C-contiguous
     (M, K), (N, K), (N,) and (M, N) CuPy arrays; a null bias or residual pointer means none."""
-    import cupy
-
     version = version or _VERSIONS[problem.dtype][-1]
     if version not in _VERSIONS[problem.dtype]:
         raise ValueError(f"linear: kernels/gemm.cu has no version {version!r} for {problem.dtype}; "
@@ -490,17 +486,18 @@ def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = N
                             shared_mem=spec.dynamic_smem)
                 for _, rows in slices]
     shape, dtype = (M, N), x.dtype
+    new = allocator(shape, dtype)
     if len(launches) == 1:
         (gemm,) = launches
 
         def run(x, w, b, r):
-            y = cupy.empty(shape, dtype)
+            y = new()
             gemm(x, w, b, r, y)
             return y
         return run
 
     def run_in_slices(x, w, b, r):
-        y = cupy.empty(shape, dtype)
+        y = new()
         for (m0, rows), gemm in zip(slices, launches):
             gemm(x[m0:m0 + rows], w, b, None if r is None else r[m0:m0 + rows], y[m0:m0 + rows])
         return y

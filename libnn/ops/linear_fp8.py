@@ -51,7 +51,7 @@ from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, 
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.device import compute_capability, multiprocessors
-from libnn.runtime.arrays import as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute
@@ -228,8 +228,6 @@ def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scal
     """The runner of kernels/linear_fp8.cu, run(xq, w, w_scale, b, r) -> y, for C-contiguous CuPy arrays
     of this signature (xq (M, K) and w (N, K) codes, w_scale float32, b (N,) and r (M, N) in the output's
     dtype, or None) and the quantiser's float32 buffer x_scale, read at every launch."""
-    import cupy
-
     M, N, K = problem.M, problem.N, problem.K
     kernel = launch.bind("linear_fp8.cu", f"fp8_gemm1_tiled_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
                          (-(-M // _G["FP8_GEMM_BM"]), -(-N // _G["FP8_GEMM_BN"])), (_G["FP8_GEMM_THREADS"],),
@@ -238,9 +236,10 @@ def bind_custom(problem: LinearFp8Problem, xq: Any, w: Any, w_scale: Any, x_scal
                                     M=M, N=N, K=K, per_channel=int(problem.per_channel),
                                     act=activations.KERNEL_CODES[problem.activation]))
     shape, dtype = (M, N), dtypes.parse(problem.dtype)
+    new = allocator(shape, dtype)
 
     def run(xq, w, w_scale, b, r):
-        y = cupy.empty(shape, dtype)
+        y = new()
         kernel(xq, w, w_scale, b, r, y)
         return y
     return run
@@ -263,8 +262,6 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
     """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r) -> y: one launch that
     quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
     any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
-    import cupy
-
     M, N, K = problem.M, problem.N, problem.K
     sms = multiprocessors(problem.device_id)
     kernel = launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
@@ -277,9 +274,10 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
                          shared_mem=M * _gemv_x_stride(K),
                          programmatic=compute_capability(problem.device_id) >= (9, 0))
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
+    new = allocator(out_shape, dtype)
 
     def run(x, w, w_scale, b, r):
-        y = cupy.empty(out_shape, dtype)
+        y = new()
         kernel(_matrix(x, M, K), contiguous(w), contiguous(w_scale), None if b is None else contiguous(b),
                None if r is None else _matrix(r, M, N), y)
         return y

@@ -18,7 +18,7 @@ from libnn import dtypes
 from libnn.ops.spatial import LAYOUTS, nhwc_strides, pair
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, contiguous, copying_strided, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, copying_strided, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -145,8 +145,6 @@ def _pool_args(p: PoolProblem, x, y) -> tuple:
 def bind_pool(problem: PoolProblem, x):
     """The runner of kernels/pool2d.cu for x of this signature: the 16-byte NHWC kernel for max pooling,
     the general one otherwise; a strided x is made contiguous first."""
-    import cupy
-
     p = problem
     vectorized = p.mode == "max" and p.layout == "NHWC"
     name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
@@ -155,10 +153,10 @@ def bind_pool(problem: PoolProblem, x):
     kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
                          (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
                          _pool_args(p, launch.ARRAY, launch.ARRAY))
-    new, shape, dtype = cupy.ndarray, p.output_shape(), x.dtype  # cupy.empty's own call, without its frame
+    new = allocator(p.output_shape(), x.dtype)
 
     def run(x):
-        y = new(shape, dtype)
+        y = new()
         kernel(x, y)
         return y
     return copying_strided(run, x)

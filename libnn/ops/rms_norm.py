@@ -42,7 +42,7 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import as_array, contiguous, device_constant, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, device_constant, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -134,8 +134,6 @@ def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str 
     for (M, N) rows of x and the residual (or None) and an (N,) weight (or None) of this signature,
     their alignment included. The runner takes (x, weight, residual) and returns y, or (y, sum) with
     `problem.return_sum`."""
-    import cupy
-
     aligned = _aligned(problem, x, weight, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     row_kernels.require_version("rms_norm", version, problem, aligned, custom_versions(problem, aligned))
@@ -144,14 +142,15 @@ def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str 
     kernel = launch.bind("rms_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
                          _RMS.pack(x=A, res=A, w=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
     shape, dtype = (problem.M, problem.N), x.dtype
+    new = allocator(shape, dtype)
 
     def run(x, weight, residual):
-        y = cupy.empty(shape, dtype)
+        y = new()
         kernel(x, residual, weight, y, None)
         return y
 
     def run_sum(x, weight, residual):
-        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        y, h = new(), new()
         kernel(x, residual, weight, y, h)
         return y, h
     return run_sum if problem.return_sum else run
@@ -221,8 +220,6 @@ def rms_norm_graph_builder(problem: RMSNormProblem):
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
 def _cudnn(problem: RMSNormProblem, x, weight, residual):
     """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
-    import cupy
-
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
     rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
@@ -237,19 +234,20 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
     ones = device_constant(problem.N, 1, x.dtype)  # cuDNN's node requires a scale: the identity's, made once
     epsilon = cudnn_backend.host_scalar(problem.eps)
     shape, dtype = (problem.M, problem.N), x.dtype
+    new = allocator(shape, dtype)
 
     def run(x, weight, residual):
-        y = cupy.empty(shape, dtype)
+        y = new()
         execute(x, ones if weight is None else weight, epsilon, y)
         return y
 
     def run_residual(x, weight, residual):
-        y = cupy.empty(shape, dtype)
+        y = new()
         execute(x, ones if weight is None else weight, epsilon, y, residual)
         return y
 
     def run_sum(x, weight, residual):
-        y, h = cupy.empty(shape, dtype), cupy.empty(shape, dtype)
+        y, h = new(), new()
         execute(x, ones if weight is None else weight, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run

@@ -50,7 +50,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, device_of, is_cupy, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, device_of, is_cupy, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 STYLES = ("half", "interleaved")
@@ -360,8 +360,9 @@ def bind_custom(problem: RopeProblem, x, positions, inv_freq, out, geometry=None
     import cupy
 
     shape, dtype = problem.shape, x.dtype
+    new = allocator(shape, dtype)
     if problem.B * problem.S * problem.H == 0:  # nothing to rotate
-        return lambda x, positions, inv_freq, out: cupy.empty(shape, dtype) if out is None else out
+        return lambda x, positions, inv_freq, out: new() if out is None else out
     check = overlap_check(x, out)
     contiguous = _contiguous_strides(shape, problem.packed)[:3]
     x_strides = _kernel_layout(x, problem.packed)
@@ -379,7 +380,7 @@ def bind_custom(problem: RopeProblem, x, positions, inv_freq, out, geometry=None
 
     def run(x, positions, inv_freq, out):
         if out is None:
-            y = cupy.empty(shape, dtype)
+            y = new()
         else:
             if check is not None:
                 check(x.data.ptr, out.data.ptr)

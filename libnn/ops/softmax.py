@@ -32,7 +32,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, copying_strided, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, copying_strided, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32", "fp64")
 
@@ -155,18 +155,16 @@ def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None)
     """The runner of kernels/softmax.cu for x of this signature: y from CuPy's pool, one packed
     launch; a strided x is made contiguous first. `grid` replaces the LAUNCH table's grid (tests:
     every kernel strides over its rows or slices, so any grid >= 1 is correct)."""
-    import cupy
-
-    new, shape, dtype = cupy.ndarray, problem.shape, x.dtype  # cupy.empty's own call, without its frame
-    if 0 in shape:  # no slice to normalise, nothing to launch
-        return lambda x: new(shape, dtype)
+    new = allocator(problem.shape, x.dtype)
+    if 0 in problem.shape:  # no slice to normalise, nothing to launch
+        return lambda x: new()
     name, table_grid, block = custom_launch(problem)
     kernel = launch.bind("softmax.cu", f"{name}_{KERNEL_SUFFIX[problem.dtype]}", grid or table_grid, block,
                          _SM.pack(x=launch.ARRAY, y=launch.ARRAY, outer=problem.outer, n=problem.n,
                                   inner=problem.inner, log=problem.log))
 
     def run(x):
-        y = new(shape, dtype)
+        y = new()
         kernel(x, y)
         return y
     return copying_strided(run, x)

@@ -31,7 +31,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import as_array, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 DTYPES = GPU_DTYPES + ("fp64",)  # fp64: the reference path
@@ -159,8 +159,9 @@ def bind_custom(problem: SwigluProblem, x, version: str | None = None, geometry=
     import cupy
 
     out_shape, dtype = problem.out_shape, x.dtype
+    new = allocator(out_shape, dtype)
     if problem.M == 0 or problem.F == 0:  # nothing to compute
-        return lambda x: cupy.empty(out_shape, dtype)
+        return lambda x: new()
     ldx = row_stride(x)
     copy = ldx is None
     if copy:
@@ -177,7 +178,7 @@ def bind_custom(problem: SwigluProblem, x, version: str | None = None, geometry=
                          _SWIGLU.pack(x=launch.ARRAY, y=launch.ARRAY, M=problem.M, F=problem.F, ldx=ldx))
 
     def run(x):
-        y = cupy.empty(out_shape, dtype)
+        y = new()
         kernel(cupy.ascontiguousarray(x) if copy else x, y)
         return y
     return run

@@ -3,9 +3,10 @@ DLPack or ``__cuda_array_interface__`` (torch tensors, JAX arrays...) taken with
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -52,6 +53,20 @@ def as_array(a: Any, op: str, arg: str):
         return np.asarray(a)
     raise TypeError(f"{op}: {arg} must be an array (numpy.ndarray, cupy.ndarray, or anything with DLPack / "
                     f"__cuda_array_interface__), got {type(a).__module__}.{type(a).__name__}")
+
+
+def allocator(shape: Sequence[int], dtype: Any) -> Callable[[], Any]:
+    """A maker of uninitialised CuPy arrays of one shape and dtype on the current device, for a bound
+    call's outputs: `cupy.ndarray(shape, dtype, memptr)` with the bytes counted once and taken from the
+    current allocator (`cupy.cuda.alloc`: CuPy's pool, 256-byte aligned, as `cupy.empty`'s are). Passing
+    the memory costs less per call than `cupy.empty` or `cupy.ndarray(shape, dtype)`, which take the
+    same memory (`libnn bench overhead`, "floors"; benchmarks/RESULTS.md)."""
+    import cupy
+
+    new, alloc = cupy.ndarray, cupy.cuda.alloc
+    shape, dtype = tuple(int(n) for n in shape), np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return lambda: new(shape, dtype, alloc(nbytes))
 
 
 def describe(a: Any) -> str:

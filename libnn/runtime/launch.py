@@ -2,21 +2,28 @@
 
 A bound call knows everything about its launches but the arrays' pointers: the kernel, the grid, the
 block, the shared memory, the stream and every scalar argument. `bind(...)` packs all of it once; each
-launch then writes the pointers into their slots and calls `cuLaunchKernelEx` through cuda-bindings
-with a configuration built once and the address of the packed argument array. CuPy's
-`RawKernel.__call__` converts every argument again on every launch, several times the cost (`libnn bench
-overhead`, "floors").
+launch then writes the pointers into their slots and issues the launch with arguments built once and
+the address of the packed argument array:
+- a plain launch calls `cuLaunchKernel` through CuPy's own driver binding
+  (`cupy_backends.cuda.api.driver.launchKernel`, whose typed C parameters convert its eleven integers
+  at C speed);
+- a programmatic one (below) calls `cuLaunchKernelEx` through cuda-bindings, with its configuration
+  built once, since CuPy has no binding of it.
+Both cost less per launch than CuPy's `RawKernel.__call__`, which converts every argument again on
+every launch, and the plain one less than cuda-bindings' `cuLaunchKernelEx` (`libnn bench overhead`,
+"floors"; benchmarks/RESULTS.md).
 
 Argument slots are 8 bytes each; the driver copies each parameter's own size from its slot (4 bytes for
 an int32 or float32, stored in the slot's low bytes on a little-endian host) when the launch is issued,
-so the slots may be rewritten as soon as `cuLaunchKernelEx` returns. A lock keeps two threads launching
+so the slots may be rewritten as soon as the launch returns. A lock keeps two threads launching
 through one bound call (the same stream) from mixing their pointers.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,31 +38,34 @@ class Launch:
     """One kernel with fixed geometry and scalars; `launch(*arrays)` passes the arrays' pointers in the
     order of the ARRAY placeholders."""
 
-    __slots__ = ("_launch", "_args", "_slots", "_pointers", "_array_slots", "_lock", "_success",
-                 "_invalid_context", "_device", "name")
+    __slots__ = ("_launch", "_args", "_slots", "_pointers", "_array_slots", "_lock", "_device", "name")
 
     def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
                  stream_ptr: int, args: Sequence[Any], programmatic: bool = False):
         import cupy
-        from cuda.bindings import driver
 
         self.name = name
         self._device = cupy.cuda.runtime.getDevice()  # the device `function` is loaded on
-        self._launch = driver.cuLaunchKernelEx
-        self._success = driver.CUresult.CUDA_SUCCESS
-        self._invalid_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         self._slots = np.zeros(len(args), np.uint64)
         self._array_slots = [i for i, a in enumerate(args) if a is ARRAY]
         for i, a in enumerate(args):
             if a is not ARRAY:
                 self._slots[i:i + 1].view(np.asarray(a).dtype)[0] = a  # the value in the slot's low bytes
         self._pointers = np.array([self._slots.ctypes.data + 8 * i for i in range(len(args))], np.uint64)
-        # cuLaunchKernelEx's arguments, built once: the configuration (four arguments to convert per launch,
-        # not cuLaunchKernel's eleven: 0.4-0.8 µs less per launch on the H100's host, benchmarks/RESULTS.md)
-        # and the packed argument array's address, read once (.ctypes costs microseconds per access); only
+        # the packed argument array's address is read once (.ctypes costs microseconds per access); only
         # the slots behind it change between launches
-        self._args = (_launch_config(grid, block, shared_mem, stream_ptr, programmatic),
-                      driver.CUfunction(function.kernel.ptr), self._pointers.ctypes.data, 0)
+        params = int(self._pointers.ctypes.data)
+        if programmatic:
+            from cuda.bindings import driver
+
+            self._launch = _launch_ex()
+            self._args = (_launch_config(grid, block, shared_mem, stream_ptr, programmatic),
+                          driver.CUfunction(function.kernel.ptr), params, 0)
+        else:
+            from cupy_backends.cuda.api import driver as cupy_driver
+
+            self._launch = cupy_driver.launchKernel
+            self._args = (function.kernel.ptr, *_dim3(grid), *_dim3(block), shared_mem, stream_ptr, params, 0)
         self._lock = threading.Lock()
 
     def __call__(self, *arrays: Any) -> None:
@@ -63,20 +73,56 @@ class Launch:
         with self._lock:
             for i, a in zip(self._array_slots, arrays):
                 slots[i] = 0 if a is None else a.data.ptr
-            (err,) = self._launch(*self._args)
-            if err is self._invalid_context:  # a thread whose CUDA context CuPy has not made current yet
-                self._make_context_current()
-                (err,) = self._launch(*self._args)
-        if err is not self._success:
-            raise LibraryError(f"launching {self.name} failed: {err.name}")
+            try:
+                self._launch(*self._args)
+            except _driver_error() as exc:
+                self._relaunch(exc)
 
-    def _make_context_current(self) -> None:
-        """A new thread has no current context for the driver API until the runtime API (CuPy) makes
-        the device's primary context current in it, which CuPy does lazily: do it now."""
-        import cupy
+    def _relaunch(self, failure: Exception) -> None:
+        """After a failed launch: a thread whose CUDA context CuPy has not made current yet (the driver
+        API's launch sees none until the runtime API, CuPy, makes the device's primary context current,
+        which CuPy does lazily) gets it and launches again; any other failure is raised, named."""
+        if getattr(failure, "status", None) == _INVALID_CONTEXT:
+            import cupy
 
-        cupy.cuda.runtime.setDevice(self._device)
-        cupy.cuda.runtime.free(0)  # setDevice alone defers making the primary context current
+            cupy.cuda.runtime.setDevice(self._device)
+            cupy.cuda.runtime.free(0)  # setDevice alone defers making the primary context current
+            try:
+                self._launch(*self._args)
+                return
+            except _driver_error() as exc:
+                failure = exc
+        raise LibraryError(f"launching {self.name} failed: {failure}") from failure
+
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+def _driver_error() -> type:
+    """CuPy's driver error, which both launch entry points raise."""
+    from cupy_backends.cuda.api.driver import CUDADriverError
+
+    return CUDADriverError
+
+
+@functools.cache
+def _launch_ex() -> Callable[..., None]:
+    """cuLaunchKernelEx through cuda-bindings, raising CuPy's driver error as the plain launch does
+    (cuda-bindings returns its error instead)."""
+    from cuda.bindings import driver
+
+    launch_ex, success = driver.cuLaunchKernelEx, driver.CUresult.CUDA_SUCCESS
+
+    def launch(config: Any, function: Any, params: int, extra: int) -> None:
+        (err,) = launch_ex(config, function, params, extra)
+        if err is not success:
+            raise _driver_error()(int(err))
+    return launch
+
+
+def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
+    """A grid or block padded to three dimensions with 1s."""
+    return (*dims, *(1,) * (3 - len(dims)))
 
 
 def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], *,
@@ -98,8 +144,8 @@ def _launch_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, s
     from cuda.bindings import driver
 
     config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = (*grid, *(1,) * (3 - len(grid)))
-    config.blockDimX, config.blockDimY, config.blockDimZ = (*block, *(1,) * (3 - len(block)))
+    config.gridDimX, config.gridDimY, config.gridDimZ = _dim3(grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)
     config.sharedMemBytes = shared_mem
     config.hStream = driver.CUstream(stream_ptr)
     config.numAttrs = 0
