@@ -445,6 +445,21 @@ def test_zero_new_tokens_gives_empty_arrays(small_model):
     assert list(small_model.stream([[1, 2]], 0)) == []
 
 
+def test_decode_steps_vouch_their_kv_lengths_nonempty(small_model, monkeypatch):
+    """A decode step's key lengths are its position + 1, never 0: they go to the attention marked so
+    (CheckedLengths(nonempty=True)), which then binds no kernel zeroing rows without keys; a prefill's
+    come from its prompts' lengths, checked by the attention's own front end."""
+    from libnn.models import decoder
+
+    seen = []
+    attend = decoder.Step.attend
+    monkeypatch.setattr(decoder.Step, "attend", lambda step, *args: seen.append(step) or attend(step, *args))
+    small_model.generate([[3, 4, 5], [6]], 3, eos_token_id=())
+    decode = [step for step in seen if not step.causal]
+    assert decode and all(step.seq_lens_kv.nonempty for step in decode)
+    assert all(int(n) >= 1 for step in decode for n in np.asarray(step.seq_lens_kv.lengths))
+
+
 # --- against transformers: the reference path on the host, and on the GPU (marked gpu) ------------------------
 HF_VARIANTS = {"gqa": {"num_key_value_heads": 2, "tie_word_embeddings": False},
                "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True}}

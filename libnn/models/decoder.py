@@ -713,8 +713,10 @@ class CausalLM(Module):
         """One decode step of tokens (B,) written at cache positions `at` (B,) int32 of rows 0..B-1: the
         next logits (B, vocab_size). Checked by the caller; what the decode graphs capture."""
         B = tokens.shape[0]
+        # at + 1 >= 1 (the bucket's padding rows repeat a real row's position): vouched nonempty, the
+        # attention binds no kernel zeroing rows without keys
         step = Step(at[:, None], self._inv_freq, self._ready_cache(), causal=False,
-                    seq_lens_kv=CheckedLengths(at + 1))
+                    seq_lens_kv=CheckedLengths(at + 1, nonempty=True))
         x = self.base_model(tokens[:, None], step)
         return self._logits(x.reshape(B, -1))
 
