@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import libnn
-from libnn import nn
+from libnn import dtypes, nn
 from libnn.models.seed_cnn import SeedCNN
 from libnn.nn import conv as conv_layers
 from libnn.nn import pool as pool_layers
@@ -104,6 +104,51 @@ def test_an_input_of_another_dtype_is_cast_once_and_a_host_input_refused_as_befo
     with pytest.raises(TypeError, match=r"^SeedCNN: x is a numpy.ndarray in host memory but the model's weights "
                                         r"are a cupy.DeviceArray on GPU 0; move x"):
         model(np.asarray(x))
+
+
+def test_conv2d_passes_an_epilogue_as_given_and_folds_or_refuses_the_rest_as_before(rng, fake_gpu):
+    """An fp32 (scale, shift) pair, or an fp32 bias alone, on contiguous x and w reaches the kernel as the
+    caller's own arrays at every call (no check or copy per call); a 5-tuple bn, bn with a bias and an
+    fp16 bias are folded or converted at every call, from that call's values; a bad bn is refused at
+    the bind, and again when its call comes back."""
+    launches = fake_gpu
+    x, w = (on_device(random_normal(rng, shape, "fp16")) for shape in ((1, 5, 5, 3), (4, 3, 3, 3)))
+
+    def refuse(*args):
+        raise AssertionError("the epilogue's vectors checked and converted again in a cached call")
+
+    def vector(dtype="fp32", low=None):  # at CuPy's alignment, as its allocations are (a keyed pointer bit)
+        v = device_empty((4,), dtypes.parse(dtype))
+        v[...] = random_normal(rng, (4,), dtype) if low is None else rng.uniform(low, 2, 4)
+        return v
+
+    def calls_as_given():
+        scale, shift = vector(), vector()
+        conv2d(x, w, bn=(scale, shift), path="custom")
+        assert launches[-1][2] is scale and launches[-1][3] is shift and launches[-1][0] is x
+        bias = vector()
+        conv2d(x, w, bias, path="custom")
+        assert launches[-1][2] is None and launches[-1][3] is bias
+        return scale, shift
+    calls_as_given()  # the binds
+    with pytest.MonkeyPatch.context() as patch:  # cached calls: each passes its own arrays
+        patch.setattr(CONV, "_epilogue_vectors", refuse)
+        scale, shift = calls_as_given()
+    gamma, beta, mean, var = vector(), vector(), vector(), vector(low=0.5)
+    bias16 = vector("fp16")
+    for _ in range(2):
+        conv2d(x, w, bn=(gamma, beta, mean, var, 1e-5), path="custom")
+        expected_scale = gamma / np.sqrt(var + 1e-5)
+        np.testing.assert_allclose(launches[-1][2], expected_scale, rtol=1e-6)
+        np.testing.assert_allclose(launches[-1][3], beta - mean * expected_scale, rtol=1e-5, atol=1e-6)
+        conv2d(x, w, bias16, bn=(scale, shift), path="custom")
+        np.testing.assert_allclose(launches[-1][3], shift + bias16.astype(np.float32) * scale, rtol=1e-6)
+        gamma = vector()  # the next round's values: folded from them, not from the bind's
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"conv2d: bn\[1\] must have shape \(4,\) to match w's 4 output"):
+            conv2d(x, w, bn=(scale, vector()[:3]), path="custom")
+        with pytest.raises(TypeError, match=r"conv2d: bn must be a tuple"):
+            conv2d(x, w, bn=iter((scale, shift)), path="custom")
 
 
 # --- Sequential's fusion plan -------------------------------------------------------------------------------

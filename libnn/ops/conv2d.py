@@ -32,7 +32,8 @@ from libnn.ops import activations
 from libnn.ops.spatial import LAYOUTS, is_int, nhwc_strides, pair
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, kernels, launch, memory
-from libnn.runtime.arrays import allocator, array_module, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import (allocator, array_module, as_array, contiguous, device_of, is_cupy, signature,
+                                  stream_key)
 
 ACTIVATIONS = (None, "relu", "relu6", "gelu", "silu")  # what kernels/conv2d.cu compiles (ACT_CONV)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -282,9 +283,9 @@ def _checked_problem_with(x, w, b, bn, activation, options: ConvOptions) -> Conv
 
 
 def _bn_signature(bn) -> tuple:
-    """What the checks of `bn` read: its length, its arrays' signatures and eps."""
+    """What the checks of `bn` read: its type, its length, its arrays' signatures and eps."""
     try:
-        return tuple(signature(v) if hasattr(v, "shape") else option_key(v) for v in bn)
+        return type(bn), *(signature(v) if hasattr(v, "shape") else option_key(v) for v in bn)
     except TypeError:  # not a sequence: the checks say so
         return (type(bn),)
 
@@ -292,6 +293,25 @@ def _bn_signature(bn) -> tuple:
 def _inputs(problem: ConvProblem, x, w, b, bn):
     """C-contiguous x and w and the fp32 (scale, shift) of the epilogue, for the GPU paths."""
     return contiguous(x), contiguous(w), *_epilogue_vectors(bn, b, problem.K, x)
+
+
+def _bind_inputs(problem: ConvProblem, x, w, b, bn) -> Callable[..., tuple]:
+    """`_inputs` for the calls of this signature, checked once here. Where x and w are C-contiguous and
+    the epilogue comes as the kernels read it (no bn and an fp32 b or none, or no b and bn an fp32
+    (scale, shift) pair: a layer's calls), the arrays pass as they are: the key holds every shape,
+    stride, dtype and type those checks read, so a call of this signature passes them too. Otherwise
+    every call folds and converts as `_inputs` does."""
+    _inputs(problem, x, w, b, bn)  # bn's checks (a bad bn is refused at the bind, as at every call)
+
+    def as_read(v) -> bool:
+        return is_cupy(v) and v.dtype == np.float32 and v.flags.c_contiguous
+
+    if x.flags.c_contiguous and w.flags.c_contiguous:
+        if bn is None and (b is None or as_read(b)):
+            return lambda x, w, b, bn: (x, w, None, b)
+        if b is None and len(bn) == 2 and all(as_read(v) for v in bn):
+            return lambda x, w, b, bn: (x, w, bn[0], bn[1])
+    return lambda x, w, b, bn: _inputs(problem, x, w, b, bn)
 
 
 def output_shape(problem: ConvProblem) -> tuple[int, int, int, int]:
@@ -373,28 +393,32 @@ def bind_cudnn_graph(problem: ConvProblem):
 
     def run(x, w, scale, shift):
         y = new()
-        epilogue = [v for v in (scale, shift) if v is not None]
-        execute(x, w, *epilogue, y)
+        if scale is not None:  # bn: a scale comes with its shift (_epilogue_vectors)
+            execute(x, w, scale, shift, y)
+        elif shift is not None:  # a bias alone
+            execute(x, w, shift, y)
+        else:
+            execute(x, w, y)
         return y
     return run
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_fused_cudnn_support, binds=True)
 def _cudnn(problem: ConvProblem, x, w, b, bn):
-    graph = bind_cudnn_graph(problem)
+    graph, inputs = bind_cudnn_graph(problem), _bind_inputs(problem, x, w, b, bn)
 
     def run(x, w, b, bn):
-        return graph(*_inputs(problem, x, w, b, bn))
+        return graph(*inputs(x, w, b, bn))
     return run
 
 
 @op.path("cudnn+epilogue", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support,
          binds=True)
 def _cudnn_then_epilogue(problem: ConvProblem, x, w, b, bn):
-    graph = bind_cudnn_graph(problem.epilogue_only())
+    graph, inputs = bind_cudnn_graph(problem.epilogue_only()), _bind_inputs(problem, x, w, b, bn)
 
     def run(x, w, b, bn):
-        x, w, scale, shift = _inputs(problem, x, w, b, bn)
+        x, w, scale, shift = inputs(x, w, b, bn)
         return apply_epilogue_kernel(problem, graph(x, w, None, None), scale, shift)
     return run
 
@@ -496,10 +520,10 @@ def bind_custom(problem: ConvProblem, version: str | None = None) -> Callable[..
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
 def _custom(problem: ConvProblem, x, w, b, bn):
-    kernel = bind_custom(problem)
+    kernel, inputs = bind_custom(problem), _bind_inputs(problem, x, w, b, bn)
 
     def run(x, w, b, bn):
-        return kernel(*_inputs(problem, x, w, b, bn))
+        return kernel(*inputs(x, w, b, bn))
     return run
 
 
