@@ -28,7 +28,6 @@ _KP_THREADS = contracts.constant("key_padding.cu", "KP_THREADS")
 _MM = contracts.params("masked_mean.cu", "MM_PARAMS")  # every masked_mean kernel's parameters
 _MM_THREADS = contracts.constant("masked_mean.cu", "MM_THREADS")
 _MM_COLS = contracts.constant("masked_mean.cu", "MM_COLS")
-_MAX_GRID_Y = 65535  # CUDA's limit on a grid's y extent
 _launches: PlanCache = PlanCache("nn.functional launches")
 
 
@@ -217,9 +216,9 @@ def masked_mean(x: Any, valid: Any) -> Any:
     B, S, F = x.shape
     if x.size == 0:  # nothing to average (S = 0) or nothing to write
         return xp.zeros((B, F), x.dtype)
-    if -(-F // _MM_COLS) > _MAX_GRID_Y:
+    if -(-F // _MM_COLS) > launch.MAX_GRID_YZ:
         raise ValueError(f"masked_mean: x has F={F} features per position, more than kernels/masked_mean.cu "
-                         f"takes ({_MAX_GRID_Y * _MM_COLS}: {_MM_COLS} per block, at most {_MAX_GRID_Y} blocks "
+                         f"takes ({launch.MAX_GRID_YZ * _MM_COLS}: {_MM_COLS} per block, at most {launch.MAX_GRID_YZ} blocks "
                          "along the grid's y)")
     out = xp.empty((B, F), x.dtype)
     suffix = dtypes.KERNEL_SUFFIX_WITH_F64[dtypes.short_name(x.dtype)]

@@ -47,7 +47,6 @@ DECODE_THREADS, DECODE_MAX_GROUP = _K["ATTN3_THREADS"], _K["ATTN3_MAX_G"]
 DECODE_SMEM = 48 * 1024       # attn3_decode's dynamic shared memory stays below the default limit
 DECODE_BLOCKS_PER_SM = 4      # the splits are sized to give about this many blocks per SM
 DECODE_CHUNKS = (64, 128, 256, 512)  # keys per split
-_MAX_GRID_YZ = 65535          # attn3_decode's grid y (kv heads) and z (batch)
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -89,11 +88,11 @@ def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, 
     bytes): fp16 or bf16, one query row, at least one key position (an empty cache has no split), no
     bias, no top-left mask (with one row, bottom-right masks nothing), the row in 1 to 32 16-byte vectors
     (a power of two: D = 8, 16, 32, ..., 256), at most DECODE_MAX_GROUP query heads per kv head, and a
-    batch and kv heads within the grid's y and z limits (65535)."""
+    batch and kv heads within the grid's y and z limits (launch.MAX_GRID_YZ)."""
     vectors = head_dim // 8  # 16-byte vectors of 16-bit elements
     return (dtype in ("fp16", "bf16") and Sq == 1 and Skv >= 1 and not has_bias and causal != "top_left"
             and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and 1 <= vectors <= 32
-            and vectors & (vectors - 1) == 0 and batch <= _MAX_GRID_YZ and kv_heads <= _MAX_GRID_YZ)
+            and vectors & (vectors - 1) == 0 and batch <= launch.MAX_GRID_YZ and kv_heads <= launch.MAX_GRID_YZ)
 
 
 def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None = None) -> str:

@@ -430,7 +430,7 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
     kernel = kernels.function("epilogue.cu", f"channel_epilogue_{dtypes.KERNEL_SUFFIX[problem.dtype]}")
     inner = 1 if problem.layout == "NHWC" else problem.P * problem.Q  # elements between channels
     threads = 256
-    blocks = min(-(-y.size // threads), 65535 * 8)
+    blocks = min(-(-y.size // threads), launch.GRID_STRIDE_BLOCKS_X)
     kernel((blocks,), (threads,), _CHANNEL_EPILOGUE.pack(y=y, scale=scale, shift=shift, total=y.size, K=problem.K,
                                                          inner=inner, act=activations.KERNEL_CODES[problem.activation]))
     return y
@@ -440,7 +440,6 @@ def apply_epilogue_kernel(problem: ConvProblem, y, scale, shift):
 _CONV = contracts.params("conv2d.cu", "CONV_PARAMS")  # every conv kernel's parameters
 _CHANNEL_EPILOGUE = contracts.params("epilogue.cu", "channel_epilogue_##SUFFIX")
 _K = contracts.constants("conv2d.cu")
-_MAX_BLOCKS_PER_IMAGE = 65535 * 8  # grid x of the grid-stride kernels (grid y walks the images): this fills the GPU
 
 
 def custom_version(problem: ConvProblem) -> str:
@@ -463,12 +462,12 @@ def custom_versions(problem: ConvProblem, aligned: bool = True) -> tuple[str, ..
 def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, int]:
     """(grid, block, dynamic shared memory) from kernels/conv2d.cu's LAUNCH table, its constants read
     from the file."""
-    images = min(p.N, 65535)  # the grid-stride kernels spread images over a grid dimension
+    images = min(p.N, launch.MAX_GRID_YZ)  # the grid-stride kernels spread images over grid y or z
     if version == "conv2_depthwise":
         vector = 4 if p.dtype == "fp32" else 8  # 16 bytes of the dtype (the kernel's DT::V)
         chunk, threads = _K["CONV2_CHUNK"], _K["CONV2_THREADS"]
         groups_per_pixel = -(-min(p.C, chunk) // vector)
-        blocks = min(-(-p.P * p.Q // (threads // groups_per_pixel)), _MAX_BLOCKS_PER_IMAGE)
+        blocks = min(-(-p.P * p.Q // (threads // groups_per_pixel)), launch.GRID_STRIDE_BLOCKS_X)
         return (blocks, -(-p.C // chunk), images), threads, (p.R * p.S + 2) * chunk * 4
     if version == "conv3_igemm":
         bm, bn, bk = _K["CONV3_BM"], _K["CONV3_BN"], _K["CONV3_BK"]
@@ -477,7 +476,7 @@ def _conv_launch(version: str, p: ConvProblem) -> tuple[tuple[int, ...], int, in
     if version == "conv4_igemm":
         return (-(-p.N * p.P * p.Q // _K["C4_BM"]), -(-p.K // _K["C4_BN"])), _K["C4_THREADS"], 0
     threads = _K["CONV1_THREADS"]
-    return (min(-(-p.P * p.Q * p.K // threads), _MAX_BLOCKS_PER_IMAGE), images), threads, 0
+    return (min(-(-p.P * p.Q * p.K // threads), launch.GRID_STRIDE_BLOCKS_X), images), threads, 0
 
 
 def _conv_args(p: ConvProblem) -> tuple:

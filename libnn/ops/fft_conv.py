@@ -408,7 +408,7 @@ def bind_cufft(problem: FFTConvProblem, x, w, b):
 
 def _grid(total: int) -> int:
     """Blocks of 256 for a grid-stride pass over `total` elements (capped: each thread loops)."""
-    return max(1, min(-(-total // 256), 65535 * 8))
+    return max(1, min(-(-total // 256), launch.GRID_STRIDE_BLOCKS_X))
 
 
 def _custom_support(problem: FFTConvProblem) -> str | None:

@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-from libnn.runtime import contracts, kernels
+from libnn.runtime import contracts, kernels, launch
 from libnn.runtime.arrays import describe, is_cupy
 from libnn.runtime.device import current_device_id
 
@@ -90,7 +90,7 @@ def _launch_twiddle(data, log2n1: int, log2n2: int, batch: int, inverse: bool) -
     """data[b, i, j] *= W_n^(i*j) for `batch` contiguous (n1, n2) matrices."""
     kernel = kernels.function(_FILE, "fft_twiddle")
     n = 1 << (log2n1 + log2n2)
-    grid = min(-(-batch * n // 256), 65535 * 8)
+    grid = min(-(-batch * n // 256), launch.GRID_STRIDE_BLOCKS_X)
     kernel((grid,), (256,), _TWIDDLE.pack(data=data, log2n1=log2n1, log2n2=log2n2, batch_stride=n, batch=batch,
                                           inverse=int(bool(inverse))))
 

@@ -201,7 +201,6 @@ def _check_disjoint(k_pointer: int, v_pointer: int, nbytes: int) -> None:
 _KV = contracts.params("kv_append.cu", "KV_PARAMS")  # every kv_append kernel's parameters
 KV_THREADS = contracts.constant("kv_append.cu", "KV_THREADS")
 KV_MAX_BX = contracts.constant("kv_append.cu", "KV_MAX_BX")
-_MAX_GRID = 65535  # tokens, heads and sequences are grid-strided: this many blocks a dimension fill any GPU
 _POSITION_SUFFIX = {"int32": "i32", "int64": "i64"}
 
 
@@ -213,7 +212,7 @@ def custom_launch(problem: KVAppendProblem) -> tuple[str, tuple[int, int, int], 
     """(kernel name, grid, block) from kernels/kv_append.cu's LAUNCH table."""
     bx = min(KV_MAX_BX, max(32, _pow2_at_least(problem.D)))
     by = min(KV_THREADS // bx, _pow2_at_least(problem.S))
-    grid = (min(-(-problem.S // by), _MAX_GRID), min(problem.H, _MAX_GRID), min(problem.B, _MAX_GRID))
+    grid = (min(-(-problem.S // by), launch.GRID_STRIDE_BLOCKS), min(problem.H, launch.GRID_STRIDE_BLOCKS), min(problem.B, launch.GRID_STRIDE_BLOCKS))
     name = f"kv_append1_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
     return name, grid, (bx, by)
 

@@ -445,7 +445,6 @@ _LAUNCH = {"v1": _Launch("gemm1_naive", (_G["GEMM1_BX"], _G["GEMM1_BY"], 1), _G[
            "v3": _Launch("gemm3_mma", (32 * _G["GEMM3_WM"] * _G["GEMM3_WN"], 1, 1), _G["GEMM3_BN"], _G["GEMM3_BM"],
                          dynamic_smem=_G["GEMM3_STAGES"] * (_G["GEMM3_BM"] + _G["GEMM3_BN"]) * _G["GEMM3_BK"] * 2,
                          erf_kernel="gemm3_mma_gelu_erf")}
-_MAX_GRID_Y = 65535
 
 
 def custom_versions(problem: LinearProblem, aligned: bool = True) -> tuple[str, ...]:
@@ -476,7 +475,7 @@ def bind_custom(problem: LinearProblem, x, w, b, r=None, version: str | None = N
     if (kernel := _kernel(version, problem.activation)) is None:
         raise ValueError(f"linear: kernels/gemm.cu version {version} has no {problem.activation} epilogue")
     spec, (M, N, K) = _LAUNCH[version], (problem.M, problem.N, problem.K)
-    rows_per_launch = _MAX_GRID_Y * spec.tile_m  # grid.y is limited; larger M runs in slices
+    rows_per_launch = launch.MAX_GRID_YZ * spec.tile_m  # grid.y is limited; larger M runs in slices
     slices = [(m0, min(rows_per_launch, M - m0)) for m0 in range(0, M, rows_per_launch)]
     launches = [launch.bind("gemm.cu", f"{kernel}_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
                             (-(-N // spec.tile_n), -(-rows // spec.tile_m)), spec.block,

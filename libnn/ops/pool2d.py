@@ -150,8 +150,8 @@ def bind_pool(problem: PoolProblem, x):
     name = "maxpool_nhwc_vec" if vectorized else f"{p.mode}pool"
     lanes = (4 if p.dtype == "fp32" else 8) if vectorized else 1
     threads_per_image = p.P * p.Q * -(-p.C // lanes)
-    kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}",
-                         (min(-(-threads_per_image // 256), 65535 * 8), min(p.N, 65535)), (256,),
+    grid = (min(-(-threads_per_image // 256), launch.GRID_STRIDE_BLOCKS_X), min(p.N, launch.MAX_GRID_YZ))
+    kernel = launch.bind("pool2d.cu", f"{name}_{dtypes.KERNEL_SUFFIX[p.dtype]}", grid, (256,),
                          _pool_args(p, launch.ARRAY, launch.ARRAY))
     new = allocator(p.output_shape(), x.dtype)
 

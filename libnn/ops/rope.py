@@ -293,7 +293,6 @@ def overlap_check(x, out):
 _ROPE = contracts.params("rope.cu", "ROPE_PARAMS")  # every rope kernel's parameters
 ROPE_THREADS = contracts.constant("rope.cu", "ROPE_THREADS")
 ROPE_MAX_BX = contracts.constant("rope.cu", "ROPE_MAX_BX")
-_MAX_GRID = 65535  # tokens, heads and sequences are grid-strided: this many blocks a dimension fill any GPU
 _POSITION_SUFFIX = {"int32": "i32", "int64": "i64"}
 
 
@@ -306,7 +305,7 @@ def custom_launch(problem: RopeProblem) -> tuple[str, tuple[int, int, int], tupl
     items = problem.rotary_dim // 2 + problem.D - problem.rotary_dim
     bx = min(ROPE_MAX_BX, max(32, _pow2_at_least(items)))
     by = min(ROPE_THREADS // bx, _pow2_at_least(problem.S))
-    grid = (min(-(-problem.S // by), _MAX_GRID), min(problem.H, _MAX_GRID), min(problem.B, _MAX_GRID))
+    grid = (min(-(-problem.S // by), launch.GRID_STRIDE_BLOCKS), min(problem.H, launch.GRID_STRIDE_BLOCKS), min(problem.B, launch.GRID_STRIDE_BLOCKS))
     name = f"rope1_pairs_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
     return name, grid, (bx, by)
 

@@ -24,14 +24,13 @@ from typing import Any, Callable
 import numpy as np
 
 from libnn import dtypes
-from libnn.runtime import memory
+from libnn.runtime import launch, memory
 from libnn.runtime.arrays import array_module, contiguous
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
 WARP_VPTS = {"fp32": (1, 2, 4, 8), "fp16": (1, 2, 4), "bf16": (1, 2, 4)}  # what both kernel files build
 BLOCK_VPTS = (2, 4, 8)
-MAX_BLOCKS = 65535             # rows are grid-strided; this many blocks fill any GPU
 WARP_BLOCK_THREADS = 128       # version 1: 4 rows (warps) per block
 
 
@@ -97,12 +96,12 @@ class RowKernels:
         if version == self.warp:
             vpt = next(v for v in WARP_VPTS[problem.dtype] if 32 * v >= groups)
             return (f"{self.warp}_{'vec' if vec else 'sca'}{vpt}",
-                    min(ceil_div(problem.M, WARP_BLOCK_THREADS // 32), MAX_BLOCKS), WARP_BLOCK_THREADS)
+                    min(ceil_div(problem.M, WARP_BLOCK_THREADS // 32), launch.GRID_STRIDE_BLOCKS), WARP_BLOCK_THREADS)
         if version == self.block:
             vpt = next(v for v in BLOCK_VPTS if BLOCK_MAX_THREADS * v >= groups)
             threads = 32 * ceil_div(ceil_div(groups, vpt), 32)  # the fewest warps that hold the row
-            return f"{self.block}_vec{vpt}", min(problem.M, MAX_BLOCKS), threads
-        return self.loop, min(problem.M, MAX_BLOCKS), BLOCK_MAX_THREADS
+            return f"{self.block}_vec{vpt}", min(problem.M, launch.GRID_STRIDE_BLOCKS), threads
+        return self.loop, min(problem.M, launch.GRID_STRIDE_BLOCKS), BLOCK_MAX_THREADS
 
 
 def require_version(op: str, version: str, problem: Any, aligned: bool, versions: tuple[str, ...]) -> None:

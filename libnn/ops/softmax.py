@@ -123,7 +123,6 @@ _SM = contracts.params("softmax.cu", "SM_PARAMS")  # every softmax kernel's para
 _WARP_VPTS = (1, 2, 4, 8, 16, 32)  # what kernels/softmax.cu builds
 _WARP_BLOCK = 128
 COLS_MAX_Y = contracts.constant("softmax.cu", "COLS_MAX_Y")  # threads per slice in softmax_cols_*
-_MAX_BLOCKS = 65535            # rows and tiles are grid-strided; this many blocks fill any GPU
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -140,15 +139,15 @@ def custom_launch(problem: SoftmaxProblem) -> tuple[str, tuple[int, ...], tuple[
     if inner == 1 and n <= WARP_MAX_N:
         lanes = min(32, _pow2_at_least(n))  # the kernel derives the same group size from n
         vpt = next(v for v in _WARP_VPTS if lanes * v >= n)
-        return (f"softmax_warp{vpt}", (min(_ceil_div(outer, _WARP_BLOCK // lanes), _MAX_BLOCKS),),
+        return (f"softmax_warp{vpt}", (min(_ceil_div(outer, _WARP_BLOCK // lanes), launch.GRID_STRIDE_BLOCKS),),
                 (_WARP_BLOCK,))
     if inner == 1:
         # about 8 elements a thread before the block grows to 1024: long rows, often few of them, get
         # every thread a block may have (not yet tuned on the H100)
-        return "softmax_block", (min(outer, _MAX_BLOCKS),), (min(1024, _pow2_at_least(_ceil_div(n, 8))),)
+        return "softmax_block", (min(outer, launch.GRID_STRIDE_BLOCKS),), (min(1024, _pow2_at_least(_ceil_div(n, 8))),)
     # threads per slice: about n / 8, so short slices (3 channels) leave no thread without an element
     y = min(COLS_MAX_Y, _pow2_at_least(_ceil_div(n, 8)))
-    return "softmax_cols", (min(_ceil_div(outer * inner, 32), _MAX_BLOCKS),), (32, y)
+    return "softmax_cols", (min(_ceil_div(outer * inner, 32), launch.GRID_STRIDE_BLOCKS),), (32, y)
 
 
 def bind_custom(problem: SoftmaxProblem, x, grid: tuple[int, ...] | None = None):

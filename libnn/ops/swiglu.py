@@ -103,7 +103,6 @@ def _gpu_support(problem: SwigluProblem) -> str | None:
 # --- custom path: kernels/swiglu.cu ----------------------------------------------------------------------
 _SWIGLU = contracts.params("swiglu.cu", "SWIGLU_PARAMS")  # every swiglu kernel's parameters
 SWIGLU_THREADS = contracts.constant("swiglu.cu", "SWIGLU_THREADS")
-_MAX_GRID = 65535  # rows and columns are grid-strided: this many blocks a dimension fill any GPU
 VERSIONS = ("swiglu1_scalar", "swiglu2_vec")
 
 
@@ -146,7 +145,7 @@ def custom_launch(problem: SwigluProblem, version: str) -> tuple[str, tuple[int,
     cols = problem.F // (16 // dtypes.parse(problem.dtype).itemsize) if version == "swiglu2_vec" else problem.F
     bx = min(SWIGLU_THREADS, max(32, _pow2_at_least(cols)))
     by = SWIGLU_THREADS // bx
-    grid = (min(-(-cols // bx), _MAX_GRID), min(-(-problem.M // by), _MAX_GRID))
+    grid = (min(-(-cols // bx), launch.GRID_STRIDE_BLOCKS), min(-(-problem.M // by), launch.GRID_STRIDE_BLOCKS))
     return f"{version}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", grid, (bx, by)
 
 

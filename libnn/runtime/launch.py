@@ -31,6 +31,10 @@ from libnn.errors import LibraryError
 from libnn.runtime import kernels
 from libnn.runtime.stream import current_stream
 
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x's is 2**31 - 1)
+GRID_STRIDE_BLOCKS = MAX_GRID_YZ  # a grid-stride kernel's blocks along any dimension: enough to fill any GPU
+GRID_STRIDE_BLOCKS_X = 8 * MAX_GRID_YZ  # the same along x, for kernels with many small blocks (x's limit is far higher)
+
 ARRAY = object()  # an argument that is an array: its device pointer is written at each launch (None: null)
 
 
