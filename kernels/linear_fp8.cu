@@ -36,12 +36,7 @@ Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_
     cores add them into fp32 accumulators, in another order than version 1's and possibly with fewer
     bits kept per addition (Hopper's FP8 matrix units are reported to truncate; not measured here): the
     tests bound the result by the dtype's tolerance against the float64 reference, not by fp32 rounding. The warps' sums
-    meet in shared memory; version 1's epilogue follows.
-    Split K (fp8_gemv3_split{2,4}_*, sm_90): where a step's small projections have fewer tiles than the grid
-    has blocks, a thread block cluster of SPLIT blocks takes each tile, block r streaming the r-th share of K's
-    chunks (and quantising only that share of x, after the amax of all of it); the blocks' sums meet in
-    rank 0's registers through distributed shared memory, one cluster barrier per tile (the sums of two
-    tiles double-buffered), and rank 0 writes the epilogue. libnn/ops/linear_fp8.py's gemv_split picks. Version 2 (one warp per output, codes decoded to
+    meet in shared memory; version 1's epilogue follows. Version 2 (one warp per output, codes decoded to
     fp32 and FFMA, x quantised by div_rn and e4m3_code) ran at a third of the copy rate at a decode step's
     shapes; version 3 replaced it (benchmarks/RESULTS.md).
 
@@ -52,13 +47,12 @@ LAUNCH (version 1)
     shared memory. Preconditions: M, N, K >= 1; N <= 65535 * FP8_GEMM_BN; y does not overlap the inputs;
     element offsets are 64-bit.
 
-LAUNCH (version 3; SPLIT = 1, 2 or 4 for fp8_gemv3, fp8_gemv3_split2, fp8_gemv3_split4)
+LAUNCH (version 3)
     (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, T* y,
      int M, int N, int K, int per_channel, int act)
-    block (FP8_GEMV3_THREADS, 1, 1), grid (SPLIT x min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs
-    / SPLIT), 1, 1), SPLIT > 1 in clusters of (SPLIT, 1, 1) (sm_90 and newer), dynamic shared memory
-    M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then to 128, plus 64), at
-    most FP8_GEMV3_XS_BYTES (with the static 9 KB, within 48 KB: no opt-in).
+    block (FP8_GEMV3_THREADS, 1, 1), grid (min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs), 1, 1),
+    dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
+    to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
     Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K), y and residual (M, N) row-major and
     contiguous; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
     programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
@@ -235,14 +229,13 @@ __device__ __forceinline__ void load8(const typename DT::T* __restrict__ x, int 
     for (int i = 0; i < 8; i++) v[i] = k + i < K ? DT::ld(p[i]) : 0.f;
 }
 
-// sx = max|x| / 448 (1 where that is 0) over all of x, and x's codes e4m3(x / sx) at k0 <= k < k1 (multiples of
-// 8, k1 <= S) into xs, M rows of S bytes, zeros past K: kernels/quantize_fp8.cu's codes. Where x is finite and
-// sx >= 2^-100 (every block decides alike) the
+// sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
+// kernels/quantize_fp8.cu's codes. Where x is finite and sx >= 2^-100 (every block decides alike) the
 // quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
 // e4m3_code otherwise. Ends with a __syncthreads().
 template <class DT>
 __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, unsigned char* xs, int M, int K,
-                                            int S, int k0, int k1, float* red) {
+                                            int S, float* red) {
     const int t = threadIdx.x, groups = S / 8;   // 8 codes at a time; S is a multiple of 64
     const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0;
     float amax = 0.f;
@@ -263,10 +256,9 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     if (!(sx > 0.f)) sx = 1.f;
     const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
     const float r = div_rn(1.f, sx);
-    const int first = k0 / 8, coded = (k1 - k0) / 8;   // the codes this block reads: [k0, k1), whole groups
 #pragma unroll 2
-    for (int i = t; i < M * coded; i += FP8_GEMV3_THREADS) {
-        const int m = i / coded, k = 8 * (first + i - m * coded);
+    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+        const int m = i / groups, k = 8 * (i - m * groups);
         float v[8];
         load8<DT>(x, m, k, K, vec, v);
         u32 codes[2];
@@ -288,50 +280,18 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     return sx;
 }
 
-// this block's rank in its thread block cluster, a barrier of the whole cluster, and a float of a peer block's
-// shared memory at the address of `p` in this block's (sm_90: the split GEMV is launched in clusters there only)
-__device__ __forceinline__ int cluster_rank() {
-    u32 r = 0;
-#if __CUDA_ARCH__ >= 900
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return (int)r;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ float peer_float(const float* p, int rank) {
-    float v = 0.f;
-#if __CUDA_ARCH__ >= 900
-    u32 remote;
-    const u32 local = (u32)__cvta_generic_to_shared(p);
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#else
-    __trap();
-#endif
-    return v;
-}
-
-// the codes of item j of this warp (chunks c .. c + U - 1 of its share of K, for one tile of 16 rows of w);
-// tiles go to the grid's units (clusters of SPLIT blocks) in turn
+// the codes of item j of this warp (chunks c .. c + U - 1 of its share of K, for one tile of 16 rows of w)
 template <int U>
 __device__ __forceinline__ void load_item(u32x4* a, u32x4* b, const unsigned char* __restrict__ wq, int j,
                                           int items, int groups, int begin, int end, int g, int q, int N, int K,
-                                          bool vec, int unit, int units) {
-    const int tile = unit + (j / groups) * units, c = begin + (j % groups) * U;
+                                          bool vec) {
+    const int tile = blockIdx.x + (j / groups) * gridDim.x, c = begin + (j % groups) * U;
     const unsigned char* row0 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g, N - 1) * K;   // rows past N: the
     const unsigned char* row1 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g + 8, N - 1) * K;  // last, unused
     load_chunks<U>(a, b, row0, row1, c, j < items ? end : c, q, K, vec);
 }
 
-template <class DT, int U, int SPLIT>
+template <class DT, int U>
 __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, const unsigned char* __restrict__ wq,
                                       const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
                                       const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
@@ -339,44 +299,38 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     constexpr int WARPS = FP8_GEMV3_THREADS / 32;
     extern __shared__ __align__(16) unsigned char xcodes[];   // x's codes, M rows of S bytes
     __shared__ float part[2][WARPS][4][32];   // each warp's sums of a tile (two tiles: one barrier per tile)
-    __shared__ float block_sum[SPLIT > 1 ? 2 : 1][4 * 32];   // SPLIT > 1: the block's sums of a tile, for rank 0
     __shared__ float red[WARPS];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, q = lane & 3;
     const int S = gemv3_x_stride(K);
-    // a unit (a cluster of SPLIT blocks, or one block) takes tiles in turn; its block of rank r takes the r-th
-    // of SPLIT shares of K's chunks, and its warps take eighths of that share in U-chunk groups: item j =
-    // (tile j / groups, group)
-    const int rank = SPLIT > 1 ? cluster_rank() : 0, unit = blockIdx.x / SPLIT, units = gridDim.x / SPLIT;
-    const int chunks = (K + FP8_GEMV3_CHUNK - 1) / FP8_GEMV3_CHUNK, per_rank = (chunks + SPLIT - 1) / SPLIT;
-    const int c0 = imin(chunks, rank * per_rank), c1 = imin(chunks, c0 + per_rank);
-    const int share = imax(1, (c1 - c0 + WARPS - 1) / WARPS);
-    const int begin = imin(c1, c0 + warp * share), end = imin(c1, begin + share);
+    // every warp takes the same share of K of every tile in U-chunk groups: item j = (tile j / groups, group)
+    const int chunks = (K + FP8_GEMV3_CHUNK - 1) / FP8_GEMV3_CHUNK, share = (chunks + WARPS - 1) / WARPS;
+    const int begin = imin(chunks, warp * share), end = imin(chunks, begin + share);
     const int groups = (share + U - 1) / U, tiles = (N + FP8_GEMV3_ROWS - 1) / FP8_GEMV3_ROWS;
-    const int items = (tiles - unit + units - 1) / units * groups;
+    const int items = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * groups;
     const bool vec = (K & 15) == 0 && ((u64)wq & 15) == 0;
     // in the epilogue thread t < 128 finishes accumulator i = t / 32 of lane l = t % 32: y^T[row (l >> 2) +
     // 8 (i >> 1)][x's row 2 (l & 3) + (i & 1)]
     const int l = t & 31, i = t >> 5, row = (l >> 2) + 8 * (i >> 1), m = 2 * (l & 3) + (i & 1);
     // two buffers, both in flight while x is quantised and while a tile's results are written
     u32x4 a0[U], b0[U], a1[U], b1[U];
-    load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec, unit, units);
-    load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec, unit, units);
+    load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec);
+    load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec);
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
-    const float sx = quantize_x<DT>(x, xcodes, M, K, S, c0 * FP8_GEMV3_CHUNK, c1 * FP8_GEMV3_CHUNK, red);
+    const float sx = quantize_x<DT>(x, xcodes, M, K, S, red);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float scale = 0.f, shift = 0.f;   // this thread's output's sx * w_scale and bias + residual, read early
     // the products of item j, then the next item into its buffer, then (after a tile's last group) its
     // results: every warp reaches the barrier together
     auto step = [&](u32x4* a, u32x4* b, int j) {
         const int tile = j / groups, group = j % groups;
-        const int n = (unit + tile * units) * FP8_GEMV3_ROWS + row;
-        const bool writes = rank == 0 && t < 4 * 32 && n < N && m < M;
+        const int n = (blockIdx.x + tile * gridDim.x) * FP8_GEMV3_ROWS + row;
+        const bool writes = t < 4 * 32 && n < N && m < M;
         if (group == 0 && writes) {
             scale = sx * w_scale[per_channel ? n : 0];
             shift = (bias ? DT::ld(bias[n]) : 0.f) + (residual ? DT::ld(residual[(i64)m * N + n]) : 0.f);
         }
         mma_chunks<U>(acc, a, b, xcodes, begin + group * U, end, g, q, M, S);
-        load_item<U>(a, b, wq, j + 2, items, groups, begin, end, g, q, N, K, vec, unit, units);
+        load_item<U>(a, b, wq, j + 2, items, groups, begin, end, g, q, N, K, vec);
         if (group != groups - 1) return;
         float (*p)[4][32] = part[tile & 1];
 #pragma unroll
@@ -385,28 +339,16 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
             acc[e] = acc[4 + e] = 0.f;
         }
         __syncthreads();
-        float sum = 0.f;
-        if (t < 4 * 32) {
-#pragma unroll
-            for (int w = 0; w < WARPS; w++) sum += p[w][i][l];
-        }
-        if (SPLIT > 1) {   // rank 0 adds the other blocks' sums of the tile, read from their shared memory
-            float* mine = block_sum[tile & 1];   // two tiles' buffers: a peer writes the next one meanwhile
-            if (t < 4 * 32) mine[t] = sum;
-            cluster_sync();
-            if (rank == 0 && t < 4 * 32) {
-#pragma unroll
-                for (int r = 1; r < SPLIT; r++) sum += peer_float(mine + t, r);
-            }
-        }
         if (!writes) return;
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) sum += p[w][i][l];
         y[(i64)m * N + n] = DT::st(apply_act<ACTS>(sum * scale + shift, act));
     };
     for (int j = 0; j < items; j += 2) {
         step(a0, b0, j);
         if (j + 1 < items) step(a1, b1, j + 1);
     }
-    if (SPLIT > 1) cluster_sync();   // no block leaves while rank 0 may still read its shared memory
 }
 
 }  // namespace fp8g
@@ -427,18 +369,13 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ residual,        \
     T* __restrict__ y, int M, int N, int K, int per_channel, int act
 
-#define FP8_GEMV3(NAME, SUFFIX, DT, SPLIT)                                                               \
+#define FP8_GEMV3(SUFFIX, DT)                                                                            \
     extern "C" __global__ void __launch_bounds__(FP8_GEMV3_THREADS, FP8_GEMV3_BLOCKS_PER_SM)             \
-        NAME##_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                                 \
-        fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL, SPLIT>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, \
-                                                        act);                                            \
+        fp8_gemv3_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
+        fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act); \
     }
 
 FP8_GEMM1(f16, dt_f16)
 FP8_GEMM1(bf16, dt_bf16)
-FP8_GEMV3(fp8_gemv3, f16, dt_f16, 1)
-FP8_GEMV3(fp8_gemv3, bf16, dt_bf16, 1)
-FP8_GEMV3(fp8_gemv3_split2, f16, dt_f16, 2)
-FP8_GEMV3(fp8_gemv3_split2, bf16, dt_bf16, 2)
-FP8_GEMV3(fp8_gemv3_split4, f16, dt_f16, 4)
-FP8_GEMV3(fp8_gemv3_split4, bf16, dt_bf16, 4)
+FP8_GEMV3(f16, dt_f16)
+FP8_GEMV3(bf16, dt_bf16)

@@ -47,36 +47,4 @@ def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capabili
     problem = l8.LinearFp8Problem(M=1, N=48, K=64, dtype="fp16", per_channel=True, has_bias=False,
                                   activation=None, has_residual=False, device="gpu:0")
     l8.bind_gemv(problem, np.ones((1, 64), np.float16), None, None, None)
-    assert binds[-1]["programmatic"] is programmatic and binds[-1]["cluster"] == 1  # 48 x 64: one chunk of K
-
-
-def test_a_clustered_launch_carries_the_cluster_dimension():
-    driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is not installed")
-    config = launch._launch_config((256,), (256,), 0, 0, programmatic=True, cluster=2)
-    ids = [a.id for a in config.attrs]
-    assert config.numAttrs == 2 and driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION in ids
-    (cluster,) = [a for a in config.attrs if a.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]
-    assert (cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z) == (2, 1, 1)
-
-
-@pytest.mark.parametrize("N, K, clusters, split, grid", [
-    (2048, 2048, True, 2, 256),     # a decode step's o projection: 128 tiles, 2 blocks on each
-    (3072, 2048, True, 4, 264),     # q/k/v: 192 tiles, 4 blocks of 66 units
-    (2048, 8192, True, 2, 256),     # down
-    (16384, 2048, True, 1, 264),    # gate/up: tiles enough for every block
-    (32000, 2048, True, 1, 264),    # lm_head: a split would save under SPLIT_GAIN
-    (2048, 2048, False, 1, 128),    # below sm_90: no clusters
-    (48, 64, True, 1, 3),           # one chunk of K: nothing to split
-])
-def test_the_gemv_splits_k_where_its_tiles_leave_blocks_idle(N, K, clusters, split, grid):
-    assert l8.gemv_split(N, K, 132, clusters=clusters) == split and l8.gemv_grid(N, split, 132) == grid
-
-
-@pytest.mark.parametrize("split, capability", [(3, (9, 0)), (2, (8, 9))])
-def test_a_forced_split_the_gpu_cannot_run_is_refused(monkeypatch, split, capability):
-    monkeypatch.setattr(l8, "compute_capability", lambda device_id: capability)
-    monkeypatch.setattr(l8, "multiprocessors", lambda device_id: 132)
-    problem = l8.LinearFp8Problem(M=1, N=48, K=640, dtype="fp16", per_channel=True, has_bias=False,
-                                  activation=None, has_residual=False, device="gpu:0")
-    with pytest.raises(ValueError, match=rf"linear_fp8: the GEMV's split must be one of \(1, 2, 4\).*got {split}"):
-        l8.bind_gemv(problem, np.ones((1, 640), np.float16), None, None, None, split=split)
+    assert binds[-1]["programmatic"] is programmatic

@@ -236,30 +236,6 @@ def test_gemv_matches_reference(rng, dtype, shape, per_channel, epilogue):
           dtype)
 
 
-# the split GEMV (clusters of 2 or 4 blocks sharing a tile's K, sm_90): every split, units taking one tile or
-# several in turn (N 4800: 300 tiles for 132 or 66 units), ranks without a chunk of K (K 516 at split 4: 9
-# chunks), M = 1 and 8, a K below one chunk
-SPLIT_SHAPES = [(1, 2048, 2048), (8, 4800, 1040), (3, 257, 516), (1, 33, 8192), (2, 19, 6)]
-
-
-@pytest.mark.usefixtures("poisoned_gpu_memory")
-@pytest.mark.parametrize("split", [1, 2, 4])
-@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_every_gemv_split_matches_reference(rng, split, shape):
-    from libnn.ops.linear_fp8 import bind_gemv, linear_fp8_problem
-    from libnn.runtime.device import compute_capability
-
-    if split > 1 and compute_capability(0) < (9, 0):
-        pytest.skip("thread block clusters need sm_90")
-    x, weight, b, r = draw(rng, *shape, "bf16", per_channel=True, bias=True, residual=True)
-    xg, wg, sg, bg, rg = to_gpu(x, *weight, b, r)
-    run = bind_gemv(linear_fp8_problem(xg, wg, sg, bg, "gelu_erf", rg), xg, wg, sg, bg, rg, split=split)
-    for _ in range(2):  # a second call of the bound launch: the clusters' shared buffers start over
-        y = run(xg, wg, sg, bg, rg)
-        check(y, linear_fp8(x, *weight, b, "gelu_erf", residual=r, path="reference").astype(np.float64), x, weight, b,
-              r, "bf16")
-
-
 def e4m3_ties() -> np.ndarray:
     """Every finite E4M3 value up to 448 and every midpoint between two neighbours (round half to even
     decides them), both signs, and -0: exact in fp16 and bf16."""

@@ -257,55 +257,22 @@ def gemv_fits(problem: LinearFp8Problem) -> bool:
             and problem.M * _gemv_x_stride(problem.K) <= _G["FP8_GEMV3_XS_BYTES"])
 
 
-GEMV_SPLITS = (1, 2, 4)  # blocks (a thread block cluster) sharing one tile's K: kernels/linear_fp8.cu builds these
-SPLIT_GAIN = 0.2         # the least fraction of the estimated cost a larger split must save
-
-
-def gemv_grid(N: int, split: int, sms: int) -> int:
-    """Version 3's blocks for N outputs in units (clusters) of `split` blocks: a unit per tile of 16 rows,
-    at most FP8_GEMV3_BLOCKS_PER_SM blocks an SM (units take further tiles in turn)."""
-    tiles = -(-N // _G["FP8_GEMV3_ROWS"])
-    return min(tiles, _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms // split) * split
-
-
-def gemv_split(N: int, K: int, sms: int, clusters: bool = True) -> int:
-    """Version 3's split for N outputs of K: the one among GEMV_SPLITS (1 without `clusters`, below
-    sm_90) whose units take the least rounds of tiles x chunks of K per block, a larger split only where
-    that is at least SPLIT_GAIN less (a split adds a cluster barrier per tile, and each of its blocks
-    still reads all of x for its amax). A decode step's small projections (2048 to 3072 outputs: 128 to
-    192 tiles of 16 rows for 264 blocks) leave most of the GPU's blocks idle without one; each block of a
-    cluster streams its share of K, and quantises only that share."""
-    tiles, chunks = -(-N // _G["FP8_GEMV3_ROWS"]), -(-K // _G["FP8_GEMV3_CHUNK"])
-    best_cost, best = None, 1
-    for split in GEMV_SPLITS if clusters else (1,):
-        units = gemv_grid(N, split, sms) // split
-        cost = -(-tiles // units) * -(-chunks // split)
-        if best_cost is None or cost <= (1 - SPLIT_GAIN) * best_cost:
-            best_cost, best = cost, split
-    return best
-
-
-def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any, r: Any = None,
-              split: int | None = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
+def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
+              r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
     """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r) -> y: one launch that
     quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
-    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise.
-    `split` forces one of GEMV_SPLITS (tests; above 1 on sm_90 and newer only), else gemv_split picks."""
+    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
     M, N, K = problem.M, problem.N, problem.K
-    hopper, sms = compute_capability(problem.device_id) >= (9, 0), multiprocessors(problem.device_id)
-    split = split or gemv_split(N, K, sms, clusters=hopper)
-    if split not in GEMV_SPLITS or (split > 1 and not hopper):
-        raise ValueError(f"linear_fp8: the GEMV's split must be one of {GEMV_SPLITS} (above 1 on sm_90 and newer: "
-                         f"thread block clusters), got {split!r}")
-    grid = gemv_grid(N, split, sms)
-    name = "fp8_gemv3" if split == 1 else f"fp8_gemv3_split{split}"
-    kernel = launch.bind("linear_fp8.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,),
+    sms = multiprocessors(problem.device_id)
+    kernel = launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
+                         (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),
                          (_G["FP8_GEMV3_THREADS"],),
                          _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
                                     residual=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
                                     per_channel=int(problem.per_channel),
                                     act=activations.KERNEL_CODES[problem.activation]),
-                         shared_mem=M * _gemv_x_stride(K), programmatic=hopper, cluster=split)
+                         shared_mem=M * _gemv_x_stride(K),
+                         programmatic=compute_capability(problem.device_id) >= (9, 0))
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 

@@ -7,8 +7,8 @@ the address of the packed argument array:
 - a plain launch calls `cuLaunchKernel` through CuPy's own driver binding
   (`cupy_backends.cuda.api.driver.launchKernel`, whose typed C parameters convert its eleven integers
   at C speed);
-- a programmatic one, or one in thread block clusters (below), calls `cuLaunchKernelEx` through
-  cuda-bindings, with its configuration built once, since CuPy has no binding of it.
+- a programmatic one (below) calls `cuLaunchKernelEx` through cuda-bindings, with its configuration
+  built once, since CuPy has no binding of it.
 Both cost less per launch than CuPy's `RawKernel.__call__`, which converts every argument again on
 every launch, and the plain one less than cuda-bindings' `cuLaunchKernelEx` (`libnn bench overhead`,
 "floors"; benchmarks/RESULTS.md).
@@ -45,7 +45,7 @@ class Launch:
     __slots__ = ("_launch", "_args", "_slots", "_pointers", "_array_slots", "_lock", "_device", "name")
 
     def __init__(self, function: Any, name: str, grid: Sequence[int], block: Sequence[int], shared_mem: int,
-                 stream_ptr: int, args: Sequence[Any], programmatic: bool = False, cluster: int = 1):
+                 stream_ptr: int, args: Sequence[Any], programmatic: bool = False):
         import cupy
 
         self.name = name
@@ -59,11 +59,11 @@ class Launch:
         # the packed argument array's address is read once (.ctypes costs microseconds per access); only
         # the slots behind it change between launches
         params = int(self._pointers.ctypes.data)
-        if programmatic or cluster > 1:
+        if programmatic:
             from cuda.bindings import driver
 
             self._launch = _launch_ex()
-            self._args = (_launch_config(grid, block, shared_mem, stream_ptr, programmatic, cluster),
+            self._args = (_launch_config(grid, block, shared_mem, stream_ptr, programmatic),
                           driver.CUfunction(function.kernel.ptr), params, 0)
         else:
             from cupy_backends.cuda.api import driver as cupy_driver
@@ -130,23 +130,21 @@ def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
 
 
 def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[Any], *,
-         shared_mem: int = 0, stream_ptr: int | None = None, programmatic: bool = False, cluster: int = 1) -> Launch:
+         shared_mem: int = 0, stream_ptr: int | None = None, programmatic: bool = False) -> Launch:
     """A packed launch of kernels/<file>'s `kernel` on the stream (default: the current one). `args`
     lists the kernel's parameters in order: ARRAY for each array (passed at launch), NumPy scalars
     (np.int32, np.int64, np.float32, np.uint64) for the rest. `programmatic`: launched with CUDA's
     programmatic stream serialization (sm_90 and newer), so that it may start while the kernel ahead of it
-    finishes; the kernel must call pdl_wait (kernels/common.cuh) before touching that kernel's data.
-    `cluster`: blocks per thread block cluster along x (sm_90 and newer; grid x a multiple of it)."""
+    finishes; the kernel must call pdl_wait (kernels/common.cuh) before touching that kernel's data."""
     function = kernels.function(file, kernel, shared_mem)
     return Launch(function, f"kernels/{file}:{kernel}", grid, block, shared_mem,
-                  current_stream().ptr if stream_ptr is None else stream_ptr, args, programmatic, cluster)
+                  current_stream().ptr if stream_ptr is None else stream_ptr, args, programmatic)
 
 
 def _launch_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream_ptr: int,
-                   programmatic: bool, cluster: int = 1) -> Any:
+                   programmatic: bool) -> Any:
     """cuLaunchKernelEx's configuration (grid and block padded to three dimensions with 1s), with the
-    programmatic stream serialization attribute where `programmatic` and the cluster dimension (cluster,
-    1, 1) where `cluster` > 1."""
+    programmatic stream serialization attribute where `programmatic`."""
     from cuda.bindings import driver
 
     config = driver.CUlaunchConfig()
@@ -154,16 +152,11 @@ def _launch_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, s
     config.blockDimX, config.blockDimY, config.blockDimZ = _dim3(block)
     config.sharedMemBytes = shared_mem
     config.hStream = driver.CUstream(stream_ptr)
-    attributes = []
+    config.numAttrs = 0
     if programmatic:
         attribute = driver.CUlaunchAttribute()
         attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attribute.value.programmaticStreamSerializationAllowed = 1
-        attributes.append(attribute)
-    if cluster > 1:
-        attribute = driver.CUlaunchAttribute()
-        attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster, 1, 1
-        attributes.append(attribute)
-    config.attrs, config.numAttrs = attributes, len(attributes)
+        config.attrs = [attribute]
+        config.numAttrs = 1
     return config
