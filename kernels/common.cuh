@@ -117,6 +117,13 @@ struct dt_bf16 {
     static __device__ __forceinline__ T st(float v) { return f32_to_bf16(v); }
     static __device__ __forceinline__ u32 vmax(u32 a, u32 b) { return max_nan_bf16x2(a, b); }
 };
+// fp64 loads and stores as they are (softmax and masked_mean compute fp64 in fp64; no packed max)
+struct dt_f64 {
+    typedef double T;
+    enum { bf16 = 0, V = 2 };
+    static __device__ __forceinline__ double ld(T v) { return v; }
+    static __device__ __forceinline__ T st(double v) { return v; }
+};
 
 // (p, q, ch) of output element `idx` of one image of a P x Q x CH output: ch fastest when the output is
 // channels-last (consecutive threads then write consecutive channels), q fastest otherwise.

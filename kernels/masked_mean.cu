@@ -52,13 +52,6 @@ namespace mmk {
 
 using namespace libnn;
 
-struct dt_f64 {
-    typedef double T;
-    enum { V = 2 };
-    static __device__ __forceinline__ double ld(T v) { return v; }
-    static __device__ __forceinline__ T st(double v) { return v; }
-};
-
 // the accumulator of each dtype: fp32, fp64 for fp64
 template <class DT> struct acc { typedef float A; };
 template <> struct acc<dt_f64> { typedef double A; };
@@ -141,4 +134,4 @@ __device__ __forceinline__ void masked_mean(const typename DT::T* __restrict__ x
 MM(f16, libnn::dt_f16)
 MM(bf16, libnn::dt_bf16)
 MM(f32, libnn::dt_f32)
-MM(f64, mmk::dt_f64)
+MM(f64, libnn::dt_f64)

@@ -76,16 +76,14 @@ template <class DT>
 struct io : DT {
     typedef float C;
 };
-struct io_f64 {
-    typedef double T;
+template <>
+struct io<dt_f64> : dt_f64 {
     typedef double C;
-    static __device__ __forceinline__ double ld(double v) { return v; }
-    static __device__ __forceinline__ double st(double v) { return v; }
 };
 typedef io<dt_f16> f16;
 typedef io<dt_bf16> bf16;
 typedef io<dt_f32> f32;
-typedef io_f64 f64;
+typedef io<dt_f64> f64;
 
 __device__ __forceinline__ float ex(float v) { return expf(v); }
 // exp(v) for v <= 0, -inf or NaN in fp64 (every exponent in this file is x - M, or a max minus a larger

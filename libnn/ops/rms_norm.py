@@ -42,7 +42,8 @@ from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import allocator, as_array, contiguous, device_constant, device_of, signature, stream_key
+from libnn.runtime.arrays import (allocator, as_array, contiguous_arrays, copying_strided, device_constant, device_of,
+                                  signature, stream_key)
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -131,9 +132,9 @@ def _aligned(problem: RMSNormProblem, *arrays) -> bool:
 
 def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str | None = None):
     """The runner of one version of kernels/rms_norm.cu (the default: the one the custom path picks)
-    for (M, N) rows of x and the residual (or None) and an (N,) weight (or None) of this signature,
-    their alignment included. The runner takes (x, weight, residual) and returns y, or (y, sum) with
-    `problem.return_sum`."""
+    for C-contiguous x and residual (or None) of M rows of N, of any rank (the kernels read pointers),
+    and an (N,) weight (or None) of this signature, their alignment included. The runner takes (x,
+    weight, residual) and returns y, or (y, sum) with `problem.return_sum`, in x's shape."""
     aligned = _aligned(problem, x, weight, residual)  # y and the sum: CuPy's pool, 256-byte aligned
     version = version or custom_version(problem, aligned)
     row_kernels.require_version("rms_norm", version, problem, aligned, custom_versions(problem, aligned))
@@ -141,8 +142,7 @@ def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str 
     A = launch.ARRAY  # a null residual: plain RMS norm; a null weight: 1; a null sum: not written
     kernel = launch.bind("rms_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
                          _RMS.pack(x=A, res=A, w=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
-    shape, dtype = (problem.M, problem.N), x.dtype
-    new = allocator(shape, dtype)
+    new = allocator(tuple(x.shape), x.dtype)
 
     def run(x, weight, residual):
         y = new()
@@ -157,7 +157,7 @@ def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str 
 
 
 def launch_custom(problem: RMSNormProblem, x, weight, residual=None, version: str | None = None):
-    """y, or (y, sum), for the (M, N) rows x (and residual) with one version of kernels/rms_norm.cu (for
+    """y, or (y, sum), for C-contiguous x (and residual) with one version of kernels/rms_norm.cu (for
     tests and benchmarks)."""
     return bind_custom(problem, x, weight, residual, version)(x, weight, residual)
 
@@ -166,9 +166,7 @@ def launch_custom(problem: RMSNormProblem, x, weight, residual=None, version: st
 def _custom(problem: RMSNormProblem, x, weight, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
-    vector = None if weight is None else contiguous(weight)
-    return row_kernels.as_rows(bind_custom(problem, rows, vector, residual_rows), problem, x, weight, residual)
+    return copying_strided(bind_custom(problem, *contiguous_arrays(x, weight, residual)), x, weight, residual)
 
 
 # --- cudnn path ----------------------------------------------------------------------------------------
@@ -219,11 +217,11 @@ def rms_norm_graph_builder(problem: RMSNormProblem):
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_gpu_support, binds=True)
 def _cudnn(problem: RMSNormProblem, x, weight, residual):
-    """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature)."""
+    """Binds the cuDNN graph of `problem` (the alignment of the arrays is part of the signature). The graph
+    reads pointers only, so contiguous x and residual go as they are, of any rank, and y takes x's shape."""
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    rows, residual_rows = row_kernels.gpu_rows(problem, x, residual)
-    vector = None if weight is None else contiguous(weight)
+    rows, vector, residual_rows = contiguous_arrays(x, weight, residual)
     misaligned = [name for name, a in (("x", rows), ("weight", vector), ("residual", residual_rows))
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
@@ -233,8 +231,7 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
                                       problem.describe).executor(_uids(problem))
     ones = device_constant(problem.N, 1, x.dtype)  # cuDNN's node requires a scale: the identity's, made once
     epsilon = cudnn_backend.host_scalar(problem.eps)
-    shape, dtype = (problem.M, problem.N), x.dtype
-    new = allocator(shape, dtype)
+    new = allocator(tuple(x.shape), x.dtype)
 
     def run(x, weight, residual):
         y = new()
@@ -251,7 +248,7 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
         execute(x, ones if weight is None else weight, epsilon, y, residual, h)
         return y, h
     runner = run_sum if problem.return_sum else run_residual if problem.has_residual else run
-    return row_kernels.as_rows(runner, problem, x, weight, residual)
+    return copying_strided(runner, x, weight, residual)
 
 
 # --- reference -----------------------------------------------------------------------------------------

@@ -10,22 +10,21 @@ one its custom path runs, and with what grid and block.
 It also holds what the row-normalizing ops (layer_norm, rms_norm, embedding's fused LayerNorm) share
 on the host: the checks of a weight or bias vector against the rows, of eps, of a fused residual and
 return_sum, and the memory check of the float64 reference; and what layer_norm's and rms_norm's paths
-share: the contiguous arrays a bind packs for, a runner of pointers wrapped for any signature (layer_norm's;
-rms_norm's runners of (M, N) rows have their own wrapper), the result of an empty problem, and the
-float64 reference's rows and result.
+share: the result of an empty problem and the float64 reference's rows and result (both ops' GPU runners
+read pointers of C-contiguous arrays of any rank: runtime.arrays.copying_strided wraps them).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from libnn import dtypes
 from libnn.runtime import launch, memory
-from libnn.runtime.arrays import array_module, contiguous
+from libnn.runtime.arrays import array_module
 
 WARP_MAX = 1024                # version 1 up to here (its largest VPT reaches it), version 2 beyond
 BLOCK_MAX_THREADS = 512
@@ -157,40 +156,7 @@ def reference_fits(op: str, M: int, N: int, dtype: str, return_sum: bool, shape:
                    f"x of shape {shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of its size)")
 
 
-# --- layer_norm's and rms_norm's paths: x and the residual, each op adding its (N,) vectors ----------------
-def _rows(problem: Any, a: Any) -> Any:
-    return None if a is None else contiguous(a).reshape(problem.M, problem.N)
-
-
-def gpu_rows(problem: Any, x: Any, residual: Any) -> tuple[Any, Any]:
-    """x and the residual (or None) as C-contiguous (problem.M, problem.N) rows: views where they are
-    contiguous, else copies."""
-    return _rows(problem, x), _rows(problem, residual)
-
-
-def as_rows(run: Callable[..., Any], problem: Any, x: Any, weight: Any, residual: Any) -> Callable[..., Any]:
-    """`run`, rms_norm's runner of C-contiguous (M, N) rows of x and the residual and a contiguous (N,)
-    weight, called (x, weight, residual), wrapped for the signature of the arrays bound: y (and the sum)
-    take x's shape; copies only where the signature is not contiguous. The runners read only the arrays'
-    pointers, so contiguous arrays of any rank go to them as they are, with no view made per call."""
-    shape, sums = x.shape, problem.return_sum
-
-    def shaped(out):
-        return (out[0].reshape(shape), out[1].reshape(shape)) if sums else out.reshape(shape)
-
-    if all(a is None or a.flags.c_contiguous for a in (x, weight, residual)):
-        if x.ndim == 2:
-            return run
-
-        def reshaped(x, weight, residual):
-            return shaped(run(x, weight, residual))
-        return reshaped
-
-    def rows_of(x, weight, residual):
-        return shaped(run(_rows(problem, x), None if weight is None else contiguous(weight), _rows(problem, residual)))
-    return rows_of
-
-
+# --- layer_norm's and rms_norm's paths ---------------------------------------------------------------------
 def empty_result(problem: Any, x: Any, *args: Any) -> Any:
     """The result when there are no rows or no columns: nothing to normalize (nor to add). `args`, the
     op's other arrays, are not read."""
