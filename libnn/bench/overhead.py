@@ -224,6 +224,25 @@ def _graph_replay():
     return (lambda: graphed(*buffers)), torch_graph.replay
 
 
+def _tiny_graph_replay():
+    """Graph replay's host cost: a captured nn.Linear (16 x 64 x 64, one GEMM: GPU work a few µs), replayed
+    with caller-filled buffers by `g.replay()`, against torch.cuda.graph's replay of torch's Linear; the
+    floors' CUDA graph launch is the least either can cost."""
+    import torch
+
+    layer, peer = Linear(64, 64, dtype="fp16", device="gpu", seed=1), torch.nn.Linear(64, 64).cuda().half()
+    graphed = layer.graphed()
+    graphed.inputs(_normal((16, 64)))[0][...] = _normal((16, 64))
+    tx, torch_graph = _torch(_normal((16, 64))), torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        for _ in range(3):
+            peer(tx)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(torch_graph):
+            peer(tx)
+    return graphed.replay, torch_graph.replay
+
+
 def _encoder_eager():
     from transformers import BertConfig as HFConfig, BertModel
 
@@ -270,6 +289,7 @@ OPS = [
     Case("layer", "Linear", _linear_layer),
     Case("layer", "Sequential(Conv2d, BatchNorm2d, ReLU)", _sequential_conv),
     Case("graph", "SeedCNN bs1 graph replay, caller-filled buffers (peer: torch.cuda.graph replay)", _graph_replay),
+    Case("graph", "Linear 16x64 graph: g.replay() (peer: torch.cuda.graph replay)", _tiny_graph_replay),
 ]
 
 MODELS = [
