@@ -108,6 +108,7 @@ __device__ __forceinline__ void kv_append(const typename DT::T* __restrict__ k, 
 #define KV1(SUFFIX, DT, PSUFFIX, P)                                                                       \
     extern "C" __global__ void __launch_bounds__(KV_THREADS)                                              \
         kv_append1_##SUFFIX##_##PSUFFIX(KV_PARAMS(ropek::DT::T, P)) {                                     \
+        libnn::pdl_wait();   /* launched programmatically after rope or a GEMV: k and v are their output */  \
         ropek::kv_append<ropek::DT, P>(k, v, positions, inv_freq, k_cache, v_cache, B, S, H, D, R, L, kb, \
                                        ks, kh, vb, vs, vh, cb, cs, ch, pb, ps, interleaved, page_table,   \
                                        tb, tp, page_shift, pages);                                        \

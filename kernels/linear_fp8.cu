@@ -57,7 +57,8 @@ LAUNCH (version 3)
     contiguous; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
     programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
     ahead, whose output x is, before it reads x; rms_norm, layer_norm, swiglu and attention's zeroing
-    kernel let it start (pdl_launch_dependents).
+    kernel let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
+    has quantised x (rms_norm, rope, kv_append and swiglu are launched programmatically and wait first).
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -317,6 +318,7 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec);
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
     const float sx = quantize_x<DT>(x, xcodes, M, K, S, red);
+    pdl_launch_dependents();   // every block is past its wait: the next kernel (a norm, rope, swiglu) may start
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     float scale = 0.f, shift = 0.f;   // this thread's output's sx * w_scale and bias + residual, read early
     // the products of item j, then the next item into its buffer, then (after a tile's last group) its

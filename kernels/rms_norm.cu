@@ -170,6 +170,7 @@ __device__ __forceinline__ void rms_loop(const typename DT::T* __restrict__ x, c
 #define RMS_REGISTERS(name, BOUNDS, DT, VPT, VEC, ROW_IS_BLOCK)                                        \
     extern "C" __global__ void __launch_bounds__(BOUNDS) name(RMS_PARAMS(rmsk::DT::T)) {               \
         libnn::pdl_launch_dependents();   /* the GEMV after a norm streams its weight meanwhile */       \
+        libnn::pdl_wait();                /* launched programmatically after a GEMV: x is its output */  \
         rmsk::rms_registers<rmsk::DT, VPT, VEC, ROW_IS_BLOCK>(x, res, w, y, s, M, N, eps);             \
     }
 #define RMS1(SUFFIX, DT, VPT)                                                                          \
@@ -179,6 +180,7 @@ __device__ __forceinline__ void rms_loop(const typename DT::T* __restrict__ x, c
 #define RMS3(SUFFIX, DT)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) rms3_loop_##SUFFIX(RMS_PARAMS(rmsk::DT::T)) {    \
         libnn::pdl_launch_dependents();                                                                \
+        libnn::pdl_wait();                                                                             \
         rmsk::rms_loop<rmsk::DT>(x, res, w, y, s, M, N, eps);                                          \
     }
 ROW_KERNELS(RMS1, RMS2, RMS3)

@@ -96,6 +96,8 @@ __device__ __forceinline__ void rope_pairs(const typename DT::T* x, const P* __r
 #define ROPE1(SUFFIX, DT, PSUFFIX, P)                                                                    \
     extern "C" __global__ void __launch_bounds__(ROPE_THREADS)                                           \
         rope1_pairs_##SUFFIX##_##PSUFFIX(ROPE_PARAMS(ropek::DT::T, P)) {                                 \
+        libnn::pdl_launch_dependents();   /* kv_append, next, may start */                               \
+        libnn::pdl_wait();                /* launched programmatically after a GEMV: x is its output */  \
         ropek::rope_pairs<ropek::DT, P>(x, positions, inv_freq, y, B, S, H, D, R, xb, xs, xh, yb, ys, yh, \
                                         pb, ps, interleaved);                                            \
     }

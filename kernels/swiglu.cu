@@ -117,11 +117,13 @@ __device__ __forceinline__ void swiglu_vec(const typename DT::T* __restrict__ x,
     extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)                                         \
         swiglu1_scalar_##SUFFIX(SWIGLU_PARAMS(libnn::DT::T)) {                                           \
         libnn::pdl_launch_dependents();   /* the down projection's GEMV streams its weight meanwhile */  \
+        libnn::pdl_wait();                /* launched programmatically after a GEMV: x is its output */  \
         swigluk::swiglu_scalar<libnn::DT>(x, y, M, F, ldx);                                              \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(SWIGLU_THREADS)                                         \
         swiglu2_vec_##SUFFIX(SWIGLU_PARAMS(libnn::DT::T)) {                                              \
         libnn::pdl_launch_dependents();                                                                  \
+        libnn::pdl_wait();                                                                               \
         swigluk::swiglu_vec<libnn::DT>(x, y, M, F, ldx);                                                 \
     }
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from libnn.runtime import arrays, device, memory
+from libnn.runtime import arrays, device, launch, memory
 
 STREAM = types.SimpleNamespace(ptr=0x7F00)
 # cupy.cuda: the current stream, and an allocator whose "memory" is the byte count (host_ndarray ignores it)
@@ -60,6 +60,7 @@ def report_a_gpu(monkeypatch) -> None:
     """libnn sees a GPU and CuPy's current stream, and refuses no allocation for its size; the stand-in
     arrays are taken for CuPy's from the first signature on."""
     monkeypatch.setattr(device, "gpu_missing", lambda: None)
+    monkeypatch.setattr(launch, "compute_capability", lambda device_id: (9, 0))  # an H100's, for launch options
     monkeypatch.setattr(arrays, "gpu_missing", lambda: None)
     monkeypatch.setattr(arrays, "_current_stream", None)
     monkeypatch.setattr(memory, "require", lambda *args: None)

@@ -41,10 +41,42 @@ def test_a_plain_launch_has_no_attribute():
 def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capability, programmatic):
     binds = []
     monkeypatch.setattr(launch, "bind", lambda *args, **kwargs: binds.append(kwargs))
-    monkeypatch.setattr(l8, "compute_capability", lambda device_id: capability)
+    monkeypatch.setattr(launch, "compute_capability", lambda device_id: capability)
     monkeypatch.setattr(l8, "multiprocessors", lambda device_id: 132)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=host_ndarray, cuda=CUDA))  # no GPU needed
     problem = l8.LinearFp8Problem(M=1, N=48, K=64, dtype="fp16", per_channel=True, has_bias=False,
                                   activation=None, has_residual=False, device="gpu:0")
     l8.bind_gemv(problem, np.ones((1, 64), np.float16), None, None, None)
     assert binds[-1]["programmatic"] is programmatic
+
+
+# the kernels launched programmatically (runtime/launch.py's programmatic_supported on sm_90 and newer), by
+# file: each may start before the kernel ahead of it finishes, so each must wait (pdl_wait) before it reads
+# that kernel's output or writes what it may still read
+PROGRAMMATIC = {"rms_norm.cu": "rms", "swiglu.cu": "swiglu", "rope.cu": "rope1", "kv_append.cu": "kv_append1",
+                "linear_fp8.cu": "fp8_gemv3"}
+
+
+@pytest.mark.parametrize("file, prefix", PROGRAMMATIC.items())
+def test_every_kernel_launched_programmatically_waits_before_its_work(file, prefix):
+    import re
+    from pathlib import Path
+
+    import libnn
+
+    source = (Path(libnn.__file__).parent.parent / "kernels" / file).read_text()
+    kernels = [chunk[:chunk.index("}")] for chunk in source.split('extern "C" __global__')[1:]]
+    launched = [k for k in kernels if re.search(r"\b" + prefix, k)]  # a kernel's text up to its body's end
+    assert launched, f"no exported {prefix}* kernel found in kernels/{file}"
+    for kernel in launched:
+        name = " ".join(kernel.split()[:4])  # for the message: the macro's signature line
+        waits = "pdl_wait();" in kernel or "gemv3<" in kernel  # the GEMV waits inside gemv3, checked below
+        assert waits, f"kernels/{file}: {name} is launched programmatically but does not call pdl_wait"
+    if file == "linear_fp8.cu":
+        assert re.search(r"pdl_wait\(\);[^\n]*\n\s*const float sx = quantize_x", source)
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False)])
+def test_programmatic_launches_from_sm_90(monkeypatch, capability, expected):
+    monkeypatch.setattr(launch, "compute_capability", lambda device_id: capability)
+    assert launch.programmatic_supported("gpu:0") is expected

@@ -261,7 +261,8 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                                   vb=vb, vs=vs, vh=vh, cb=cb, cs=cs, ch=ch, pb=position_strides[0],
                                   ps=position_strides[1], interleaved=problem.style == "interleaved",
                                   page_table=A, tb=table_strides[0], tp=table_strides[1],
-                                  page_shift=max(0, problem.page_size.bit_length() - 1), pages=problem.pages))
+                                  page_shift=max(0, problem.page_size.bit_length() - 1), pages=problem.pages),
+                         programmatic=launch.programmatic_supported(problem.device))
 
     copy_freq = inv_freq is not None and not inv_freq.flags.c_contiguous  # None: a null pointer, never read (R = 0)
     cache_bytes = _extent(k_cache)

@@ -50,7 +50,7 @@ from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.device import compute_capability, multiprocessors
+from libnn.runtime.device import multiprocessors
 from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -272,7 +272,7 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
                                     per_channel=int(problem.per_channel),
                                     act=activations.KERNEL_CODES[problem.activation]),
                          shared_mem=M * _gemv_x_stride(K),
-                         programmatic=compute_capability(problem.device_id) >= (9, 0))
+                         programmatic=launch.programmatic_supported(problem.device))
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 

@@ -141,7 +141,8 @@ def bind_custom(problem: RMSNormProblem, x, weight, residual=None, version: str 
     name, grid, block = _launch(version, problem, aligned)
     A = launch.ARRAY  # a null residual: plain RMS norm; a null weight: 1; a null sum: not written
     kernel = launch.bind("rms_norm.cu", f"{name}_{dtypes.KERNEL_SUFFIX[problem.dtype]}", (grid,), (block,),
-                         _RMS.pack(x=A, res=A, w=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps))
+                         _RMS.pack(x=A, res=A, w=A, y=A, s=A, M=problem.M, N=problem.N, eps=problem.eps),
+                         programmatic=launch.programmatic_supported(problem.device))
     new = allocator(tuple(x.shape), x.dtype)
 
     def run(x, weight, residual):

@@ -375,7 +375,8 @@ def bind_custom(problem: RopeProblem, x, positions, inv_freq, out, geometry=None
     name, grid, block = custom_launch(problem)
     grid, block = geometry or (grid, block)
     kernel = launch.bind("rope.cu", name, grid, block,
-                         custom_args(problem, contiguous if copy_x else x_strides, y_strides, position_strides))
+                         custom_args(problem, contiguous if copy_x else x_strides, y_strides, position_strides),
+                         programmatic=launch.programmatic_supported(problem.device))
 
     def run(x, positions, inv_freq, out):
         if out is None:

@@ -174,7 +174,8 @@ def bind_custom(problem: SwigluProblem, x, version: str | None = None, geometry=
     name, grid, block = custom_launch(problem, version)
     grid, block = geometry or (grid, block)
     kernel = launch.bind("swiglu.cu", name, grid, block,
-                         _SWIGLU.pack(x=launch.ARRAY, y=launch.ARRAY, M=problem.M, F=problem.F, ldx=ldx))
+                         _SWIGLU.pack(x=launch.ARRAY, y=launch.ARRAY, M=problem.M, F=problem.F, ldx=ldx),
+                         programmatic=launch.programmatic_supported(problem.device))
 
     def run(x):
         y = new()
