@@ -62,19 +62,10 @@ class Graph:
     device_id: int = 0
     stream_ptr: int = 0
 
-    def executor(self, uids: Sequence[int], own_workspace: bool = False) -> Callable[..., None]:
+    def executor(self, uids: Sequence[int]) -> Callable[..., None]:
         """execute(*arrays), the arrays in the order of `uids`, at the frontend's cheapest entry point
-        that this frontend version has (see `RawExecute`), else its generic `execute`. The workspace is
-        the stream's, shared by every graph there, or with `own_workspace` one of this executor's own,
-        zeroed once: for a plan whose result depends on what its workspace held before (cuDNN 9.19's
-        SDPA at decode shapes: the same call gave other bits after another graph had used the shared
-        workspace; benchmarks/RESULTS.md, twelfth session), so that its calls repeat bit for bit."""
-        if own_workspace:
-            import cupy
-
-            space = cupy.zeros(max(self.workspace_bytes, 256), cupy.uint8)
-        else:
-            space = workspace(self.workspace_bytes, self.device_id, self.stream_ptr)  # held: stays valid
+        that this frontend version has (see `RawExecute`), else its generic `execute`."""
+        space = workspace(self.workspace_bytes, self.device_id, self.stream_ptr)  # held: stays valid
         try:
             return RawExecute(self, uids, space)
         except (AttributeError, TypeError, *_library_errors()):  # a frontend without the raw-pointer entry

@@ -684,7 +684,7 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
         + ([UID_LENS_Q, UID_LENS_KV] if padded else [])
-    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids, own_workspace=True)
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
@@ -721,7 +721,7 @@ def _bind_cudnn_packed(problem: AttentionProblem):
     p = problem
     uids = [UID_Q, UID_K, UID_V, UID_O, UID_LENS_Q, UID_LENS_KV, UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V,
             UID_RAGGED_O]
-    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids, own_workspace=True)
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     strides = (p.q_strides[2], p.k_strides[2], p.v_strides[2], p.o_strides[2])
     shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
 
@@ -742,7 +742,7 @@ def _bind_cudnn_paged(problem: AttentionProblem):
 
     p = problem
     uids = [UID_Q, UID_K, UID_V, UID_O, UID_LENS_Q, UID_LENS_KV, UID_PAGES_K, UID_PAGES_V]
-    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids, own_workspace=True)
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     full_q, full_kv = device_constant(p.B, p.Sq, np.int32), device_constant(p.B, p.Skv, np.int32)
     zero_rows = _bind_zero_rows(p)
     shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
