@@ -42,6 +42,8 @@ LAUNCH (every kernel takes the same parameters)
      long long vb, long long vs, long long vh, long long cb, long long cs, long long ch, long long pb,
      long long ps, int interleaved, const int* page_table, long long tb, long long tp, int page_shift,
      long long pages)
+    On sm_90 and newer it is launched with programmatic stream serialization: it waits (pdl_wait) for the
+    kernel ahead (rope or the q/k/v GEMV) before its work.
     T = float (f32) or unsigned short (f16/bf16 bits); P = int (i32) or long long (i64).
 
     kernel           block                                   grid
@@ -108,7 +110,7 @@ __device__ __forceinline__ void kv_append(const typename DT::T* __restrict__ k, 
 #define KV1(SUFFIX, DT, PSUFFIX, P)                                                                       \
     extern "C" __global__ void __launch_bounds__(KV_THREADS)                                              \
         kv_append1_##SUFFIX##_##PSUFFIX(KV_PARAMS(ropek::DT::T, P)) {                                     \
-        libnn::pdl_wait();   /* launched programmatically after rope or a GEMV: k and v are their output */  \
+        libnn::pdl_wait();   /* launched programmatically: k and v are the kernel ahead's output */       \
         ropek::kv_append<ropek::DT, P>(k, v, positions, inv_freq, k_cache, v_cache, B, S, H, D, R, L, kb, \
                                        ks, kh, vb, vs, vh, cb, cs, ch, pb, ps, interleaved, page_table,   \
                                        tb, tp, page_shift, pages);                                        \

@@ -50,6 +50,8 @@ sca: the same groups element by element with a bounds check each (any N, any ali
 LAUNCH (every kernel takes the same parameters; the table is layer_norm.cu's)
     (const T* x, const T* res, const T* w, T* y, T* s, long long M, int N, float eps)
     T = float (f32) or unsigned short (f16/bf16 bits); res, w and s may be null.
+    On sm_90 and newer it is launched with programmatic stream serialization: it waits (pdl_wait) for the
+    kernel ahead before its work, and lets the kernel after it start (pdl_launch_dependents).
 
     kernel         block                                                   grid
     rms1_warp_*    (128, 1, 1)                                             min(ceil(M / 4), 65535)

@@ -50,6 +50,8 @@ LAUNCH (every kernel takes the same parameters)
      int D, int R, long long xb, long long xs, long long xh, long long yb, long long ys, long long yh,
      long long pb, long long ps, int interleaved)
     T = float (f32) or unsigned short (f16/bf16 bits); P = int (i32) or long long (i64).
+    On sm_90 and newer it is launched with programmatic stream serialization: it waits (pdl_wait) for the
+    kernel ahead before its work, and lets the kernel after it start (pdl_launch_dependents).
 
     items = R / 2 + D - R per (token, head) row
     kernel           block                                   grid

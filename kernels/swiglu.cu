@@ -31,6 +31,8 @@ alignment, which are part of its signature):
 LAUNCH (every kernel takes the same parameters)
     (const T* x, T* y, long long M, int F, long long ldx)
     T = float (f32) or unsigned short (f16/bf16 bits); F and ldx in elements.
+    On sm_90 and newer it is launched with programmatic stream serialization: it waits (pdl_wait) for the
+    kernel ahead before its work, and lets the kernel after it start (pdl_launch_dependents).
 
     cols = F (swiglu1) or F / V (swiglu2) per row
     kernel        block                                      grid

@@ -218,8 +218,8 @@ def masked_mean(x: Any, valid: Any) -> Any:
         return xp.zeros((B, F), x.dtype)
     if -(-F // _MM_COLS) > launch.MAX_GRID_YZ:
         raise ValueError(f"masked_mean: x has F={F} features per position, more than kernels/masked_mean.cu "
-                         f"takes ({launch.MAX_GRID_YZ * _MM_COLS}: {_MM_COLS} per block, at most {launch.MAX_GRID_YZ} blocks "
-                         "along the grid's y)")
+                         f"takes ({launch.MAX_GRID_YZ * _MM_COLS}: {_MM_COLS} per block, at most "
+                         f"{launch.MAX_GRID_YZ} blocks along the grid's y)")
     out = xp.empty((B, F), x.dtype)
     suffix = dtypes.KERNEL_SUFFIX_WITH_F64[dtypes.short_name(x.dtype)]
     vec = F % (16 // x.dtype.itemsize) == 0 and x.data.ptr % 16 == 0

@@ -745,8 +745,7 @@ def _bind_cudnn_paged(problem: AttentionProblem):
     execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     full_q, full_kv = device_constant(p.B, p.Sq, np.int32), device_constant(p.B, p.Skv, np.int32)
     zero_rows = _bind_zero_rows(p)
-    shape, dtype = _output_shape(p), dtypes.parse(p.dtype)
-    new = allocator(shape, dtype)
+    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, page_table):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)

@@ -296,12 +296,13 @@ def _inputs(problem: ConvProblem, x, w, b, bn):
 
 
 def _bind_inputs(problem: ConvProblem, x, w, b, bn) -> Callable[..., tuple]:
-    """`_inputs` for the calls of this signature, checked once here. Where x and w are C-contiguous and
-    the epilogue comes as the kernels read it (no bn and an fp32 b or none, or no b and bn an fp32
-    (scale, shift) pair: a layer's calls), the arrays pass as they are: the key holds every shape,
-    stride, dtype and type those checks read, so a call of this signature passes them too. Otherwise
-    every call folds and converts as `_inputs` does."""
-    _inputs(problem, x, w, b, bn)  # bn's checks (a bad bn is refused at the bind, as at every call)
+    """`_inputs` for the calls of this signature, bn checked once here (as the bind's prepare did; again
+    for a bind through Op.dispatch, which has no prepare). Where x and w are C-contiguous and the
+    epilogue comes as the kernels read it (no bn and an fp32 b or none, or no b and bn an fp32 (scale,
+    shift) pair: a layer's calls), the arrays pass as they are: the key holds every shape, stride, dtype
+    and type those checks read, so a call of this signature passes them too. Otherwise every call folds
+    and converts as `_inputs` does."""
+    _epilogue_vectors(bn, b, problem.K, x)  # raises what is wrong with bn
 
     def as_read(v) -> bool:
         return is_cupy(v) and v.dtype == np.float32 and v.flags.c_contiguous

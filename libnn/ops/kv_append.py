@@ -212,7 +212,8 @@ def custom_launch(problem: KVAppendProblem) -> tuple[str, tuple[int, int, int], 
     """(kernel name, grid, block) from kernels/kv_append.cu's LAUNCH table."""
     bx = min(KV_MAX_BX, max(32, _pow2_at_least(problem.D)))
     by = min(KV_THREADS // bx, _pow2_at_least(problem.S))
-    grid = (min(-(-problem.S // by), launch.GRID_STRIDE_BLOCKS), min(problem.H, launch.GRID_STRIDE_BLOCKS), min(problem.B, launch.GRID_STRIDE_BLOCKS))
+    cap = launch.GRID_STRIDE_BLOCKS
+    grid = (min(-(-problem.S // by), cap), min(problem.H, cap), min(problem.B, cap))
     name = f"kv_append1_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
     return name, grid, (bx, by)
 

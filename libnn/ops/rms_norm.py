@@ -222,8 +222,8 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
     reads pointers only, so contiguous x and residual go as they are, of any rank, and y takes x's shape."""
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
-    rows, vector, residual_rows = contiguous_arrays(x, weight, residual)
-    misaligned = [name for name, a in (("x", rows), ("weight", vector), ("residual", residual_rows))
+    packed = contiguous_arrays(x, weight, residual)  # what the graph will read: their alignment is checked
+    misaligned = [name for name, a in zip(("x", "weight", "residual"), packed)
                   if a is not None and a.data.ptr % 16]
     if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
         raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "

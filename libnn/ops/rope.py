@@ -305,7 +305,8 @@ def custom_launch(problem: RopeProblem) -> tuple[str, tuple[int, int, int], tupl
     items = problem.rotary_dim // 2 + problem.D - problem.rotary_dim
     bx = min(ROPE_MAX_BX, max(32, _pow2_at_least(items)))
     by = min(ROPE_THREADS // bx, _pow2_at_least(problem.S))
-    grid = (min(-(-problem.S // by), launch.GRID_STRIDE_BLOCKS), min(problem.H, launch.GRID_STRIDE_BLOCKS), min(problem.B, launch.GRID_STRIDE_BLOCKS))
+    cap = launch.GRID_STRIDE_BLOCKS
+    grid = (min(-(-problem.S // by), cap), min(problem.H, cap), min(problem.B, cap))
     name = f"rope1_pairs_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
     return name, grid, (bx, by)
 

@@ -147,8 +147,8 @@ def contiguous_arrays(*arrays: Any) -> tuple[Any, ...]:
 
 
 def copying_strided(run: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
-    """`run`, a runner of C-contiguous arrays that reads only their pointers (layer_norm's, softmax's,
-    pool2d's), for the signature of the arrays `bound` (None: absent): `run` itself where every one is
+    """`run`, a runner of C-contiguous arrays that reads only their pointers (layer_norm's, rms_norm's,
+    softmax's, pool2d's), for the signature of the arrays `bound` (None: absent): `run` itself where every one is
     C-contiguous, so a cached call adds nothing to it; else a runner that passes C-contiguous copies (one
     more pass over each strided array)."""
     if all(a is None or a.flags.c_contiguous for a in bound):

@@ -36,6 +36,8 @@ MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x's is 2**31 - 
 GRID_STRIDE_BLOCKS = MAX_GRID_YZ  # a grid-stride kernel's blocks along any dimension: enough to fill any GPU
 GRID_STRIDE_BLOCKS_X = 8 * MAX_GRID_YZ  # the same along x, for kernels with many small blocks (x's limit is far higher)
 
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: a thread CuPy has made no context current in
+
 ARRAY = object()  # an argument that is an array: its device pointer is written at each launch (None: null)
 
 
@@ -99,8 +101,6 @@ class Launch:
                 failure = exc
         raise LibraryError(f"launching {self.name} failed: {failure}") from failure
 
-
-_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 def _driver_error() -> type:
