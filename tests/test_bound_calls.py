@@ -82,6 +82,33 @@ def test_conv2d_options_are_keyed_and_checked(rng):
         conv2d(x, w, bn=(np.ones(3), np.zeros(2)))
 
 
+class DLPackVector:
+    """A host array that speaks DLPack and has no NumPy `strides` (as a torch tensor's are a method)."""
+
+    def __init__(self, a):
+        self._a = a
+        self.shape, self.dtype = a.shape, a.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_conv2d_keys_a_foreign_bn_array_by_what_the_checks_take_it_as(rng):
+    """bn's arrays are keyed by their signature; one that is neither NumPy's nor CuPy's is keyed by its type
+    and the array as_array takes it as, so it computes as the NumPy bn does and a wrong one is refused by
+    name (reading its `strides` raised AttributeError before)."""
+    x, w = random_normal(rng, (1, 6, 6, 3), "fp64"), random_normal(rng, (2, 3, 3, 3), "fp64")
+    scale, shift = random_normal(rng, (2,), "fp64"), random_normal(rng, (2,), "fp64")
+    expected = conv2d(x, w, bn=(scale, shift))
+    for _ in range(2):  # the bind, then the bound call
+        np.testing.assert_array_equal(conv2d(x, w, bn=(DLPackVector(scale), DLPackVector(shift))), expected)
+    with pytest.raises(ValueError, match=r"bn\[1\] must have shape \(2,\)"):
+        conv2d(x, w, bn=(DLPackVector(scale), DLPackVector(np.zeros(3))))
+
+
 def test_attention_and_softmax_and_pooling_through_the_front_end(rng):
     q = random_normal(rng, (1, 2, 5, 4), "fp64")
     o1 = attention(q, q, q)

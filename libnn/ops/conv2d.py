@@ -283,11 +283,19 @@ def _checked_problem_with(x, w, b, bn, activation, options: ConvOptions) -> Conv
 
 
 def _bn_signature(bn) -> tuple:
-    """What the checks of `bn` read: its type, its length, its arrays' signatures and eps."""
+    """What the checks of `bn` read: its type, its length, its arrays' signatures and eps. An array that
+    is neither NumPy's nor CuPy's (a torch tensor: its strides are a method) is keyed by its type and the
+    signature of the array it is taken as (as_array, as the checks take it)."""
     try:
-        return type(bn), *(signature(v) if hasattr(v, "shape") else option_key(v) for v in bn)
+        return type(bn), *(_vector_signature(v, i) if hasattr(v, "shape") else option_key(v) for i, v in enumerate(bn))
     except TypeError:  # not a sequence: the checks say so
         return (type(bn),)
+
+
+def _vector_signature(v, i: int) -> tuple | None:
+    if is_cupy(v) or isinstance(v, np.ndarray):
+        return signature(v)
+    return type(v), signature(as_array(v, "conv2d", f"bn[{i}]"))
 
 
 def _inputs(problem: ConvProblem, x, w, b, bn):
