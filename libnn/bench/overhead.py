@@ -207,13 +207,10 @@ def _seed_cnn_eager(batch: int):
     return setup
 
 
-def _graph_replay():
-    """libnn's graph replay with caller-filled buffers against PyTorch's CUDA graph of the same model."""
+def _torch_graph_replay(peer, tx):
+    """The replay of PyTorch's CUDA graph of `peer(tx)`, captured after three warm-up calls."""
     import torch
 
-    model, x, peer, tx = _seed_cnn_models(1)
-    graphed = model.graphed()
-    buffers = graphed.inputs(x)
     torch_graph = torch.cuda.CUDAGraph()
     with torch.inference_mode():
         for _ in range(3):
@@ -221,7 +218,15 @@ def _graph_replay():
         torch.cuda.synchronize()
         with torch.cuda.graph(torch_graph):
             peer(tx)
-    return (lambda: graphed(*buffers)), torch_graph.replay
+    return torch_graph.replay
+
+
+def _graph_replay():
+    """libnn's graph replay with caller-filled buffers against PyTorch's CUDA graph of the same model."""
+    model, x, peer, tx = _seed_cnn_models(1)
+    graphed = model.graphed()
+    buffers = graphed.inputs(x)
+    return (lambda: graphed(*buffers)), _torch_graph_replay(peer, tx)
 
 
 def _tiny_graph_replay():
@@ -233,14 +238,7 @@ def _tiny_graph_replay():
     layer, peer = Linear(64, 64, dtype="fp16", device="gpu", seed=1), torch.nn.Linear(64, 64).cuda().half()
     graphed = layer.graphed()
     graphed.inputs(_normal((16, 64)))[0][...] = _normal((16, 64))
-    tx, torch_graph = _torch(_normal((16, 64))), torch.cuda.CUDAGraph()
-    with torch.inference_mode():
-        for _ in range(3):
-            peer(tx)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(torch_graph):
-            peer(tx)
-    return graphed.replay, torch_graph.replay
+    return graphed.replay, _torch_graph_replay(peer, _torch(_normal((16, 64))))
 
 
 def _encoder_eager():

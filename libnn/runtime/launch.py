@@ -102,7 +102,6 @@ class Launch:
         raise LibraryError(f"launching {self.name} failed: {failure}") from failure
 
 
-
 def _driver_error() -> type:
     """CuPy's driver error, which both launch entry points raise."""
     from cupy_backends.cuda.api.driver import CUDADriverError
