@@ -271,3 +271,18 @@ def test_attention_lengths_are_checked_at_every_call_and_converted_only_where_ne
     with pytest.raises(TypeError, match="attention: seq_lens_kv is on the GPU but q is a host array; pass both on "
                                         "one device"):
         attention(*host, seq_lens_kv=on_device(lens))
+
+
+def test_attention_determinism_setting_is_in_the_key_and_the_cudnn_problem(rng, fake_gpu, monkeypatch):
+    """config.allow_nondeterministic is read at a signature's first call: flipping it binds anew, and the
+    problem the cuDNN graph is built (and cached) for says whether non-deterministic plans may run."""
+    problems = []
+    graph_for = AT.cudnn_backend.graph_for
+    monkeypatch.setattr(AT.cudnn_backend, "graph_for", lambda key, build, describe: problems.append(key)
+                        or graph_for(key, build, describe))
+    q, k, v = _qkv(rng, "BSHD", Sq=1)
+    for allow in (False, True, False):
+        monkeypatch.setattr(libnn.config, "allow_nondeterministic", allow)
+        attention(q, k, v, layout="BSHD", path="cudnn")
+    assert [p.deterministic for p in problems] == [True, False]
+    assert len(AT.op.calls) == 2

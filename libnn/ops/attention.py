@@ -61,6 +61,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
+from libnn.config import config
 from libnn.ops import paging
 from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, decode_fits,
                                         flash_fits, flash_supports)
@@ -103,6 +104,7 @@ class AttentionProblem:
     tokens: int = 0                         # layout THD: the rows of q (and o); Sq = Skv = the longest sequence
     pages: int = 0                          # paged k and v: the pools' pages (0: dense k and v)
     page_size: int = 0                      # paged k and v: keys per page; Skv = max_pages * page_size
+    deterministic: bool = True              # cuDNN's plans that can give other bits on the same inputs left out
 
     def describe(self) -> str:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
@@ -301,7 +303,8 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
     problem = AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
                                _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),
                                float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
-                               has_lens_q, has_lens_kv, bias_shape, aligned, device)
+                               has_lens_q, has_lens_kv, bias_shape, aligned, device,
+                               deterministic=not config.allow_nondeterministic)
     if page_table is not None:
         problem = replace(problem, pages=pages, page_size=page_size)
     if device == "cpu" and reference_fits:  # host arrays run on the reference path
@@ -356,7 +359,7 @@ def attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: boo
     kv_nonempty = isinstance(seq_lens_kv, CheckedLengths) and seq_lens_kv.nonempty
     key = (signature(q), signature(k), signature(v), None if bias is None else signature(bias), keeps_a_key,
            scale if scale is None or type(scale) is float else option_key(scale), type(causal), causal, layout,
-           seq_lens_q is None, seq_lens_kv is None, kv_nonempty, path, stream_key())
+           seq_lens_q is None, seq_lens_kv is None, kv_nonempty, path, config.allow_nondeterministic, stream_key())
     return op.call(key, _padded_problem, path, q, k, v, seq_lens_q, seq_lens_kv, bias,
                    checks=(q, k, v, bias, scale, causal, layout, seq_lens_q is not None, seq_lens_kv is not None,
                            keeps_a_key, kv_nonempty))
@@ -395,7 +398,8 @@ def _paged_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias,
     table = as_array(page_table.table if checked else page_table, "attention", "page_table")
     pages = CheckedPageTable(table) if checked else table
     key = (signature(q), signature(k), signature(v), signature(table), checked, option_key(scale),
-           option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, "paged", path, stream_key())
+           option_key(causal), layout, seq_lens_q is None, seq_lens_kv is None, "paged", path,
+           config.allow_nondeterministic, stream_key())
 
     def prepare():
         _check_head_contiguous(q, k, v)
@@ -431,7 +435,8 @@ def _packed_attention(q, k, v, scale, causal, seq_lens_q, seq_lens_kv, attn_bias
     lengths, offsets = (as_array(np.asarray(a) if isinstance(a, (list, tuple)) else a, "attention", f"packed.{name}")
                         for a, name in ((packed.lengths, "lengths"), (packed.offsets, "offsets")))
     key = (signature(q), signature(k), signature(v), option_key(scale), option_key(causal), "THD", signature(lengths),
-           signature(offsets), option_key(packed.max_len), packed.checked, path, stream_key())
+           signature(offsets), option_key(packed.max_len), packed.checked, path,
+           config.allow_nondeterministic, stream_key())
 
     def prepare():
         for name, a in (("q", q), ("k", k), ("v", v)):
@@ -532,6 +537,13 @@ UID_Q, UID_K, UID_V, UID_BIAS, UID_LENS_Q, UID_LENS_KV, UID_O = range(1, 8)
 UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V, UID_RAGGED_O = range(8, 12)  # layout THD's element offsets
 UID_PAGES_K, UID_PAGES_V = range(12, 14)  # paged k and v: their page tables (one array, passed twice)
 
+# cuDNN plans that gave other bits on identical inputs, though cuDNN does not mark them NONDETERMINISTIC:
+# cuDNN 9.19's SDPA engine 8 with kernel config 35 (knob 24), which splits a decode step's keys over blocks
+# and adds the parts in a lean_reduction kernel (on the H100, 2 distinct outputs in 60 identical calls at
+# batch 8 with 256 keys, 45 at batch 64 with 4096: benchmarks/RESULTS.md, thirteenth session). Names are
+# matched as substrings of cuDNN's plan names; left out unless config.allow_nondeterministic.
+NONDETERMINISTIC_CUDNN_PLANS = ("eng8_k24=35",)
+
 
 def attention_graph_builder(problem: AttentionProblem):
     """The builder (handle -> cuDNN graph, not yet validated) of q, k, v [, bias, sequence lengths] →
@@ -582,6 +594,9 @@ def attention_graph_builder(problem: AttentionProblem):
         o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(UID_O)
         if ragged:
             o.set_ragged_offset(ragged[UID_RAGGED_O])
+        if p.deterministic:
+            g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
+            g.deselect_engines(list(NONDETERMINISTIC_CUDNN_PLANS))
         return g
     return build
 
