@@ -523,6 +523,8 @@ constexpr int ATTN3_THREADS = 128;
 constexpr int ATTN3_WARPS = ATTN3_THREADS / 32;
 constexpr int ATTN3_MAX_G = 8;     // query heads per kv head a block serves (its accumulators: registers)
 constexpr int ATTN3_UNROLL = 4;    // K and V rows a thread loads before it uses the first: loads in flight
+constexpr int MERGE_TILE = 256;    // splits whose weights the merge stages at once (the scores' space holds them)
+constexpr int MERGE_PER_THREAD = ATTN3_MAX_G * 256 / ATTN3_THREADS;  // o's elements a thread merges (D <= 256)
 
 // The 16 bytes at p (16-byte aligned) as fp32 values.
 template <class DT>
@@ -683,34 +685,63 @@ __device__ __forceinline__ bool last_of_splits(int* counter, int splits) {
     return last;
 }
 
-// o's rows of the G query heads h0 .. h0 + G - 1 (o_b: batch entry b's o; part rows bh0 ..) from their splits'
-// partials, merged in split order: partials read through L2 (__ldcg), where the other blocks wrote them
+// o's rows of the G query heads h0 .. h0 + G - 1 (o_b: batch entry b's o; their partials at rows bh0 ..) from
+// their splits' partials, added in split order. A warp per head finds (m, l) over the splits; then the splits'
+// weights exp2(m_s - m) / l, MERGE_TILE splits at a time, go to shared memory (`w`: G * MERGE_TILE floats), so
+// that each thread's loop over a tile loads only independent partials. Partials are read through L2 (__ldcg),
+// where the other blocks wrote them.
 template <class DT>
 __device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              typename DT::T* __restrict__ o_b, int bh0, int h0, int G, int D,
-                                             int splits, i64 o_sh) {
+                                             int splits, i64 o_sh, float* __restrict__ w) {
     __shared__ float m_s[ATTN3_MAX_G], inv_s[ATTN3_MAX_G];
-    for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int g = warp; g < G; g += ATTN3_WARPS) {
         const float* ml = part_ml + (i64)(bh0 + g) * splits * 2;
         float m = neg_inf();
-        for (int s = 0; s < splits; s++) m = fmaxf(m, __ldcg(ml + 2 * s));
+        for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(ml + 2 * s));
+#pragma unroll
+        for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
         float l = 0.f;
         if (m != neg_inf())
-            for (int s = 0; s < splits; s++) l += __ldcg(ml + 2 * s + 1) * exp2f(__ldcg(ml + 2 * s) - m);
-        m_s[g] = m;
-        inv_s[g] = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
-        const int g = i / D, d = i - g * D;
-        const float* ml = part_ml + (i64)(bh0 + g) * splits * 2;
-        const float* po = part_o + (i64)(bh0 + g) * splits * D + d;
-        float sum = 0.f;
-        for (int s = 0; s < splits; s++) {  // a split without keys wrote no o: never read it
-            const float l = __ldcg(ml + 2 * s + 1);
-            if (l > 0.f) sum += __ldcg(po + (i64)s * D) * exp2f(__ldcg(ml + 2 * s) - m_s[g]);
+            for (int s = lane; s < splits; s += 32) l += __ldcg(ml + 2 * s + 1) * exp2f(__ldcg(ml + 2 * s) - m);
+        l = warp_sum(l);
+        if (lane == 0) {
+            m_s[g] = m;
+            inv_s[g] = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
         }
-        o_b[(h0 + g) * o_sh + d] = DT::st(sum * inv_s[g]);
+    }
+    float acc[MERGE_PER_THREAD];
+#pragma unroll
+    for (int e = 0; e < MERGE_PER_THREAD; e++) acc[e] = 0.f;
+    for (int s0 = 0; s0 < splits; s0 += MERGE_TILE) {
+        const int ns = imin(MERGE_TILE, splits - s0);
+        __syncthreads();  // (m, l) found; the last tile's weights read
+        for (int i = threadIdx.x; i < G * ns; i += ATTN3_THREADS) {
+            const int g = i / ns, s = s0 + i - g * ns;
+            const float* ml = part_ml + ((i64)(bh0 + g) * splits + s) * 2;
+            // a split without keys wrote no o: weight 0, never read
+            w[g * MERGE_TILE + s - s0] = __ldcg(ml + 1) > 0.f ? exp2f(__ldcg(ml) - m_s[g]) * inv_s[g] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < MERGE_PER_THREAD; e++) {
+            const int i = threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
+            if (i < G * D) {
+                const float* po = part_o + ((i64)(bh0 + g) * splits + s0) * D + d;
+                const float* wg = w + g * MERGE_TILE;
+                float sum = acc[e];
+#pragma unroll 8
+                for (int s = 0; s < ns; s++)
+                    if (wg[s] != 0.f) sum = fmaf(__ldcg(po + (i64)s * D), wg[s], sum);
+                acc[e] = sum;
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < MERGE_PER_THREAD; e++) {
+        const int i = threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
+        if (i < G * D) o_b[(h0 + g) * o_sh + d] = DT::st(acc[e]);
     }
 }
 
@@ -724,6 +755,7 @@ __device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ 
                                              int chunk, int splits, float scale_log2, i64 q_sb, i64 q_sh, i64 k_sb,
                                              i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb,
                                              i64 o_sh) {
+    extern __shared__ float smem3[];  // (G, D) query rows, then G * max(chunk, ATTN3_THREADS * EPV) >= G * MERGE_TILE
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
     const int Lk = lens_kv ? lens_kv[b] : Skv;
     const int live = lens_q ? (lens_q[b] > 0) : 1;
@@ -740,7 +772,7 @@ __device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ 
                         k_sh, k_ss, v_sb, v_sh, v_ss);
     }
     if (last_of_splits(done + b * Hkv + hk, splits))
-        decode_merge<DT>(part_o, part_ml, o + b * o_sb, b * Hq + hk * G, hk * G, G, D, splits, o_sh);
+        decode_merge<DT>(part_o, part_ml, o + b * o_sb, b * Hq + hk * G, hk * G, G, D, splits, o_sh, smem3 + G * D);
 }
 
 }  // namespace at
