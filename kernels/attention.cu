@@ -524,7 +524,7 @@ constexpr int ATTN3_WARPS = ATTN3_THREADS / 32;
 constexpr int ATTN3_MAX_G = 8;     // query heads per kv head a block serves (its accumulators: registers)
 constexpr int ATTN3_UNROLL = 4;    // K and V rows a thread loads before it uses the first: loads in flight
 constexpr int MERGE_TILE = 256;    // splits whose weights the merge stages at once (the scores' space holds them)
-constexpr int MERGE_PER_THREAD = ATTN3_MAX_G * 256 / ATTN3_THREADS;  // o's elements a thread merges (D <= 256)
+constexpr int MERGE_VEC = 4;       // o's elements a thread of the merge adds up at once
 
 // The 16 bytes at p (16-byte aligned) as fp32 values.
 template <class DT>
@@ -688,7 +688,7 @@ __device__ __forceinline__ bool last_of_splits(int* counter, int splits) {
 // o's rows of the G query heads h0 .. h0 + G - 1 (o_b: batch entry b's o; their partials at rows bh0 ..) from
 // their splits' partials, added in split order. A warp per head finds (m, l) over the splits; then the splits'
 // weights exp2(m_s - m) / l, MERGE_TILE splits at a time, go to shared memory (`w`: G * MERGE_TILE floats), so
-// that each thread's loop over a tile loads only independent partials. Partials are read through L2 (__ldcg),
+// that each thread's loads of a tile's partials are independent of one another. Partials are read through L2 (__ldcg),
 // where the other blocks wrote them.
 template <class DT>
 __device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
@@ -711,37 +711,42 @@ __device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, c
             inv_s[g] = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
         }
     }
-    float acc[MERGE_PER_THREAD];
+    // o's G * D elements, ATTN3_THREADS * MERGE_VEC at a time (one pass for G * D <= 512), each thread adding
+    // MERGE_VEC of them over every tile of splits
+    for (int i0 = 0; i0 < G * D; i0 += ATTN3_THREADS * MERGE_VEC) {
+        float acc[MERGE_VEC];
 #pragma unroll
-    for (int e = 0; e < MERGE_PER_THREAD; e++) acc[e] = 0.f;
-    for (int s0 = 0; s0 < splits; s0 += MERGE_TILE) {
-        const int ns = imin(MERGE_TILE, splits - s0);
-        __syncthreads();  // (m, l) found; the last tile's weights read
-        for (int i = threadIdx.x; i < G * ns; i += ATTN3_THREADS) {
-            const int g = i / ns, s = s0 + i - g * ns;
-            const float* ml = part_ml + ((i64)(bh0 + g) * splits + s) * 2;
-            // a split without keys wrote no o: weight 0, never read
-            w[g * MERGE_TILE + s - s0] = __ldcg(ml + 1) > 0.f ? exp2f(__ldcg(ml) - m_s[g]) * inv_s[g] : 0.f;
-        }
-        __syncthreads();
+        for (int e = 0; e < MERGE_VEC; e++) acc[e] = 0.f;
+        for (int s0 = 0; s0 < splits; s0 += MERGE_TILE) {
+            const int ns = imin(MERGE_TILE, splits - s0);
+            __syncthreads();  // (m, l) found; the last tile's weights read
+            for (int i = threadIdx.x; i < G * ns; i += ATTN3_THREADS) {
+                const int g = i / ns, s = s0 + i - g * ns;
+                const float* ml = part_ml + ((i64)(bh0 + g) * splits + s) * 2;
+                // a split without keys wrote no o: weight 0
+                w[g * MERGE_TILE + s - s0] = __ldcg(ml + 1) > 0.f ? exp2f(__ldcg(ml) - m_s[g]) * inv_s[g] : 0.f;
+            }
+            __syncthreads();
+            // every partial of the tile is loaded, a keyless split's too (allocated; its weight 0 selects it
+            // out, so that a NaN left there never reaches o): a thread's loads are independent, several in flight
+#pragma unroll 4
+            for (int s = 0; s < ns; s++) {
 #pragma unroll
-        for (int e = 0; e < MERGE_PER_THREAD; e++) {
-            const int i = threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
-            if (i < G * D) {
-                const float* po = part_o + ((i64)(bh0 + g) * splits + s0) * D + d;
-                const float* wg = w + g * MERGE_TILE;
-                float sum = acc[e];
-#pragma unroll 8
-                for (int s = 0; s < ns; s++)
-                    if (wg[s] != 0.f) sum = fmaf(__ldcg(po + (i64)s * D), wg[s], sum);
-                acc[e] = sum;
+                for (int e = 0; e < MERGE_VEC; e++) {
+                    const int i = i0 + threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
+                    if (i < G * D) {
+                        const float x = __ldcg(part_o + ((i64)(bh0 + g) * splits + s0 + s) * D + d);
+                        const float wgt = w[g * MERGE_TILE + s];
+                        acc[e] = wgt != 0.f ? fmaf(x, wgt, acc[e]) : acc[e];
+                    }
+                }
             }
         }
-    }
 #pragma unroll
-    for (int e = 0; e < MERGE_PER_THREAD; e++) {
-        const int i = threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
-        if (i < G * D) o_b[(h0 + g) * o_sh + d] = DT::st(acc[e]);
+        for (int e = 0; e < MERGE_VEC; e++) {
+            const int i = i0 + threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
+            if (i < G * D) o_b[(h0 + g) * o_sh + d] = DT::st(acc[e]);
+        }
     }
 }
 
