@@ -542,7 +542,24 @@ __device__ __forceinline__ void load_vec(const typename DT::T* p, float* x) {
     }
 }
 
-// One split's partials (keys start .. end - 1, at least one): the scores of the G heads, their softmax, P V
+// ATTN3_UNROLL rows first, first + step, ... of K or V (row j at p + j * stride) into x as fp32, zeros from row
+// `end` on: every load issued before any is used
+template <class DT>
+__device__ __forceinline__ void load_rows(const typename DT::T* p, int first, int step, i64 stride, int end,
+                                          float (&x)[ATTN3_UNROLL][16 / sizeof(typename DT::T)]) {
+#pragma unroll
+    for (int u = 0; u < ATTN3_UNROLL; u++) {
+        if (first + u * step < end) load_vec<DT>(p + (first + u * step) * stride, x[u]);
+        else {
+#pragma unroll
+            for (int e = 0; e < 16 / (int)sizeof(typename DT::T); e++) x[u][e] = 0.f;
+        }
+    }
+}
+
+// One split's partials (keys start .. end - 1, at least one). The first K rows are loaded while q is staged, and
+// the first V rows while the scores' softmax runs: fewer memory round trips one after another, which is what
+// a split of a few dozen keys waits on: the scores of the G heads, their softmax, P V
 template <class DT>
 __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
                                             const typename DT::T* __restrict__ v, float* __restrict__ po,
@@ -556,26 +573,21 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
     float* const qs = smem3;                  // (G, D): the query rows, times scale * log2(e)
     float* const ss = smem3 + G * D;          // (G, chunk): scores, then their exponentials; then P V's partials
     __shared__ float m_s[ATTN3_MAX_G], l_s[ATTN3_MAX_G];
+    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
+    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
+    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
+    const int base0 = start + warp * per_warp + sub;
+    float x[ATTN3_UNROLL][EPV];
+    load_rows<DT>(kh, base0, step, k_ss, end, x);
     for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
         const int g = i / D, d = i - g * D;
         qs[i] = DT::ld(q[b * q_sb + (hk * G + g) * q_sh + d]) * scale_log2;
     }
     __syncthreads();
 
-    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
-    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
-    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
-    for (int base = start + warp * per_warp + sub; base - sub < end; base += ATTN3_UNROLL * step) {
-        float x[ATTN3_UNROLL][EPV];  // every load of the iteration issued before any is used
-#pragma unroll
-        for (int u = 0; u < ATTN3_UNROLL; u++) {
-            if (base + u * step < end) load_vec<DT>(kh + (base + u * step) * k_ss, x[u]);
-            else {
-#pragma unroll
-                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
-            }
-        }
+    for (int base = base0; base - sub < end; base += ATTN3_UNROLL * step) {
+        if (base != base0) load_rows<DT>(kh, base, step, k_ss, end, x);
         for (int g = 0; g < G; g++) {
             const float* qg = qs + g * D + part * EPV;
 #pragma unroll
@@ -589,6 +601,10 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
             }
         }
     }
+    // P V's thread t takes vector `vpart` of rows r, r + rows, ... of the split: its first rows load meanwhile
+    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
+    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV + start * v_ss;
+    load_rows<DT>(vh, r, rows, v_ss, n, x);
     __syncthreads();
 
     for (int g = warp; g < G; g += ATTN3_WARPS) {  // the split's softmax, a warp per head
@@ -615,24 +631,13 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
     }
     __syncthreads();
 
-    // P V: thread t takes vector `vpart` of rows r, r + rows, ... of the split
-    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
     float acc[ATTN3_MAX_G][EPV];
 #pragma unroll
     for (int g = 0; g < ATTN3_MAX_G; g++)
 #pragma unroll
         for (int e = 0; e < EPV; e++) acc[g][e] = 0.f;
-    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV;
     for (int j0 = r; j0 < n; j0 += ATTN3_UNROLL * rows) {
-        float x[ATTN3_UNROLL][EPV];
-#pragma unroll
-        for (int u = 0; u < ATTN3_UNROLL; u++) {
-            if (j0 + u * rows < n) load_vec<DT>(vh + (start + j0 + u * rows) * v_ss, x[u]);
-            else {
-#pragma unroll
-                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
-            }
-        }
+        if (j0 != r) load_rows<DT>(vh, j0, rows, v_ss, n, x);
 #pragma unroll
         for (int u = 0; u < ATTN3_UNROLL; u++) {
             const int j = j0 + u * rows;
@@ -696,16 +701,24 @@ __device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, c
                                              int splits, i64 o_sh, float* __restrict__ w) {
     __shared__ float m_s[ATTN3_MAX_G], inv_s[ATTN3_MAX_G];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < G; g += ATTN3_WARPS) {
-        const float* ml = part_ml + (i64)(bh0 + g) * splits * 2;
-        float m = neg_inf();
-        for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(ml + 2 * s));
+    for (int g = warp; g < G; g += ATTN3_WARPS) {  // (m, l) online over a lane's splits, then across the lanes
+        const float2* ml = reinterpret_cast<const float2*>(part_ml) + (i64)(bh0 + g) * splits;
+        float m = neg_inf(), l = 0.f;  // l == 0: no key yet (m is then not read)
+        for (int s = lane; s < splits; s += 32) {
+            const float2 p = __ldcg(ml + s);  // (m_s, l_s); (-inf, 0) for a split without keys
+            if (p.y > 0.f) {
+                const float mn = l > 0.f ? fmaxf(m, p.x) : p.x;
+                l = (l > 0.f ? l * exp2f(m - mn) : 0.f) + p.y * exp2f(p.x - mn);
+                m = mn;
+            }
+        }
 #pragma unroll
-        for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        float l = 0.f;
-        if (m != neg_inf())
-            for (int s = lane; s < splits; s += 32) l += __ldcg(ml + 2 * s + 1) * exp2f(__ldcg(ml + 2 * s) - m);
-        l = warp_sum(l);
+        for (int off = 16; off; off >>= 1) {  // both lanes of a pair compute the same sum (+ commutes exactly)
+            const float mo = __shfl_xor_sync(0xffffffffu, m, off), lo = __shfl_xor_sync(0xffffffffu, l, off);
+            const float mn = l > 0.f ? (lo > 0.f ? fmaxf(m, mo) : m) : mo;
+            l = (l > 0.f ? l * exp2f(m - mn) : 0.f) + (lo > 0.f ? lo * exp2f(mo - mn) : 0.f);
+            m = mn;
+        }
         if (lane == 0) {
             m_s[g] = m;
             inv_s[g] = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
@@ -722,9 +735,8 @@ __device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, c
             __syncthreads();  // (m, l) found; the last tile's weights read
             for (int i = threadIdx.x; i < G * ns; i += ATTN3_THREADS) {
                 const int g = i / ns, s = s0 + i - g * ns;
-                const float* ml = part_ml + ((i64)(bh0 + g) * splits + s) * 2;
-                // a split without keys wrote no o: weight 0
-                w[g * MERGE_TILE + s - s0] = __ldcg(ml + 1) > 0.f ? exp2f(__ldcg(ml) - m_s[g]) * inv_s[g] : 0.f;
+                const float2 p = __ldcg(reinterpret_cast<const float2*>(part_ml) + (i64)(bh0 + g) * splits + s);
+                w[g * MERGE_TILE + s - s0] = p.y > 0.f ? exp2f(p.x - m_s[g]) * inv_s[g] : 0.f;  // keyless: 0
             }
             __syncthreads();
             // every partial of the tile is loaded, a keyless split's too (allocated; its weight 0 selects it
