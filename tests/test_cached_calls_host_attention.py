@@ -114,7 +114,7 @@ def fake_gpu(monkeypatch):
     report_a_gpu(monkeypatch)
     monkeypatch.setattr(device, "module_missing", lambda name: None)  # cudnn "imports"
     monkeypatch.setattr(AT, "cudnn_backend", types.SimpleNamespace(
-        graph_for=lambda key, build, describe: types.SimpleNamespace(executor=executor)))
+        graph_for=lambda key, build, describe, **options: types.SimpleNamespace(executor=executor)))
     monkeypatch.setattr(AT, "device_constant", lambda n, value, dtype: on_device(np.full(n, value, dtype)))
     monkeypatch.setattr(IdErrors, "allocate", classmethod(lambda cls: cls(np.zeros(1, np.uint64))))
     for name in OPS:
@@ -278,7 +278,7 @@ def test_attention_determinism_setting_is_in_the_key_and_the_cudnn_problem(rng, 
     problem the cuDNN graph is built (and cached) for says whether non-deterministic plans may run."""
     problems = []
     graph_for = AT.cudnn_backend.graph_for
-    monkeypatch.setattr(AT.cudnn_backend, "graph_for", lambda key, build, describe: problems.append(key)
+    monkeypatch.setattr(AT.cudnn_backend, "graph_for", lambda key, build, describe, **options: problems.append(key)
                         or graph_for(key, build, describe))
     q, k, v = _qkv(rng, "BSHD", Sq=1)
     for allow in (False, True, False):

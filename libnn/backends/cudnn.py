@@ -23,7 +23,7 @@ from libnn.errors import LibraryError
 from libnn.runtime.cache import PlanCache, cache_dir, write_atomically
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cudnn_handle, workspace
-from libnn.runtime.stream import current_stream
+from libnn.runtime.stream import current_stream, stream_capturing
 from libnn.runtime.timing import time_gpu
 
 _graphs: PlanCache = PlanCache("cudnn graphs")
@@ -181,11 +181,12 @@ def planned_graph(builder: Callable[[Any], Any], handle: Any, modes: tuple[str, 
     return graph
 
 
-def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_cache: bool) -> Graph:
+def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_cache: bool,
+           timing_arrays: Callable[[], dict[int, Any]] | None) -> Graph:
     import cudnn
 
     handle = cudnn_handle()
-    stored = cache_dir() / "cudnn" / f"{_disk_key(key, builder)}.plan"
+    stored = cache_dir() / "cudnn" / f"{_disk_key((key, timing_arrays is not None), builder)}.plan"
     start = time.perf_counter()
     if use_disk_cache and stored.exists():
         graph = cudnn.pygraph(handle=handle)
@@ -198,12 +199,14 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
     try:
         graph = planned_graph(builder, handle, ("A", "FALLBACK"))
         graph.check_support()
-        index = _build_first_plan(graph)
+        # nothing can be timed while the stream captures a CUDA graph: the heuristics' first, kept off the disk
+        timed = timing_arrays is not None and not stream_capturing()
+        index = _build_fastest_plan(graph, timing_arrays) if timed else _build_first_plan(graph)
     except _library_errors() as exc:
         raise LibraryError(f"cuDNN cannot run {description}: {_first_line(exc)}") from exc
     built = Graph(graph, "built", time.perf_counter() - start, graph.get_plan_name_at_index(index),
                   graph.get_workspace_size())
-    if use_disk_cache:
+    if use_disk_cache and timed == (timing_arrays is not None):
         write_atomically(stored, bytes(graph.serialize()))  # processes sharing the cache may write it at once
     return built
 
@@ -223,6 +226,27 @@ def _build_first_plan(graph: Any) -> int:
     raise cudnn.cudnnGraphNotSupportedError("no plan could be built: " + "; ".join(errors))
 
 
+def _build_fastest_plan(graph: Any, timing_arrays: Callable[[], dict[int, Any]]) -> int:
+    """Build every plan of the heuristics that builds, time each once (GPU time, median of 10) on the
+    arrays `timing_arrays()` gives by uid, select the fastest (the heuristics' order breaks ties) and
+    return its index; where no plan builds, raise as _build_first_plan does."""
+    handle, pack = cudnn_handle(), {uid: a.data.ptr for uid, a in timing_arrays().items()}
+    times = {}
+    for index in range(graph.get_execution_plan_count()):
+        try:
+            graph.build_plan_at_index(index)
+        except (*_library_errors(), NotImplementedError):
+            continue
+        space = workspace(graph.get_workspace_size_plan_at_index(index)).data.ptr
+        times[index] = time_gpu(lambda _, i=index: graph.execute_plan_at_index(pack, space, index=i, handle=handle),
+                                [None], warmup=2, runs=10).median_ms
+    if not times:
+        return _build_first_plan(graph)  # raises, naming each plan's error
+    fastest = min(times, key=times.get)
+    graph.build_plan_at_index(fastest)  # selected: what executes and serializes
+    return fastest
+
+
 @dataclass
 class Refusal:
     """cuDNN declined this graph; kept in the cache so that the next call fails fast."""
@@ -230,16 +254,19 @@ class Refusal:
 
 
 def graph_for(key: Any, builder: Callable[[Any], Any], description: str | Callable[[], str],
-              use_disk_cache: bool = True) -> Graph:
+              use_disk_cache: bool = True, timing_arrays: Callable[[], dict[int, Any]] | None = None) -> Graph:
     """The planned graph for `key` on the current device and stream, built by `builder(handle)`.
     A graph cuDNN declines raises LibraryError, now and on every later call with the same key.
     `description` (or a function returning it, so that a cached call formats nothing) names the
-    problem in error messages."""
+    problem in error messages. With `timing_arrays` (a function giving arrays to run the graph on, by
+    uid) the plan kept is the fastest that builds, timed once, not the heuristics' first (see
+    _build_fastest_plan); the disk cache stores that choice."""
     device_id, stream_ptr = current_device_id(), current_stream().ptr
 
     def build():
         try:
-            built = _build(builder, description() if callable(description) else description, key, use_disk_cache)
+            built = _build(builder, description() if callable(description) else description, key, use_disk_cache,
+                           timing_arrays)
         except LibraryError as exc:
             return Refusal(exc)
         built.handle, built.device_id, built.stream_ptr = cudnn_handle(), device_id, stream_ptr

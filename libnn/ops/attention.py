@@ -699,10 +699,11 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     padded = p.has_seq_lens_q or p.has_seq_lens_kv
     uids = [UID_Q, UID_K, UID_V, UID_O] + ([UID_BIAS] if p.bias_shape else []) \
         + ([UID_LENS_Q, UID_LENS_KV] if padded else [])
-    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe).executor(uids)
     full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
+    timing = _decode_timing_arrays(p, q, k, v, bias, full_q, full_kv) if p.Sq == 1 else None
+    execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe, timing_arrays=timing).executor(uids)
     zero_rows = _bind_zero_rows(p)
     new = allocator(_output_shape(p), dtypes.parse(p.dtype))
 
@@ -725,6 +726,22 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
         return o
     # without lengths or a bias (a causal mask at most) the graph takes q, k, v and o alone, and no row is zeroed
     return run if not padded and p.bias_shape is None and zero_rows is None else run_masked
+
+
+def _decode_timing_arrays(problem: AttentionProblem, q, k, v, bias, full_q, full_kv):
+    """For a one-row (decode) problem, what cuDNN's plans are timed on (graph_for's timing_arrays): the
+    first call's q, k, v and bias, a new o, and full lengths (no host read of the caller's). Its
+    heuristics rank these plans not by speed: on the H100 with cuDNN 9.19 their deterministic first
+    choice (kernel config 6) took 1.3 to 1.4 times as long as their third (3) at every decode shape
+    timed (benchmarks/RESULTS.md, thirteenth session)."""
+    def arrays() -> dict[int, Any]:
+        found = {UID_Q: q, UID_K: k, UID_V: v, UID_O: allocator(_output_shape(problem), dtypes.parse(problem.dtype))()}
+        if bias is not None:
+            found[UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()
+        if full_q is not None:
+            found.update({UID_LENS_Q: full_q, UID_LENS_KV: full_kv})
+        return found
+    return arrays
 
 
 def _bind_cudnn_packed(problem: AttentionProblem):

@@ -57,7 +57,11 @@ def capturing() -> bool:
     """True while a CUDA graph is being prepared or captured on this thread (or the current stream is
     capturing). Host synchronisations (a check that reads a GPU value) are illegal in a capture, so
     ops skip them and choose forms that need none."""
-    if getattr(_graph_mode, "depth", 0):
-        return True
+    return bool(getattr(_graph_mode, "depth", 0)) or stream_capturing()
+
+
+def stream_capturing() -> bool:
+    """True while the current stream captures a CUDA graph (the legacy null stream never does): work
+    queued now is recorded, not run."""
     stream = current_stream()
     return stream.ptr != 0 and stream.is_capturing()
