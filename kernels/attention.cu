@@ -58,7 +58,7 @@ attention):
    elements (a 16-byte copy may read up to 7 elements past Lk), bias rows 16-byte aligned.
    -DATTN2_WARPS=4 or 8 (default 8) sets the block (4 spills in the bias kernels at DB = 128).
 
-3) attn3_decode_{f16,bf16}
+3) attn3_decode_{f16,bf16} + attn3_combine_{f16,bf16}
    Split-K decoding ("flash-decoding", Dao et al., 2023) for one query row per sequence (Sq = 1: a
    decoder's step reading its KV cache), no bias, no causal mask (one row sees every key below Lk).
    The keys of each (b, kv head) are cut into splits of CHUNK keys, one block per (split, kv head, b),
@@ -68,16 +68,11 @@ attention):
    partial dot products with the g scaled query rows (kept in shared memory as fp32) summed by
    shuffles; the split's softmax (m, l) per head in shared memory; then P V with a thread per 16-byte
    vector of a V row and rows strided over the block, its g accumulators reduced across the block
-   through shared memory. Each split writes fp32 (m, l, o unnormalised) partials and counts itself done
-   on its (b, kv head)'s counter; the last of them merges the heads' splits in split order (m = max, l
-   and o rescaled by exp2(m_s - m)), so the sum's order, and the result's bits, never depend on which
-   block finished last, writes o once (zeros where no key is allowed: Lk = 0, or Lq = 0) and sets the
-   counter back to 0 for the next call. One kernel: the merge costs no second launch (it was a kernel of
-   its own, attn3_combine, until the thirteenth session). Launched programmatically on sm_90: it waits
-   (pdl_wait) before it reads q, k or v, and lets the next kernel launch at once. Preconditions (the
-   launcher checks them): fp16 or bf16 (an fp32 build spilled on sm_80 and decoders keep 16-bit caches),
-   D / 8 a power of two from 1 to 32 (D in 8, 16, 32, ..., 256), g <= ATTN3_MAX_G, q, k, v rows 16-byte
-   aligned; o any strides.
+   through shared memory. Each split writes fp32 (m, l, o unnormalised) partials; attn3_combine merges
+   a head's splits (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros where no key
+   is allowed (Lk = 0, or Lq = 0). Preconditions (the launcher checks them): fp16 or bf16 (an fp32
+   build spilled on sm_80 and decoders keep 16-bit caches), D / 8 a power of two from 1 to 32 (D in 8,
+   16, 32, ..., 256), g <= ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any strides.
 
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
 
@@ -112,12 +107,13 @@ ZERO_THREADS from this file)
                                                                      smem attribute first)
     attn_softmax_*         (128, 1, 1)       B*Hq*Sq                 0
     attn3_decode_*         (ATTN3_THREADS)   (splits, Hkv, B)        4 * (g * D + max(g * chunk, g * ATTN3_THREADS * 16 / sizeof T))
-        (const T* q, const T* k, const T* v, T* o, float* part_o, float* part_ml, int* done,
-         const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D, int chunk,
-         int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh)
-        part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous; done (B, Hkv) int32,
-        zeros before the first launch and left zeros by each (one array per stream: launches sharing it must
-        run one after another); a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
+        (const T* q, const T* k, const T* v, float* part_o, float* part_ml, const int* lens_q_or_null,
+         const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D, int chunk, int splits, float scale_log2,
+         long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss)
+        part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
+    attn3_combine_*        (ATTN3_THREADS)   B * Hq                  0
+        (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
+         long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
         splits = ceil(Skv / chunk); dynamic shared memory at most 48 KB
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
@@ -523,8 +519,6 @@ constexpr int ATTN3_THREADS = 128;
 constexpr int ATTN3_WARPS = ATTN3_THREADS / 32;
 constexpr int ATTN3_MAX_G = 8;     // query heads per kv head a block serves (its accumulators: registers)
 constexpr int ATTN3_UNROLL = 4;    // K and V rows a thread loads before it uses the first: loads in flight
-constexpr int MERGE_TILE = 256;    // splits whose weights the merge stages at once (the scores' space holds them)
-constexpr int MERGE_VEC = 4;       // o's elements a thread of the merge adds up at once
 
 // The 16 bytes at p (16-byte aligned) as fp32 values.
 template <class DT>
@@ -542,52 +536,52 @@ __device__ __forceinline__ void load_vec(const typename DT::T* p, float* x) {
     }
 }
 
-// ATTN3_UNROLL rows first, first + step, ... of K or V (row j at p + j * stride) into x as fp32, zeros from row
-// `end` on: every load issued before any is used
 template <class DT>
-__device__ __forceinline__ void load_rows(const typename DT::T* p, int first, int step, i64 stride, int end,
-                                          float (&x)[ATTN3_UNROLL][16 / sizeof(typename DT::T)]) {
-#pragma unroll
-    for (int u = 0; u < ATTN3_UNROLL; u++) {
-        if (first + u * step < end) load_vec<DT>(p + (first + u * step) * stride, x[u]);
-        else {
-#pragma unroll
-            for (int e = 0; e < 16 / (int)sizeof(typename DT::T); e++) x[u][e] = 0.f;
-        }
-    }
-}
-
-// One split's partials (keys start .. end - 1, at least one). The first K rows are loaded while q is staged, and
-// the first V rows while the scores' softmax runs: fewer memory round trips one after another, which is what
-// a split of a few dozen keys waits on: the scores of the G heads, their softmax, P V
-template <class DT>
-__device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
-                                            const typename DT::T* __restrict__ v, float* __restrict__ po,
-                                            float* __restrict__ ml, int b, int hk, int G, int D, int chunk,
-                                            int splits, int start, int end, float scale_log2, i64 q_sb, i64 q_sh,
-                                            i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
+__device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
+                                             const typename DT::T* __restrict__ v, float* __restrict__ part_o,
+                                             float* __restrict__ part_ml, const int* __restrict__ lens_q,
+                                             const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
+                                             int chunk, int splits, float scale_log2, i64 q_sb, i64 q_sh, i64 k_sb,
+                                             i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
     typedef typename DT::T T;
     constexpr int EPV = 16 / sizeof(T);            // elements per 16-byte vector
     extern __shared__ float smem3[];
-    const int n = end - start;
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int Lk = lens_kv ? lens_kv[b] : Skv;
+    const int live = lens_q ? (lens_q[b] > 0) : 1;
+    const int start = split * chunk, end = live ? imin(Lk, start + chunk) : 0, n = end - start;
+    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head g at + g * splits * 2
+    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head g at + g * splits * D
+    if (n <= 0) {  // no key of this split: a part that weighs nothing in the merge
+        for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
+            ml[(i64)g * splits * 2] = neg_inf();
+            ml[(i64)g * splits * 2 + 1] = 0.f;
+        }
+        return;
+    }
     float* const qs = smem3;                  // (G, D): the query rows, times scale * log2(e)
     float* const ss = smem3 + G * D;          // (G, chunk): scores, then their exponentials; then P V's partials
     __shared__ float m_s[ATTN3_MAX_G], l_s[ATTN3_MAX_G];
-    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
-    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
-    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
-    const int base0 = start + warp * per_warp + sub;
-    float x[ATTN3_UNROLL][EPV];
-    load_rows<DT>(kh, base0, step, k_ss, end, x);
     for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
         const int g = i / D, d = i - g * D;
         qs[i] = DT::ld(q[b * q_sb + (hk * G + g) * q_sh + d]) * scale_log2;
     }
     __syncthreads();
 
-    for (int base = base0; base - sub < end; base += ATTN3_UNROLL * step) {
-        if (base != base0) load_rows<DT>(kh, base, step, k_ss, end, x);
+    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
+    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
+    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
+    for (int base = start + warp * per_warp + sub; base - sub < end; base += ATTN3_UNROLL * step) {
+        float x[ATTN3_UNROLL][EPV];  // every load of the iteration issued before any is used
+#pragma unroll
+        for (int u = 0; u < ATTN3_UNROLL; u++) {
+            if (base + u * step < end) load_vec<DT>(kh + (base + u * step) * k_ss, x[u]);
+            else {
+#pragma unroll
+                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
+            }
+        }
         for (int g = 0; g < G; g++) {
             const float* qg = qs + g * D + part * EPV;
 #pragma unroll
@@ -601,10 +595,6 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
             }
         }
     }
-    // P V's thread t takes vector `vpart` of rows r, r + rows, ... of the split: its first rows load meanwhile
-    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
-    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV + start * v_ss;
-    load_rows<DT>(vh, r, rows, v_ss, n, x);
     __syncthreads();
 
     for (int g = warp; g < G; g += ATTN3_WARPS) {  // the split's softmax, a warp per head
@@ -631,13 +621,24 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
     }
     __syncthreads();
 
+    // P V: thread t takes vector `vpart` of rows r, r + rows, ... of the split
+    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
     float acc[ATTN3_MAX_G][EPV];
 #pragma unroll
     for (int g = 0; g < ATTN3_MAX_G; g++)
 #pragma unroll
         for (int e = 0; e < EPV; e++) acc[g][e] = 0.f;
+    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV;
     for (int j0 = r; j0 < n; j0 += ATTN3_UNROLL * rows) {
-        if (j0 != r) load_rows<DT>(vh, j0, rows, v_ss, n, x);
+        float x[ATTN3_UNROLL][EPV];
+#pragma unroll
+        for (int u = 0; u < ATTN3_UNROLL; u++) {
+            if (j0 + u * rows < n) load_vec<DT>(vh + (start + j0 + u * rows) * v_ss, x[u]);
+            else {
+#pragma unroll
+                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
+            }
+        }
 #pragma unroll
         for (int u = 0; u < ATTN3_UNROLL; u++) {
             const int j = j0 + u * rows;
@@ -675,121 +676,27 @@ __device__ __forceinline__ void decode_part(const typename DT::T* __restrict__ q
     }
 }
 
-// Whether this block is the last of its (b, kv head)'s `splits` blocks to count itself done on `counter`:
-// each block's partials are written and fenced before it counts, so the last one sees every split's. The last
-// sets the counter back to 0 for the next launch (which the stream runs after this one).
-__device__ __forceinline__ bool last_of_splits(int* counter, int splits) {
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1) == splits - 1;
-        if (last) *counter = 0;
-    }
-    __syncthreads();
-    return last;
-}
-
-// o's rows of the G query heads h0 .. h0 + G - 1 (o_b: batch entry b's o; their partials at rows bh0 ..) from
-// their splits' partials, added in split order. A warp per head finds (m, l) over the splits; then the splits'
-// weights exp2(m_s - m) / l, MERGE_TILE splits at a time, go to shared memory (`w`: G * MERGE_TILE floats), so
-// that each thread's loads of a tile's partials are independent of one another. Partials are read through L2 (__ldcg),
-// where the other blocks wrote them.
+// o[b, h] from the splits' partials of head (b, h): one block per head
 template <class DT>
-__device__ __forceinline__ void decode_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                             typename DT::T* __restrict__ o_b, int bh0, int h0, int G, int D,
-                                             int splits, i64 o_sh, float* __restrict__ w) {
-    __shared__ float m_s[ATTN3_MAX_G], inv_s[ATTN3_MAX_G];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int g = warp; g < G; g += ATTN3_WARPS) {  // (m, l) online over a lane's splits, then across the lanes
-        const float2* ml = reinterpret_cast<const float2*>(part_ml) + (i64)(bh0 + g) * splits;
-        float m = neg_inf(), l = 0.f;  // l == 0: no key yet (m is then not read)
-        for (int s = lane; s < splits; s += 32) {
-            const float2 p = __ldcg(ml + s);  // (m_s, l_s); (-inf, 0) for a split without keys
-            if (p.y > 0.f) {
-                const float mn = l > 0.f ? fmaxf(m, p.x) : p.x;
-                l = (l > 0.f ? l * exp2f(m - mn) : 0.f) + p.y * exp2f(p.x - mn);
-                m = mn;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off; off >>= 1) {  // both lanes of a pair compute the same sum (+ commutes exactly)
-            const float mo = __shfl_xor_sync(0xffffffffu, m, off), lo = __shfl_xor_sync(0xffffffffu, l, off);
-            const float mn = l > 0.f ? (lo > 0.f ? fmaxf(m, mo) : m) : mo;
-            l = (l > 0.f ? l * exp2f(m - mn) : 0.f) + (lo > 0.f ? lo * exp2f(mo - mn) : 0.f);
-            m = mn;
-        }
-        if (lane == 0) {
-            m_s[g] = m;
-            inv_s[g] = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
-        }
+__device__ __forceinline__ void decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                               typename DT::T* __restrict__ o, int Hq, int D, int splits, i64 o_sb,
+                                               i64 o_sh) {
+    const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
+    const float* ml = part_ml + (i64)bh * splits * 2;
+    const float* po = part_o + (i64)bh * splits * D;
+    float m = neg_inf();
+    for (int s = 0; s < splits; s++) m = fmaxf(m, ml[2 * s]);
+    float l = 0.f;
+    if (m != neg_inf())
+        for (int s = 0; s < splits; s++) l += ml[2 * s + 1] * exp2f(ml[2 * s] - m);
+    const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
+    typename DT::T* orow = o + b * o_sb + h * o_sh;
+    for (int d = threadIdx.x; d < D; d += ATTN3_THREADS) {
+        float sum = 0.f;
+        for (int s = 0; s < splits; s++)  // a split without keys wrote no o: never read it
+            if (ml[2 * s + 1] > 0.f) sum += po[(i64)s * D + d] * exp2f(ml[2 * s] - m);
+        orow[d] = DT::st(sum * inv);
     }
-    // o's G * D elements, ATTN3_THREADS * MERGE_VEC at a time (one pass for G * D <= 512), each thread adding
-    // MERGE_VEC of them over every tile of splits
-    for (int i0 = 0; i0 < G * D; i0 += ATTN3_THREADS * MERGE_VEC) {
-        float acc[MERGE_VEC];
-#pragma unroll
-        for (int e = 0; e < MERGE_VEC; e++) acc[e] = 0.f;
-        for (int s0 = 0; s0 < splits; s0 += MERGE_TILE) {
-            const int ns = imin(MERGE_TILE, splits - s0);
-            __syncthreads();  // (m, l) found; the last tile's weights read
-            for (int i = threadIdx.x; i < G * ns; i += ATTN3_THREADS) {
-                const int g = i / ns, s = s0 + i - g * ns;
-                const float2 p = __ldcg(reinterpret_cast<const float2*>(part_ml) + (i64)(bh0 + g) * splits + s);
-                w[g * MERGE_TILE + s - s0] = p.y > 0.f ? exp2f(p.x - m_s[g]) * inv_s[g] : 0.f;  // keyless: 0
-            }
-            __syncthreads();
-            // every partial of the tile is loaded, a keyless split's too (allocated; its weight 0 selects it
-            // out, so that a NaN left there never reaches o): a thread's loads are independent, several in flight
-#pragma unroll 4
-            for (int s = 0; s < ns; s++) {
-#pragma unroll
-                for (int e = 0; e < MERGE_VEC; e++) {
-                    const int i = i0 + threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
-                    if (i < G * D) {
-                        const float x = __ldcg(part_o + ((i64)(bh0 + g) * splits + s0 + s) * D + d);
-                        const float wgt = w[g * MERGE_TILE + s];
-                        acc[e] = wgt != 0.f ? fmaf(x, wgt, acc[e]) : acc[e];
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int e = 0; e < MERGE_VEC; e++) {
-            const int i = i0 + threadIdx.x + e * ATTN3_THREADS, g = i / D, d = i - g * D;
-            if (i < G * D) o_b[(h0 + g) * o_sh + d] = DT::st(acc[e]);
-        }
-    }
-}
-
-// A block's split of keys for its (b, kv head), and the merge if it is the last of them to finish
-template <class DT>
-__device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
-                                             const typename DT::T* __restrict__ v, typename DT::T* __restrict__ o,
-                                             float* __restrict__ part_o, float* __restrict__ part_ml,
-                                             int* __restrict__ done, const int* __restrict__ lens_q,
-                                             const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
-                                             int chunk, int splits, float scale_log2, i64 q_sb, i64 q_sh, i64 k_sb,
-                                             i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss, i64 o_sb,
-                                             i64 o_sh) {
-    extern __shared__ float smem3[];  // (G, D) query rows, then G * max(chunk, ATTN3_THREADS * EPV) >= G * MERGE_TILE
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
-    const int Lk = lens_kv ? lens_kv[b] : Skv;
-    const int live = lens_q ? (lens_q[b] > 0) : 1;
-    const int start = split * chunk, end = live ? imin(Lk, start + chunk) : 0, n = end - start;
-    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head g at + g * splits * 2
-    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head g at + g * splits * D
-    if (n <= 0) {  // no key of this split: a part that weighs nothing in the merge
-        for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
-            ml[(i64)g * splits * 2] = neg_inf();
-            ml[(i64)g * splits * 2 + 1] = 0.f;
-        }
-    } else {
-        decode_part<DT>(q, k, v, po, ml, b, hk, G, D, chunk, splits, start, end, scale_log2, q_sb, q_sh, k_sb,
-                        k_sh, k_ss, v_sb, v_sh, v_ss);
-    }
-    if (last_of_splits(done + b * Hkv + hk, splits))
-        decode_merge<DT>(part_o, part_ml, o + b * o_sb, b * Hq + hk * G, hk * G, G, D, splits, o_sh, smem3 + G * D);
 }
 
 }  // namespace at
@@ -855,14 +762,17 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
 #define ATTN3(SUFFIX, DT)                                                                                       \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_decode_##SUFFIX(                      \
         const at::DT::T* __restrict__ q, const at::DT::T* __restrict__ k, const at::DT::T* __restrict__ v,      \
-        at::DT::T* __restrict__ o, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ done, \
-        const int* __restrict__ lens_q, const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,        \
-        int chunk, int splits, float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh,         \
-        at::i64 k_ss, at::i64 v_sb, at::i64 v_sh, at::i64 v_ss, at::i64 o_sb, at::i64 o_sh) {                    \
-        libnn::pdl_wait();                                                                                      \
-        libnn::pdl_launch_dependents();                                                                         \
-        at::decode_split<at::DT>(q, k, v, o, part_o, part_ml, done, lens_q, lens_kv, Hq, Hkv, Skv, D, chunk,     \
-                                 splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, o_sb, o_sh); \
+        float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
+        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int chunk, int splits,                \
+        float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
+        at::i64 v_sh, at::i64 v_ss) {                                                                          \
+        at::decode_split<at::DT>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, chunk, splits,     \
+                                 scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);                   \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_combine_##SUFFIX(                     \
+        const float* __restrict__ part_o, const float* __restrict__ part_ml, at::DT::T* __restrict__ o, int Hq,  \
+        int D, int splits, at::i64 o_sb, at::i64 o_sh) {                                                        \
+        at::decode_combine<at::DT>(part_o, part_ml, o, Hq, D, splits, o_sb, o_sh);                              \
     }
 ATTN3(f16, dt_f16)
 ATTN3(bf16, dt_bf16)

@@ -1,7 +1,7 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
 `bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn3_decode
-(split-K decoding, its last split per head merging them) for one query row per sequence without bias or top-left mask —
+(split-K decoding, then attn3_combine) for one query row per sequence without bias or top-left mask —
 a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
 when the problem fits it — fp16/bf16, head dim D <= 128 with D % 8 == 0, q, k, v, o rows 16-byte
 aligned, scale != 0 under a bias — otherwise attn1_naive (one warp per query row, any D <= 256, fp32
@@ -36,6 +36,7 @@ _ATTN = contracts.params(_FILE, "ATTN_PARAMS")  # attn1's and attn2's parameters
 _SOFTMAX = contracts.params(_FILE, "attn_softmax_##SUFFIX")
 _ZERO = contracts.params(_FILE, "attn_zero_empty_batches")
 _DECODE = contracts.params(_FILE, "attn3_decode_##SUFFIX")
+_COMBINE = contracts.params(_FILE, "attn3_combine_##SUFFIX")
 _K = contracts.constants(_FILE)
 FLASH_WARPS = _K["ATTN2_WARPS"]
 _BN = _K["ATTN2_BN"]          # keys per attn2 tile
@@ -121,34 +122,33 @@ def _decode_smem(group: int, head_dim: int, chunk: int, itemsize: int) -> int:
 
 def _bind_decode(q, k, v, o, scale: float):
     """run(q, k, v, o, bias, lens_q, lens_kv): attn3_decode's splits into fp32 partials (from CuPy's pool
-    at each call), merged into o by the last split of each (b, kv head) to finish. Its counters (B, Hkv)
-    are the bind's, zeros between launches: the runs of one bind must follow one another (a bound call is
-    its stream's). Launched programmatically on sm_90 and newer."""
-    import cupy
-
+    at each call), then attn3_combine into o."""
     B, Hq, _, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     group, itemsize = Hq // Hkv, q.itemsize
-    device_id = current_device_id()
-    chunk = decode_chunk(B, Hkv, Skv, group, itemsize, D, multiprocessors(device_id))
+    sms = multiprocessors(current_device_id())
+    chunk = decode_chunk(B, Hkv, Skv, group, itemsize, D, sms)
     splits = -(-Skv // chunk)
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
     (q_sb, q_sh), (k_sb, k_sh, k_ss), (v_sb, v_sh, v_ss) = (_kernel_strides(q)[:2], _kernel_strides(k)[:3],
                                                             _kernel_strides(v)[:3])
     o_sb, o_sh = _kernel_strides(o)[:2]
     A = launch.ARRAY
-    decode = launch.bind(_FILE, f"attn3_decode_{suffix}", (splits, Hkv, B), (DECODE_THREADS,),
-                         _DECODE.pack(q=A, k=A, v=A, o=A, part_o=A, part_ml=A, done=A, lens_q=A, lens_kv=A, Hq=Hq,
-                                      Hkv=Hkv, Skv=Skv, D=D, chunk=chunk, splits=splits,
-                                      scale_log2=scale * math.log2(math.e), q_sb=q_sb, q_sh=q_sh, k_sb=k_sb,
-                                      k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss, o_sb=o_sb, o_sh=o_sh),
-                         shared_mem=_decode_smem(group, D, chunk, itemsize),
-                         programmatic=launch.programmatic_supported(f"gpu:{device_id}"))
+    split = launch.bind(_FILE, f"attn3_decode_{suffix}", (splits, Hkv, B), (DECODE_THREADS,),
+                        _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
+                                     D=D, chunk=chunk, splits=splits, scale_log2=scale * math.log2(math.e),
+                                     q_sb=q_sb, q_sh=q_sh, k_sb=k_sb, k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh,
+                                     v_ss=v_ss),
+                        shared_mem=_decode_smem(group, D, chunk, itemsize))
+    combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (DECODE_THREADS,),
+                          _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh))
+
     new_part_o, new_part_ml = allocator((B, Hq, splits, D), "float32"), allocator((B, Hq, splits, 2), "float32")
-    done = cupy.zeros((B, Hkv), cupy.int32)
 
     def run(q, k, v, o, bias, lens_q, lens_kv):
-        decode(q, k, v, o, new_part_o(), new_part_ml(), done, lens_q, lens_kv)
+        part_o, part_ml = new_part_o(), new_part_ml()
+        split(q, k, v, part_o, part_ml, lens_q, lens_kv)
+        combine(part_o, part_ml, o)
     return run
 
 
