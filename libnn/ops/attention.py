@@ -18,7 +18,10 @@ dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed
 every path, never NaN.
 
 Paths, in `auto` order (except that small encoder attention, see _cudnn_slower, tries cudnn last):
-- cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs.
+- cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs;
+              plans that can give other bits on the same inputs left out (NONDETERMINISTIC_CUDNN_PLANS)
+              unless config.allow_nondeterministic; a one-row problem's plans timed, the fastest kept
+              (_decode_timing_arrays).
 - custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
               multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
               stored), a split-K decoding kernel for one query row per sequence (a decoder's step
