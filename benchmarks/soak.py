@@ -1,9 +1,13 @@
 """Soak: many calls of whole models, eager and graphed, on the GPU; memory must stay flat after warm-up
 and every result must be bit-identical to the first call's.
 
-Models: SeedCNN (the shipped weights, fp16) at batch 1 and 64, and the MiniLM-shaped encoder (6 layers,
+Models: SeedCNN (the shipped weights, fp16) at batch 1 and 64, the MiniLM-shaped encoder (6 layers,
 hidden 384, 12 heads, FFN 1536, random weights, fp16) at batch 8, sequence 128, with an attention
-mask that pads half the rows. Each runs `--calls` times eagerly and through `model.graphed()`.
+mask that pads half the rows, and a LLaMA-architecture decoder (4 layers, hidden 512, 8 heads of 64, 2 KV
+heads, FFN 1024, vocab 2048, random weights, fp16) generating 8 tokens by seeded top-k sampling for 8
+prompts of 37 to 100 tokens (a call is one `generate`: a prefill and 8 decode steps; it runs a tenth of
+`--calls`). Each runs `--calls` times eagerly and through `model.graphed()` (the decoder: its decode
+steps as CUDA graphs, `decode_graphs`).
 
 Per run: after `--warmup` calls, the CuPy pool's bytes in use and held and the device's used bytes
 (cudaMemGetInfo) are read; again after the last call. Every `--check-every`-th result and the last
@@ -14,7 +18,7 @@ what it allocates; the device's used bytes get the tolerance, for library worksp
 appear late).
 
     python benchmarks/soak.py                         # 10000 calls of everything (~1-2 min on an H100)
-    python benchmarks/soak.py --calls 500 --models cnn1 encoder --modes graphed
+    python benchmarks/soak.py --calls 500 --models cnn1 encoder decoder --modes graphed
 
 Prints a table and exits 1 on any drift or growth, 0 otherwise.
 """
@@ -27,10 +31,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-MODELS = ("cnn1", "cnn64", "encoder")
+MODELS = ("cnn1", "cnn64", "encoder", "decoder")
 MODES = ("eager", "graphed")
 ENCODER = {"vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
            "intermediate_size": 1536, "max_position_embeddings": 512, "hidden_act": "gelu"}
+DECODER = {"vocab_size": 2048, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "intermediate_size": 1024, "max_position_embeddings": 256}
+DECODER_CALLS = 10  # the decoder's call (a prefill and 8 decode steps) runs --calls // DECODER_CALLS times
 MiB = 2**20
 
 
@@ -63,8 +70,8 @@ class Result:
         return found
 
 
-def build(name: str) -> tuple[Any, tuple]:
-    """The model and its inputs on the GPU, fp16."""
+def build(name: str, mode: str) -> Callable[[], Any]:
+    """One call of the model on its inputs, on the GPU, fp16, eager or graphed (`mode`)."""
     import cupy
 
     rng = cupy.random.default_rng(7)
@@ -73,15 +80,36 @@ def build(name: str) -> tuple[Any, tuple]:
 
         batch = int(name[3:])
         model = SeedCNN.pretrained(dtype="fp16", device="gpu")
-        return model, (rng.standard_normal((batch, 1, 28, 28), dtype=cupy.float32).astype(cupy.float16),)
-    from libnn.models import BertConfig, BertEncoder
+        inputs = (rng.standard_normal((batch, 1, 28, 28), dtype=cupy.float32).astype(cupy.float16),)
+    elif name == "encoder":
+        from libnn.models import BertConfig, BertEncoder
 
-    model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype="fp16", device="gpu")
-    batch, seq = 8, 128
-    ids = rng.integers(0, ENCODER["vocab_size"], (batch, seq), dtype=cupy.int64)
-    lengths = cupy.asarray([seq, seq, 100, 77, seq, 31, seq, 1])  # half the rows padded on the right
-    mask = (cupy.arange(seq)[None, :] < lengths[:, None]).astype(cupy.int64)
-    return model, (ids, mask)
+        model = BertEncoder(BertConfig.from_dict(ENCODER), pooler=False, dtype="fp16", device="gpu")
+        batch, seq = 8, 128
+        ids = rng.integers(0, ENCODER["vocab_size"], (batch, seq), dtype=cupy.int64)
+        lengths = cupy.asarray([seq, seq, 100, 77, seq, 31, seq, 1])  # half the rows padded on the right
+        mask = (cupy.arange(seq)[None, :] < lengths[:, None]).astype(cupy.int64)
+        inputs = (ids, mask)
+    else:
+        return _decoder_call(mode == "graphed")
+    run = model.graphed() if mode == "graphed" else model
+    return lambda: run(*inputs)
+
+
+def _decoder_call(decode_graphs: bool) -> Callable[[], Any]:
+    """generate(8 tokens, seeded top-k sampling) for 8 right-padded prompts: the tokens, (8, 8) on the GPU."""
+    import cupy
+    import numpy as np
+
+    from libnn.models import CausalLM, LlamaConfig
+
+    model = CausalLM(LlamaConfig.from_dict(DECODER), dtype="fp16", device="gpu", max_batch=8, max_len=128,
+                     decode_graphs=decode_graphs)
+    rng = np.random.default_rng(7)
+    lengths = np.array([100, 37, 64, 99, 41, 100, 73, 58])
+    ids = rng.integers(0, DECODER["vocab_size"], (8, 100))
+    return lambda: cupy.asarray(np.stack(model.generate(ids, 8, lengths=lengths, temperature=1.0, top_k=50, seed=11,
+                                                        eos_token_id=())))
 
 
 def outputs(result: Any) -> list[Any]:
@@ -110,15 +138,14 @@ def soak(name: str, mode: str, calls: int, warmup: int, check_every: int, progre
 
     result = Result(name, mode)
     try:
-        model, inputs = build(name)
-        run: Callable[..., Any] = model.graphed() if mode == "graphed" else model
-        first = [cupy.array(a, copy=True) for a in outputs(run(*inputs))]
+        run = build(name, mode)
+        first = [cupy.array(a, copy=True) for a in outputs(run())]
         for _ in range(warmup):
-            run(*inputs)
+            run()
         used0, held0, device0 = memory()
         start = last_report = time.perf_counter()
         for call in range(1, calls + 1):
-            got = outputs(run(*inputs))
+            got = outputs(run())
             if call % check_every == 0 or call == calls:
                 result.checked += 1
                 if len(got) != len(first) or not all(
@@ -165,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-every", type=int, default=100,
                         help="compare every N-th result (and the last) with the first call's, bit for bit (default 100)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
-                        help="cnn1 / cnn64: SeedCNN fp16 at batch 1 / 64; encoder: MiniLM shape fp16, batch 8, seq 128")
+                        help="cnn1 / cnn64: SeedCNN fp16 at batch 1 / 64; encoder: MiniLM shape fp16, batch 8, "
+                             "seq 128; decoder: a small LLaMA generating 8 sampled tokens for 8 prompts (--calls / 10 "
+                             "calls)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--tolerance-mib", type=float, default=2.0,
                         help="growth of the pool's held bytes and the device's used bytes allowed, MiB (default 2); "
@@ -185,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models:
         for mode in args.modes:
-            print(f"soak: {name} {mode}, {args.calls} calls", flush=True)
-            results.append(soak(name, mode, args.calls, args.warmup, args.check_every, args.progress))
+            calls = max(1, args.calls // DECODER_CALLS) if name == "decoder" else args.calls
+            check_every = max(1, args.check_every // DECODER_CALLS) if name == "decoder" else args.check_every
+            print(f"soak: {name} {mode}, {calls} calls", flush=True)
+            results.append(soak(name, mode, calls, args.warmup, check_every, args.progress))
     print(table(results, tolerance))
     failed = [r for r in results if r.failures(tolerance)]
     print(f"soak: {len(results) - len(failed)} of {len(results)} runs flat and bit-identical"
