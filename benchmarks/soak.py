@@ -3,9 +3,9 @@ and every result must be bit-identical to the first call's.
 
 Models: SeedCNN (the shipped weights, fp16) at batch 1 and 64, the MiniLM-shaped encoder (6 layers,
 hidden 384, 12 heads, FFN 1536, random weights, fp16) at batch 8, sequence 128, with an attention
-mask that pads half the rows, and a LLaMA-architecture decoder (4 layers, hidden 512, 8 heads of 64, 2 KV
-heads, FFN 1024, vocab 2048, random weights, fp16) generating 8 tokens by seeded top-k sampling for 8
-prompts of 37 to 100 tokens (a call is one `generate`: a prefill and 8 decode steps; it runs a tenth of
+mask that pads half the rows, and a LLaMA-architecture decoder (the 1.1B benchmark model's attention: 32
+heads of 64, 8 KV heads; 4 layers, hidden 2048, FFN 2048, vocab 4096, random weights, fp16) generating 8
+tokens by seeded top-k sampling for 8 prompts of 37 to 200 tokens (a call is one `generate`: a prefill and 8 decode steps; it runs a tenth of
 `--calls`). Each runs `--calls` times eagerly and through `model.graphed()` (the decoder: its decode
 steps as CUDA graphs, `decode_graphs`).
 
@@ -35,8 +35,8 @@ MODELS = ("cnn1", "cnn64", "encoder", "decoder")
 MODES = ("eager", "graphed")
 ENCODER = {"vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
            "intermediate_size": 1536, "max_position_embeddings": 512, "hidden_act": "gelu"}
-DECODER = {"vocab_size": 2048, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-           "num_key_value_heads": 2, "intermediate_size": 1024, "max_position_embeddings": 256}
+DECODER = {"vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 2048, "max_position_embeddings": 256}
 DECODER_CALLS = 10  # the decoder's call (a prefill and 8 decode steps) runs --calls // DECODER_CALLS times
 MiB = 2**20
 
@@ -103,11 +103,11 @@ def _decoder_call(decode_graphs: bool) -> Callable[[], Any]:
 
     from libnn.models import CausalLM, LlamaConfig
 
-    model = CausalLM(LlamaConfig.from_dict(DECODER), dtype="fp16", device="gpu", max_batch=8, max_len=128,
+    model = CausalLM(LlamaConfig.from_dict(DECODER), dtype="fp16", device="gpu", max_batch=8, max_len=256,
                      decode_graphs=decode_graphs)
     rng = np.random.default_rng(7)
-    lengths = np.array([100, 37, 64, 99, 41, 100, 73, 58])
-    ids = rng.integers(0, DECODER["vocab_size"], (8, 100))
+    lengths = np.array([200, 37, 164, 99, 141, 200, 73, 158])
+    ids = rng.integers(0, DECODER["vocab_size"], (8, 200))
     return lambda: cupy.asarray(np.stack(model.generate(ids, 8, lengths=lengths, temperature=1.0, top_k=50, seed=11,
                                                         eos_token_id=())))
 
