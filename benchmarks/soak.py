@@ -2,12 +2,12 @@
 and every result must be bit-identical to the first call's.
 
 Models: SeedCNN (the shipped weights, fp16) at batch 1 and 64, the MiniLM-shaped encoder (6 layers,
-hidden 384, 12 heads, FFN 1536, random weights, fp16) at batch 8, sequence 128, with an attention
-mask that pads half the rows, and a LLaMA-architecture decoder (the 1.1B benchmark model's attention: 32
-heads of 64, 8 KV heads; 4 layers, hidden 2048, FFN 2048, vocab 4096, random weights, fp16) generating 8
-tokens by seeded top-k sampling for 8 prompts of 37 to 200 tokens (a call is one `generate`: a prefill and 8 decode steps; it runs a tenth of
-`--calls`). Each runs `--calls` times eagerly and through `model.graphed()` (the decoder: its decode
-steps as CUDA graphs, `decode_graphs`).
+hidden 384, 12 heads, FFN 1536, random weights, fp16) at batch 8, sequence 128, with an attention mask
+that pads half the rows, and a LLaMA-architecture decoder (the 1.1B benchmark model's attention: 32 heads
+of 64, 8 KV heads; 4 layers, hidden 2048, FFN 2048, vocab 4096, random weights, fp16) generating 8 tokens
+by seeded top-k sampling for 8 prompts of 37 to 200 tokens (a call is one `generate`: a prefill and 8
+decode steps; it runs a tenth of `--calls` and of `--warmup`). Each runs `--calls` times eagerly and
+through `model.graphed()` (the decoder: its decode steps as CUDA graphs, `decode_graphs`).
 
 Per run: after `--warmup` calls, the CuPy pool's bytes in use and held and the device's used bytes
 (cudaMemGetInfo) are read; again after the last call. Every `--check-every`-th result and the last
@@ -37,7 +37,7 @@ ENCODER = {"vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num
            "intermediate_size": 1536, "max_position_embeddings": 512, "hidden_act": "gelu"}
 DECODER = {"vocab_size": 4096, "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
            "num_key_value_heads": 8, "intermediate_size": 2048, "max_position_embeddings": 256}
-DECODER_CALLS = 10  # the decoder's call (a prefill and 8 decode steps) runs --calls // DECODER_CALLS times
+DECODER_CALLS = 10  # the decoder's call (a prefill and 8 decode steps) runs a tenth of --calls and --warmup
 MiB = 2**20
 
 
@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             calls = max(1, args.calls // DECODER_CALLS) if name == "decoder" else args.calls
             check_every = max(1, args.check_every // DECODER_CALLS) if name == "decoder" else args.check_every
+            warmup = args.warmup // DECODER_CALLS if name == "decoder" else args.warmup
             print(f"soak: {name} {mode}, {calls} calls", flush=True)
-            results.append(soak(name, mode, calls, args.warmup, check_every, args.progress))
+            results.append(soak(name, mode, calls, warmup, check_every, args.progress))
     print(table(results, tolerance))
     failed = [r for r in results if r.failures(tolerance)]
     print(f"soak: {len(results) - len(failed)} of {len(results)} runs flat and bit-identical"

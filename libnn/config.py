@@ -17,10 +17,10 @@ class Config:
     autotune: bool = _env_flag("LIBNN_AUTOTUNE")
     # Upper bound on cuBLASLt's workspace: more lets the heuristic offer split-K algorithms.
     cublaslt_workspace_bytes: int = int(os.environ.get("LIBNN_CUBLASLT_WORKSPACE", 64 << 20))
-    # Let cuDNN run plans that can give other bits from one run to the next on the same inputs (they
-    # split a reduction over thread blocks and add the parts in the order the blocks finish): faster
-    # decode attention, but seeded sampling no longer repeats. Off: the same inputs give the same bits.
-    # Read when a call's signature is first bound, and part of that signature.
+    # Let attention's cuDNN plans include those that can give other bits from one run to the next on the
+    # same inputs (they split a reduction over thread blocks and add the parts in the order the blocks
+    # finish): faster decode attention, but seeded sampling no longer repeats. Off: the same inputs give
+    # the same bits. Read when a call's signature is first bound, and part of that signature.
     allow_nondeterministic: bool = _env_flag("LIBNN_ALLOW_NONDETERMINISTIC")
 
 

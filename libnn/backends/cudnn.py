@@ -206,7 +206,7 @@ def _build(builder: Callable[[Any], Any], description: str, key: Any, use_disk_c
         raise LibraryError(f"cuDNN cannot run {description}: {_first_line(exc)}") from exc
     built = Graph(graph, "built", time.perf_counter() - start, graph.get_plan_name_at_index(index),
                   graph.get_workspace_size())
-    if use_disk_cache and timed == (timing_arrays is not None):
+    if use_disk_cache and (timed or timing_arrays is None):
         write_atomically(stored, bytes(graph.serialize()))  # processes sharing the cache may write it at once
     return built
 
@@ -230,16 +230,18 @@ def _build_fastest_plan(graph: Any, timing_arrays: Callable[[], dict[int, Any]])
     """Build every plan of the heuristics that builds, time each once (GPU time, median of 10) on the
     arrays `timing_arrays()` gives by uid, select the fastest (the heuristics' order breaks ties) and
     return its index; where no plan builds, raise as _build_first_plan does."""
-    handle, pack = cudnn_handle(), {uid: a.data.ptr for uid, a in timing_arrays().items()}
+    arrays = timing_arrays()  # held until every plan has run: a new o freed early could become a workspace
+    handle, pack = cudnn_handle(), {uid: a.data.ptr for uid, a in arrays.items()}
     times = {}
     for index in range(graph.get_execution_plan_count()):
         try:
             graph.build_plan_at_index(index)
-        except (*_library_errors(), NotImplementedError):
+            space = workspace(graph.get_workspace_size_plan_at_index(index)).data.ptr
+            times[index] = time_gpu(lambda _, i=index: graph.execute_plan_at_index(pack, space, index=i, handle=handle),
+                                    [None], warmup=2, runs=10).median_ms
+        except (*_library_errors(), NotImplementedError):  # a plan that does not build or run: the others may
             continue
-        space = workspace(graph.get_workspace_size_plan_at_index(index)).data.ptr
-        times[index] = time_gpu(lambda _, i=index: graph.execute_plan_at_index(pack, space, index=i, handle=handle),
-                                [None], warmup=2, runs=10).median_ms
+    del arrays
     if not times:
         return _build_first_plan(graph)  # raises, naming each plan's error
     fastest = min(times, key=times.get)
@@ -260,7 +262,9 @@ def graph_for(key: Any, builder: Callable[[Any], Any], description: str | Callab
     `description` (or a function returning it, so that a cached call formats nothing) names the
     problem in error messages. With `timing_arrays` (a function giving arrays to run the graph on, by
     uid) the plan kept is the fastest that builds, timed once, not the heuristics' first (see
-    _build_fastest_plan); the disk cache stores that choice."""
+    _build_fastest_plan); the disk cache stores that choice. Nothing can be timed while the stream
+    captures a CUDA graph: a graph first built then takes the heuristics' first plan, kept in memory for
+    that stream but not stored on disk."""
     device_id, stream_ptr = current_device_id(), current_stream().ptr
 
     def build():
@@ -268,11 +272,11 @@ def graph_for(key: Any, builder: Callable[[Any], Any], description: str | Callab
             built = _build(builder, description() if callable(description) else description, key, use_disk_cache,
                            timing_arrays)
         except LibraryError as exc:
-            return Refusal(exc)
+            return Refusal(LibraryError(str(exc)))  # not exc: its traceback holds the build's frames and arrays
         built.handle, built.device_id, built.stream_ptr = cudnn_handle(), device_id, stream_ptr
         return built
 
-    found = _graphs.get((key, device_id, stream_ptr), build)
+    found = _graphs.get((key, timing_arrays is not None, device_id, stream_ptr), build)
     if isinstance(found, Refusal):
         raise LibraryError(str(found.error))
     return found

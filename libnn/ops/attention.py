@@ -20,8 +20,8 @@ every path, never NaN.
 Paths, in `auto` order (except that small encoder attention, see _cudnn_slower, tries cudnn last):
 - cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs;
               plans that can give other bits on the same inputs left out (NONDETERMINISTIC_CUDNN_PLANS)
-              unless config.allow_nondeterministic; a one-row problem's plans timed, the fastest kept
-              (_decode_timing_arrays).
+              unless config.allow_nondeterministic; a dense one-row problem's plans timed, the fastest
+              kept (_decode_timing_arrays).
 - custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
               multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
               stored), a split-K decoding kernel for one query row per sequence (a decoder's step
@@ -81,6 +81,14 @@ GPU_DTYPES = ("fp16", "bf16", "fp32")
 op = Op("attention", order=("cudnn", "custom", "unfused", "reference"))
 
 
+# cuDNN plans that gave other bits on identical inputs, though cuDNN does not mark them NONDETERMINISTIC:
+# cuDNN 9.19's SDPA engine 8 with kernel config 35 (knob 24), which splits a decode step's keys over blocks
+# and adds the parts in a lean_reduction kernel (on the H100, 2 distinct outputs in 60 identical calls at
+# batch 8 with 256 keys, 45 at batch 64 with 4096: benchmarks/RESULTS.md, thirteenth session). Names are
+# matched as substrings of cuDNN's plan names; left out unless config.allow_nondeterministic.
+NONDETERMINISTIC_CUDNN_PLANS = ("eng8_k24=35",)
+
+
 @dataclass(frozen=True)
 class AttentionProblem:
     """Everything that decides how an attention call runs; also the cuDNN graph's cache key."""
@@ -107,7 +115,9 @@ class AttentionProblem:
     tokens: int = 0                         # layout THD: the rows of q (and o); Sq = Skv = the longest sequence
     pages: int = 0                          # paged k and v: the pools' pages (0: dense k and v)
     page_size: int = 0                      # paged k and v: keys per page; Skv = max_pages * page_size
-    deterministic: bool = True              # cuDNN's plans that can give other bits on the same inputs left out
+    # cuDNN plans left out by name (NONDETERMINISTIC_CUDNN_PLANS, or none under allow_nondeterministic): the
+    # names themselves, so that a plan stored on disk under one list is never loaded under another
+    excluded_plans: tuple[str, ...] = NONDETERMINISTIC_CUDNN_PLANS
 
     def describe(self) -> str:
         masks = ", ".join(filter(None, [f"causal {self.causal}" if self.causal else None,
@@ -118,6 +128,11 @@ class AttentionProblem:
         heads = f"Hq={self.Hq}" + (f" Hkv={self.Hkv}" if self.Hkv != self.Hq else "")
         return (f"attention B={self.B} {heads} Sq={self.Sq} Skv={self.Skv} D={self.D} {self.dtype} "
                 f"{self.layout} ({masks})")
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether cuDNN's plans that can give other bits on the same inputs are left out."""
+        return bool(self.excluded_plans)
 
     @property
     def flops(self) -> int:
@@ -307,7 +322,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
                                _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),
                                float(1 / math.sqrt(D) if scale is None else scale) if D else 1.0, CAUSAL[causal],
                                has_lens_q, has_lens_kv, bias_shape, aligned, device,
-                               deterministic=not config.allow_nondeterministic)
+                               excluded_plans=() if config.allow_nondeterministic else NONDETERMINISTIC_CUDNN_PLANS)
     if page_table is not None:
         problem = replace(problem, pages=pages, page_size=page_size)
     if device == "cpu" and reference_fits:  # host arrays run on the reference path
@@ -540,12 +555,6 @@ UID_Q, UID_K, UID_V, UID_BIAS, UID_LENS_Q, UID_LENS_KV, UID_O = range(1, 8)
 UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V, UID_RAGGED_O = range(8, 12)  # layout THD's element offsets
 UID_PAGES_K, UID_PAGES_V = range(12, 14)  # paged k and v: their page tables (one array, passed twice)
 
-# cuDNN plans that gave other bits on identical inputs, though cuDNN does not mark them NONDETERMINISTIC:
-# cuDNN 9.19's SDPA engine 8 with kernel config 35 (knob 24), which splits a decode step's keys over blocks
-# and adds the parts in a lean_reduction kernel (on the H100, 2 distinct outputs in 60 identical calls at
-# batch 8 with 256 keys, 45 at batch 64 with 4096: benchmarks/RESULTS.md, thirteenth session). Names are
-# matched as substrings of cuDNN's plan names; left out unless config.allow_nondeterministic.
-NONDETERMINISTIC_CUDNN_PLANS = ("eng8_k24=35",)
 
 
 def attention_graph_builder(problem: AttentionProblem):
@@ -597,9 +606,9 @@ def attention_graph_builder(problem: AttentionProblem):
         o.set_output(True).set_dim([p.B, p.Hq, p.Sq, p.D]).set_stride(list(p.o_strides)).set_uid(UID_O)
         if ragged:
             o.set_ragged_offset(ragged[UID_RAGGED_O])
-        if p.deterministic:
+        if p.deterministic:  # (frontend 1.28 keeps note filters set before planning and applies them after)
             g.deselect_numeric_notes([cudnn.numerical_note.NONDETERMINISTIC])
-            g.deselect_engines(list(NONDETERMINISTIC_CUDNN_PLANS))
+            g.deselect_engines(list(p.excluded_plans))
         return g
     return build
 
