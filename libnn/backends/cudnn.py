@@ -236,9 +236,7 @@ def _build_fastest_plan(graph: Any, timing_arrays: Callable[[], dict[int, Any]])
     for index in range(graph.get_execution_plan_count()):
         try:
             graph.build_plan_at_index(index)
-            space = workspace(graph.get_workspace_size_plan_at_index(index)).data.ptr
-            times[index] = time_gpu(lambda _, i=index: graph.execute_plan_at_index(pack, space, index=i, handle=handle),
-                                    [None], warmup=2, runs=10).median_ms
+            times[index] = _time_plan(graph, index, pack, handle)
         except (*_library_errors(), NotImplementedError):  # a plan that does not build or run: the others may
             continue
     del arrays
@@ -247,6 +245,14 @@ def _build_fastest_plan(graph: Any, timing_arrays: Callable[[], dict[int, Any]])
     fastest = min(times, key=times.get)
     graph.build_plan_at_index(fastest)  # selected: what executes and serializes
     return fastest
+
+
+def _time_plan(graph: Any, index: int, pack: dict[int, int], handle: Any) -> float:
+    """The built plan `index`'s GPU time (ms, median of 10 after 2) on the pointers of `pack` (by uid),
+    with a workspace of the size it asks for."""
+    space = workspace(graph.get_workspace_size_plan_at_index(index)).data.ptr
+    return time_gpu(lambda _: graph.execute_plan_at_index(pack, space, index=index, handle=handle), [None],
+                    warmup=2, runs=10).median_ms
 
 
 @dataclass
@@ -322,10 +328,7 @@ def enumerate_plans(builder: Callable[[Any], Any], buffers: dict[int, Any] | Non
             except (*_library_errors(), NotImplementedError) as exc:
                 info.error = _first_line(exc)[:120]
             if info.built and time_plans and buffers is not None:
-                space = workspace(info.workspace_bytes or 0)
-                pack = {uid: a.data.ptr for uid, a in buffers.items()}
-                info.time_ms = time_gpu(lambda _: graph.execute_plan_at_index(pack, space.data.ptr, index=i, handle=handle),
-                                        [None], warmup=2, runs=10).median_ms
+                info.time_ms = _time_plan(graph, i, {uid: a.data.ptr for uid, a in buffers.items()}, handle)
             found.append(info)
             if on_plan:
                 on_plan(info)

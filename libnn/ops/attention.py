@@ -556,7 +556,6 @@ UID_RAGGED_Q, UID_RAGGED_K, UID_RAGGED_V, UID_RAGGED_O = range(8, 12)  # layout 
 UID_PAGES_K, UID_PAGES_V = range(12, 14)  # paged k and v: their page tables (one array, passed twice)
 
 
-
 def attention_graph_builder(problem: AttentionProblem):
     """The builder (handle -> cuDNN graph, not yet validated) of q, k, v [, bias, sequence lengths] →
     sdpa → o, one node per line; its tensors carry the uids UID_Q ... UID_O."""
@@ -714,10 +713,10 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     full_q = device_constant(p.B, p.Sq, np.int32) if padded else None
     full_kv = device_constant(p.B, p.Skv, np.int32) if padded else None
     contiguous_bias = bias is None or bias.flags.c_contiguous
-    timing = _decode_timing_arrays(p, q, k, v, bias, full_q, full_kv) if p.Sq == 1 else None
+    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
+    timing = _decode_timing_arrays(q, k, v, new, bias, full_q, full_kv) if p.Sq == 1 else None
     execute = cudnn_backend.graph_for(p, attention_graph_builder(p), p.describe, timing_arrays=timing).executor(uids)
     zero_rows = _bind_zero_rows(p)
-    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, bias):
         o = new()
@@ -740,14 +739,14 @@ def _cudnn(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     return run if not padded and p.bias_shape is None and zero_rows is None else run_masked
 
 
-def _decode_timing_arrays(problem: AttentionProblem, q, k, v, bias, full_q, full_kv):
+def _decode_timing_arrays(q, k, v, new_o, bias, full_q, full_kv):
     """For a one-row (decode) problem, what cuDNN's plans are timed on (graph_for's timing_arrays): the
-    first call's q, k, v and bias, a new o, and full lengths (no host read of the caller's). Its
+    first call's q, k, v and bias, a new o (from `new_o`), and full lengths (no host read of the caller's). Its
     heuristics rank these plans not by speed: on the H100 with cuDNN 9.19 their deterministic first
     choice (kernel config 6) took 1.3 to 1.4 times as long as their third (3) at every decode shape
     timed (benchmarks/RESULTS.md, thirteenth session)."""
     def arrays() -> dict[int, Any]:
-        found = {UID_Q: q, UID_K: k, UID_V: v, UID_O: allocator(_output_shape(problem), dtypes.parse(problem.dtype))()}
+        found = {UID_Q: q, UID_K: k, UID_V: v, UID_O: new_o()}
         if bias is not None:
             found[UID_BIAS] = bias if bias.flags.c_contiguous else bias.copy()
         if full_q is not None:
