@@ -93,6 +93,8 @@ def _linear_paths():
     from libnn.ops import linear
 
     for path in custom_paths("linear"):
+        if path == "gemv":  # one row only: its own item below
+            continue
         for dtype in DTYPES:
             x, w, b = normal((3, 5, 19), dtype), normal((23, 19), dtype, 0.2), normal((23,), dtype)
             linear(x, w, b, "gelu_erf", path=path)
@@ -100,6 +102,20 @@ def _linear_paths():
             linear(x[:, ::2], w, b, path=path)
             if accepts(linear, "residual"):
                 linear(x, w, b, "gelu", residual=normal((3, 5, 23), dtype), path=path)
+
+
+@item("linear and rms_norm_linear: kernels/gemv.cu, one row, N 1 and primes, K 8, 1000 and 2056, bias, residual, "
+      "gelu_erf, the norm in front, SwiGLU behind")
+def _gemv():
+    from libnn.ops import linear, rms_norm_linear
+
+    for dtype in ("fp16", "bf16"):
+        for N, K in ((1, 8), (7, 1000), (131, 2056)):
+            x, w, b, g = normal((1, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype), normal((K,), dtype)
+            linear(x, w, b, "gelu_erf", residual=normal((1, N), dtype), path="gemv")
+            linear(x, w, None, None, path="gemv")
+            rms_norm_linear(x, g, w, b, path="gemv")
+            rms_norm_linear(x, g, normal((2 * N, K), dtype, 0.2), glu="swiglu", path="gemv")
 
 
 @item("linear: the cutlass path (CUTLASS sm90 GEMM with the exact GELU), with and without bias and residual")

@@ -98,14 +98,14 @@ def _host_abs(a):
 
 # --- linear -------------------------------------------------------------------------------------------
 @st.composite
-def linear_specs(draw, dtypes_=GPU_DTYPES, activations=None, aligned=False):
-    """linear's problems; `activations` (default: all) and `aligned` (N and K multiples of 8) narrow them
-    to what one path takes, so that its examples are not nearly all rejected."""
+def linear_specs(draw, dtypes_=GPU_DTYPES, activations=None, aligned=False, one_row=False):
+    """linear's problems; `activations` (default: all), `aligned` (N and K multiples of 8) and `one_row`
+    (M = 1) narrow them to what one path takes, so that its examples are not nearly all rejected."""
     from libnn.ops.linear import ACTIVATIONS
 
     dtype = draw(st.sampled_from(dtypes_))
     features = TINY.map(lambda n: 8 * n) if aligned else SMALL
-    p = dict(lead=draw(st.lists(SMALL, min_size=0, max_size=2)), N=draw(features), K=draw(features), dtype=dtype,
+    p = dict(lead=draw(st.lists(st.just(1) if one_row else SMALL, min_size=0, max_size=2)), N=draw(features), K=draw(features), dtype=dtype,
              bias=draw(st.booleans()), activation=draw(st.sampled_from(activations or ACTIVATIONS)),
              allow_tf32=dtype == "fp32" and draw(st.booleans()),
              x_view=draw(st.sampled_from(VIEWS)), w_view=draw(st.sampled_from(VIEWS)),
@@ -507,6 +507,34 @@ def _build_swiglu(p, rng) -> Case:
     return Case("swiglu", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
 
 
+# --- rms_norm_linear ------------------------------------------------------------------------------------
+@st.composite
+def rms_norm_linear_specs(draw, dtypes_=GPU_DTYPES, one_row=False):
+    """rms_norm_linear's problems; `one_row` (M = 1, K a multiple of 8, fp16/bf16) narrows them to what
+    the gemv path takes."""
+    K = draw(TINY.map(lambda n: 8 * n) | st.sampled_from([1000, 2048]) if one_row else SMALL)
+    p = dict(lead=draw(st.lists(st.just(1) if one_row else TINY, min_size=0, max_size=2)), K=K,
+             N=draw(SMALL), glu=draw(st.sampled_from([None, "swiglu"])), bias=draw(st.booleans()),
+             dtype=draw(st.sampled_from(("fp16", "bf16") if one_row else dtypes_)),
+             eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])), x_view=draw(st.sampled_from(VIEWS)),
+             w_view=draw(st.sampled_from(VIEWS)), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("rms_norm_linear", p)
+
+
+def _build_rms_norm_linear(p, rng) -> Case:
+    from libnn.ops import rms_norm_linear
+
+    lead, K, dtype = tuple(p["lead"]), p["K"], p["dtype"]
+    N = 2 * p["N"] if p["glu"] else p["N"]
+    arrays = {"x": normal(rng, (*lead, K), dtype, 3.0), "norm_weight": normal(rng, (K,), dtype),
+              "w": normal(rng, (N, K), dtype, 1 / math.sqrt(K)), "b": normal(rng, (N,), dtype) if p["bias"] else None}
+
+    def call(a, path):
+        return rms_norm_linear(a["x"], a["norm_weight"], a["w"], a["b"], eps=p["eps"], glu=p["glu"], path=path)
+
+    return Case("rms_norm_linear", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"], "w": p["w_view"]})
+
+
 # --- linear_fp8 -------------------------------------------------------------------------------------------
 FP8_SIZES = st.one_of(SMALL, st.sampled_from([16, 32, 48, 64]))  # cuBLASLt's FP8 GEMMs take N, K multiples of 16
 
@@ -585,11 +613,14 @@ STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": atten
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
               "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs,
               "rms_norm": rms_norm_specs, "swiglu": swiglu_specs, "linear_fp8": linear_fp8_specs,
-              "kv_append": kv_append_specs}
+              "kv_append": kv_append_specs, "rms_norm_linear": rms_norm_linear_specs}
 # Paths that take a narrow slice of their op's problems draw from that slice: linear's cutlass path runs
-# gelu_erf alone, fp16/bf16, N and K multiples of 8 (about 1 in 250 of linear_specs' draws).
+# gelu_erf alone, fp16/bf16, N and K multiples of 8 (about 1 in 250 of linear_specs' draws); the gemv
+# paths one row, fp16/bf16, K a multiple of 8.
 PATH_STRATEGIES = {("linear", "cutlass"): lambda: linear_specs(dtypes_=("fp16", "bf16"), activations=("gelu_erf",),
-                                                               aligned=True)}
+                                                               aligned=True),
+                   ("linear", "gemv"): lambda: linear_specs(dtypes_=("fp16", "bf16"), aligned=True, one_row=True),
+                   ("rms_norm_linear", "gemv"): lambda: rms_norm_linear_specs(one_row=True)}
 
 
 def strategy_for(op: str, path: str):
@@ -601,7 +632,7 @@ _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _bui
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
              "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope,
              "rms_norm": _build_rms_norm, "swiglu": _build_swiglu, "linear_fp8": _build_linear_fp8,
-             "kv_append": _build_kv_append}
+             "kv_append": _build_kv_append, "rms_norm_linear": _build_rms_norm_linear}
 
 
 def build(spec: Spec, base_seed: int) -> Case:

@@ -105,7 +105,7 @@ def test_non_array_input_is_rejected(xw):
 
 def test_paths_report_availability_and_reasons():
     rows = {r["path"]: r for r in libnn.paths("linear")}
-    assert list(rows) == ["cutlass", "cublaslt", "cudnn", "custom", "reference"]
+    assert list(rows) == ["gemv", "cutlass", "cublaslt", "cudnn", "custom", "reference"]
     assert rows["reference"]["available"] == "yes"
     if gpu_missing():
         assert rows["cublaslt"]["available"] == "no" and rows["cublaslt"]["reason"]
@@ -124,6 +124,9 @@ def every_library_present(monkeypatch):
     monkeypatch.setattr(cutlass, "missing", lambda device_id: None)
     monkeypatch.setattr(device, "multiprocessors", lambda device_id: 132)  # an H100 SXM
     monkeypatch.setattr(memory, "gpu_available_bytes", lambda: 80 * 2**30)  # a bind checks the output fits
+
+
+GEMV_M4096 = "M=4096: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"
 
 
 def gpu_problem(activation, dtype="fp16", M=4096, N=3072, K=768, bias=True, residual=False):
@@ -145,7 +148,7 @@ def test_auto_puts_cutlass_first_for_gelu_erf(every_library_present, dtype, resi
     beats cudnn's fused graph, at BERT's FFN shapes on the H100: the declared order stands."""
     names, passed_over = resolved(gpu_problem("gelu_erf", dtype, residual=residual))
     assert names == ["cutlass", "cublaslt", "cudnn", "custom"]
-    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU"}
+    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU", "gemv": GEMV_M4096}
 
 
 @pytest.mark.parametrize("M, N, tiles", [(128, 3072, "16 output tiles of 128x192"), (2048, 1536, "128 output tiles of 128x192"),
@@ -189,8 +192,27 @@ def test_gelu_erf_without_nvcc_keeps_cublaslt_first(every_library_present, monke
 def test_auto_keeps_cublaslt_first_where_its_epilogue_computes_the_activation(every_library_present, activation):
     names, passed_over = resolved(gpu_problem(activation))
     assert names == ["cublaslt", "cudnn", "custom"]
-    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU",
+    assert passed_over == {"reference": "runs on the CPU, the arrays are on the GPU", "gemv": GEMV_M4096,
                            "cutlass": "only the gelu_erf epilogue (cuBLASLt fuses every other activation)"}
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_erf"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_auto_puts_gemv_first_at_one_row(every_library_present, activation, dtype):
+    """A batch-1 decode step's GEMM: kernels/gemv.cu first, every activation in its epilogue."""
+    names, _ = resolved(gpu_problem(activation, dtype, M=1, N=3072, K=2048, residual=True))
+    assert names[0] == "gemv" and "cublaslt" in names
+
+
+@pytest.mark.parametrize("M, K, dtype, why", [
+    (2, 2048, "fp16", "M=2: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"),
+    (1, 2050, "fp16", "K=2050: the GEMV kernel takes K a multiple of 8 up to 24576"),
+    (1, 24584, "bf16", "K=24584: the GEMV kernel takes K a multiple of 8 up to 24576"),
+    (1, 2048, "fp32", "dtype fp32 is not supported (supported: fp16, bf16)"),
+], ids=["two-rows", "odd-K", "long-K", "fp32"])
+def test_gemv_passes_over_what_it_cannot_take(every_library_present, M, K, dtype, why):
+    names, passed_over = resolved(gpu_problem(None, dtype, M=M, K=K))
+    assert "gemv" not in names and passed_over["gemv"] == why
 
 
 @pytest.mark.parametrize("problem, why", [

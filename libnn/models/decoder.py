@@ -80,13 +80,15 @@ import numpy as np
 from libnn import dtypes
 from libnn.models import checkpoint
 from libnn.nn import checks
-from libnn.nn.functional import gather_rows, on_device_of, op_path
+from libnn.nn.functional import dense, gather_rows, on_device_of, op_path
 from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
+from libnn.nn.norm import RMSNorm
 from libnn.ops.attention import CheckedLengths, CheckedPageTable, attention
 from libnn.ops.kv_append import kv_append
-from libnn.ops.linear import linear
+from libnn.ops.rms_norm_linear import rms_norm_linear
+from libnn.ops.swiglu import swiglu
 from libnn.registry import get_op
 from libnn.runtime import memory
 from libnn.runtime.arrays import array_module, as_array, is_cupy, min_max
@@ -204,6 +206,8 @@ class DecoderModel(Module):
     (x, the hidden states, (B, S, hidden_size); `step` the forward pass's Step):
       - forward(ids, step) → x after the last layer: the embeddings, then every layer with the step;
       - final_norm(rows) → the normalized hidden rows lm_head reads;
+      - final_rms_norm() → that norm where it is an RMSNorm with a weight, which lm_head's GEMM then takes
+        in front (norm_then_dense: rms_norm_linear), else None (the default);
       - word_embeddings → the (vocab, hidden) table: a tied lm_head, and the model's dtype and device;
       - rotary_frequencies() → the rotary inv_freq (host float32), or None: k enters the cache unrotated;
       - pack() and move_packed_to_gpu(): weights stacked at load (several layers' weights in one GEMM),
@@ -227,6 +231,9 @@ class DecoderModel(Module):
 
     def final_norm(self, rows: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not define final_norm()")
+
+    def final_rms_norm(self) -> RMSNorm | None:
+        return None
 
     def describe(self, placement: str) -> list[str]:
         raise NotImplementedError(f"{type(self).__name__} does not define describe()")
@@ -304,6 +311,33 @@ def path_for(path: str | dict[str, str], op: str) -> str:
     "cudnn" leaves rope and swiglu, which have none, on auto)."""
     name = op_path(path, op)
     return name if name == "auto" or name in get_op(op).paths else "auto"
+
+
+COMPOSED_OPS = ("rms_norm", "linear", "swiglu")  # what rms_norm_linear computes, op by op
+
+
+def fused_norm_path(path: str | dict[str, str]) -> str | None:
+    """rms_norm_linear's path under a model's `path`: its own entry in a dict; None where the spec forces a
+    path on rms_norm, linear or swiglu (a dict entry, or one name rms_norm_linear has no path of, such as
+    "cudnn"), so that the model runs those ops on the paths asked for; else "auto"."""
+    if isinstance(path, dict) and "rms_norm_linear" not in path:
+        forced = any(op_path(path, op) != "auto" for op in COMPOSED_OPS)
+    else:
+        forced = op_path(path, "rms_norm_linear") not in ("auto", *get_op("rms_norm_linear").paths)
+    return None if forced else op_path(path, "rms_norm_linear")
+
+
+def norm_then_dense(x: Any, norm: RMSNorm, weight: Any, bias: Any, w_scale: Any, path: str | dict[str, str],
+                    glu: str | None = None) -> Any:
+    """dense(norm(x)) for a Linear's weight in either form (nn.functional.dense), then swiglu where glu:
+    one rms_norm_linear call (one kernel at batch 1) where the weight is not quantised, the norm has a
+    weight and `path` leaves the choice to it (fused_norm_path); otherwise the norm, the GEMM and swiglu
+    in turn, each on its own path."""
+    fused = fused_norm_path(path)
+    if w_scale is None and norm.weight is not None and fused is not None:
+        return rms_norm_linear(x, norm.weight, weight, bias, eps=norm.eps, glu=glu, path=fused)
+    y = dense(norm(x), weight, bias, w_scale=w_scale, path=path_for(path, "linear"))
+    return swiglu(y, path=path_for(path, "swiglu")) if glu else y
 
 
 class Layers(Module):
@@ -723,8 +757,12 @@ class CausalLM(Module):
     def _logits(self, rows: Any) -> Any:
         """(B, vocab_size) from the last hidden rows (B, H): the final norm, then lm_head (the word
         embeddings when tied)."""
-        h = self.base_model.final_norm(rows)
-        return linear(h, self._table, path=path_for(self.path, "linear")) if self.lm_head is None else self.lm_head(h)
+        head = (self._table, None, None) if self.lm_head is None else \
+            (self.lm_head.weight, self.lm_head.bias, self.lm_head.weight_scale)
+        if (norm := self.base_model.final_rms_norm()) is not None:
+            return norm_then_dense(rows, norm, *head, self.path)
+        return dense(self.base_model.final_norm(rows), *head[:2], w_scale=head[2],
+                     path=path_for(self.path, "linear"))
 
     def _check_ids(self, ids: Any, where: str, name: str) -> None:
         """ids in [0, vocab_size): one synchronisation on the GPU."""

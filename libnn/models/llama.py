@@ -15,17 +15,19 @@ At load q, k and v are stacked into one (Hq + 2 Hkv) D x H weight and gate and u
 one GEMM each; the projections' parameters are views into them.
 
 What runs, per decoder layer (pre-norm; ops in libnn.ops, each on its `auto` path):
-    n  = rms_norm(x, input_layernorm)
-    q, k, v = views of linear(n, W_qkv)                      one GEMM
+    q, k, v = views of rms_norm_linear(x, input_layernorm, W_qkv)       rms_norm then one GEMM
     q = rope(q); kv_append(k, v)                              k rotated and v written into the KV cache at
                                                              each token's position, one kernel
     o  = attention(q, K cache, V cache)                      causal + padding lengths (prefill); q of one
                                                              token against each sequence's cached length (decode)
     h  = linear(o, W_o, residual=x)                          the residual in the GEMM's epilogue
-    x' = linear(swiglu(linear(rms_norm(h), W_gate_up)), W_down, residual=h)
-then model.norm and lm_head on each sequence's last position only. Both residual adds sit in GEMM
-epilogues, so rms_norm runs plain (its residual/return_sum fusion would move the add out of the GEMM
-into the norm, the same traffic).
+    a  = rms_norm_linear(h, post_attention_layernorm, W_gate_up, glu="swiglu")
+    x' = linear(a, W_down, residual=h)
+then rms_norm_linear(model.norm, lm_head) on each sequence's last position only. rms_norm_linear is one
+kernel at batch 1 (kernels/gemv.cu: the norm staged in front of the GEMV, SwiGLU in its epilogue) and
+rms_norm, linear and swiglu in turn otherwise, or where the model's path forces one of them, or for FP8
+weights (models.decoder.norm_then_dense). Both residual adds sit in GEMM epilogues, so rms_norm runs
+plain (its residual/return_sum fusion would move the add out of the GEMM into the norm, the same traffic).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from libnn.models.decoder import (FLOAT32_MAX, Architecture, CausalLM, DecoderConfig, DecoderModel, Layers,
-                                  LoadReport, Step, checked_model_type, layer_range, path_for,
-                                  register, token_fields)
+                                  LoadReport, Step, checked_model_type, layer_range, norm_then_dense,
+                                  path_for, register, token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
@@ -47,7 +49,6 @@ from libnn.nn.module import Module
 from libnn.nn.norm import RMSNorm
 from libnn.ops.embedding import embedding
 from libnn.ops.rope import SCALING_TYPES, rope, rope_frequencies
-from libnn.ops.swiglu import swiglu
 from libnn.runtime.arrays import as_array
 
 # CausalLM: this module's since LLaMA was libnn's one decoder; the class is libnn.models.decoder's
@@ -56,7 +57,7 @@ __all__ = ["CausalLM", "LlamaConfig", "LlamaModel", "LLAMA"]
 MODEL_TYPES = ("llama",)
 CLASS_NAMES = ("LlamaForCausalLM",)
 HIDDEN_ACTS = ("silu",)
-OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "kv_append", "swiglu")  # the ops a forward pass calls
+OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "kv_append", "swiglu", "rms_norm_linear")  # the ops a forward pass calls
 # The config's sizes and the least each may be (no decoder layers leaves embeddings and lm_head, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1,
          "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 1}
@@ -274,6 +275,11 @@ class LlamaMLP(Module):
         return _stacked(self, *self.stacks()[0])
 
 
+def _normed(x: Any, norm: RMSNorm, stacked: StackedLinear, path: Any, glu: str | None = None) -> Any:
+    """The stacked GEMM of norm(x), then glu: rms_norm_linear where it may run (norm_then_dense)."""
+    return norm_then_dense(x, norm, stacked.weight, stacked.bias, stacked.weight_scale, path, glu)
+
+
 class LlamaDecoderLayer(Module):
     def __init__(self, c: LlamaConfig, dtype: Any, device: str, path: Any):
         super().__init__()
@@ -291,15 +297,14 @@ class LlamaDecoderLayer(Module):
         c, path = self.config, self.path
         B, S, _ = x.shape
         Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
-        n = self.input_layernorm(x)
-        qkv = self.self_attn.packed()(n, path=path_for(path, "linear"))
+        qkv = _normed(x, self.input_layernorm, self.self_attn.packed(), path)
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         q = rope(q, step.positions, step.inv_freq, path=path_for(path, "rope"))
         o = step.attend(index, q, k, v, path)
         h = self.self_attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
-        gate_up = self.mlp.packed()(self.post_attention_layernorm(h), path=path_for(path, "linear"))
-        return self.mlp.down_proj(swiglu(gate_up, path=path_for(path, "swiglu")), residual=h)
+        a = _normed(h, self.post_attention_layernorm, self.mlp.packed(), path, glu="swiglu")
+        return self.mlp.down_proj(a, residual=h)
 
 
 class LlamaModel(DecoderModel):
@@ -323,6 +328,9 @@ class LlamaModel(DecoderModel):
 
     def final_norm(self, rows: Any) -> Any:
         return self.norm(rows)
+
+    def final_rms_norm(self) -> RMSNorm:
+        return self.norm
 
     def rotary_frequencies(self) -> np.ndarray:
         return self.config.inv_freq

@@ -8,6 +8,11 @@ that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's n
 "gelu" is never substituted for "gelu_erf".
 
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
+- gemv:      one row of x (M = 1: a batch-1 decode step), fp16/bf16, K a multiple of 8 up to 24576, x and
+             w 16-byte aligned: kernels/gemv.cu, a bandwidth kernel that streams w once (each warp whole
+             rows, fp32 FFMA, a fixed summation order) with bias, residual and every activation in its
+             epilogue. At a decode step's shapes it matches or beats cuBLASLt, and a chain of them with the
+             norms and SwiGLU fused (ops/rms_norm_linear.py) beats cuBLASLt's chain (benchmarks/RESULTS.md).
 - cutlass:   "gelu_erf" alone, on Hopper: CUTLASS 3's sm90 TMA + wgmma GEMM with bias, residual and the
              exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu, built by nvcc at first use; needs
              the nvidia-cutlass headers and nvcc). One kernel where cuBLASLt needs a second pass.
@@ -55,7 +60,7 @@ ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
-op = Op("linear", order=("cutlass", "cublaslt", "cudnn", "custom", "reference"))
+op = Op("linear", order=("gemv", "cutlass", "cublaslt", "cudnn", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -416,6 +421,68 @@ def _reference(problem: LinearProblem, x, w, b, r):
     if r is not None:
         y += r.astype(np.float64).reshape(y.shape)
     return activations.apply(y, problem.activation).astype(x.dtype)
+
+
+# --- gemv path: kernels/gemv.cu --------------------------------------------------------------------
+_GEMV = contracts.params("gemv.cu", "GEMV_PARAMS")  # every gemv kernel's parameters
+_GV = contracts.constants("gemv.cu")
+GEMV_DTYPES = ("fp16", "bf16")
+
+
+def gemv_support(M: int, K: int, dtype: str) -> str | None:
+    """Why kernels/gemv.cu cannot take M rows of K features in `dtype` (None: it can)."""
+    if M != 1:
+        return f"M={M}: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"
+    if dtype not in GEMV_DTYPES:
+        return f"dtype {dtype} is not supported (supported: {', '.join(GEMV_DTYPES)})"
+    if K % 8 or K > _GV["GEMV_MAX_K"]:
+        return f"K={K}: the GEMV kernel takes K a multiple of 8 up to {_GV['GEMV_MAX_K']}"
+    return None
+
+
+def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0):
+    """kernels/gemv.cu's launch for y (R,) = act(x' @ w.T + bias + residual), or with `glu` SwiGLU of the
+    (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y), each a
+    pointer or None; gamma (K,) RMS-normalises x with `eps` first. Programmatic on sm_90 and newer."""
+    rows = N // 2 if glu else N
+    blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
+                 _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(int(device.split(":")[1])))
+    kernel = f"gemv{'_glu' if glu else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
+    return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],),
+                       _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,
+                                  gamma=launch.ARRAY, y=launch.ARRAY, N=N, K=K, eps=eps,
+                                  act=activations.KERNEL_CODES[activation]),
+                       shared_mem=4 * K, programmatic=launch.programmatic_supported(device))
+
+
+def refuse_unaligned_gemv(x, w) -> None:
+    """LibraryError unless x and w are 16-byte aligned, as kernels/gemv.cu's 16-byte loads need."""
+    misaligned = [name for name, a in (("x", x), ("w", w)) if a.data.ptr % 16]
+    if misaligned:
+        raise LibraryError(f"kernels/gemv.cu needs x and w 16-byte aligned; {' and '.join(misaligned)} "
+                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+
+
+def _gemv_support(problem: LinearProblem) -> str | None:
+    return gemv_support(problem.M, problem.K, problem.dtype)
+
+
+@op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
+def _gemv(problem: LinearProblem, x, w, b, r):
+    return _bind_gpu(bind_gemv, True, problem, x, w, b, r)
+
+
+def bind_gemv(problem: LinearProblem, x, w, b, r=None):
+    """The runner of kernels/gemv.cu for C-contiguous (1, K), (N, K), (N,) and (1, N) CuPy arrays."""
+    refuse_unaligned_gemv(x, w)
+    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device)
+    new = allocator((problem.M, problem.N), x.dtype)
+
+    def run(x, w, b, r):
+        y = new()
+        kernel(x, w, b, r, None, y)
+        return y
+    return run
 
 
 # --- custom path: kernels/gemm.cu -------------------------------------------------------------------

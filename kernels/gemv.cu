@@ -1,0 +1,204 @@
+/*
+linear's and rms_norm_linear's GEMV path: a decode step's matrix-vector products at batch 1, streaming w once
+at close to the copy rate, with the fusions a decoder layer wants around its GEMMs (version 1; the
+figures are in benchmarks/RESULTS.md, fourteenth session):
+
+    x         (K,) one row; with `gamma`, RMS-normalised first (below)
+    w         (N, K) row-major, contiguous (nn.Linear's weight; a stacked QKV or gate_up weight)
+    y[n]      = act(sum_k x'[k] w[n, k] + bias[n] + residual[n])              gemv_*
+    y[f]      = silu(v[f]) * v[F + f],  v = x' @ w.T + bias,  F = N / 2         gemv_glu_* (SwiGLU)
+    x'[k]     = x[k] where gamma is null; else (x[k] * rstd * gamma[k]) rounded to T,
+                rstd = 1 / sqrt((1/K) sum_k x[k]^2 + eps)        (kernels/rms_norm.cu's formula: rsqrtf, the
+                mean by div.full; the sum of squares in another order, so not always the same bits)
+
+Algorithm (a bandwidth kernel in the style of llm.c dev/cuda, not a tiled GEMM): each warp takes whole
+rows of w, grid-strided (with GLU the pair of rows f and F + f, so that the gate and up sums meet in one
+warp), and walks a row in batches of B 16-byte chunks per lane (lane l: chunks 32 (b B + u) + l), with
+non-caching loads, two batches in flight (the next row's first batch loads while a row finishes). x'
+sits in shared memory in fp32, staged once per block. Products are summed in fp32 by FFMA in chunk order
+per lane and the lanes' sums by a butterfly (__shfl_xor_sync): a fixed order, so results repeat bit for
+bit. The epilogue (bias, residual, activation; or SwiGLU) is in fp32, rounded once to T. No tensor
+cores: at one row the GEMV is bound by w's bytes, which FFMA keeps up with; at 2 and 4 rows (an earlier
+draft) the FFMA and shared-memory reads of x' were the bound, and cuBLASLt won, so M = 1 only.
+
+Activations (kernels/common.cuh's codes): none, relu, gelu (tanh), gelu_erf. NaN propagates.
+T: fp16 or bf16 (raw 16-bit words converted with PTX; no CUDA toolkit header); sm_80 or newer.
+
+LAUNCH (every kernel takes the same parameters)
+    (const T* x, const T* w, const T* bias, const T* residual, const T* gamma, T* y, int N, int K,
+     float eps, int act)
+    block (GEMV_THREADS, 1, 1), grid (min(ceil(R / GEMV_WARPS), GEMV_BLOCKS_PER_SM x SMs), 1, 1), R = N rows
+    (N / 2 row pairs with GLU); dynamic shared memory 4 K bytes (above 48 KB the launcher opts in).
+    Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0; x and w 16-byte aligned;
+    bias, residual and gamma may be null (residual null and act none with GLU); y (R,) overlaps no
+    input. On sm_90 and newer it is launched with programmatic stream serialization: it loads its first
+    two batches of w, then waits (pdl_wait) for the kernel ahead, whose output x is, and lets the kernel
+    after it start once every block has staged x'.
+*/
+#include "common.cuh"
+
+constexpr int GEMV_THREADS = 256;
+constexpr int GEMV_WARPS = GEMV_THREADS / 32;
+constexpr int GEMV_CHUNKS = 8;          // 16-byte chunks of w a lane has in each of its two batches in flight
+constexpr int GEMV_BLOCKS_PER_SM = 2;   // the launch bound (<= 128 registers) and the grid's blocks per SM
+constexpr int GEMV_MAX_K = 24576;       // x' in fp32 shared memory, 4 K bytes: two blocks an SM still fit
+static_assert(2 * 4 * GEMV_MAX_K <= 227 * 1024, "two blocks' x' fit in an SM's shared memory");
+
+namespace gemvk {
+
+using namespace libnn;
+
+// 16 bytes of w, not kept in L1 (each is read once)
+__device__ __forceinline__ u32x4 ld_stream(const void* p) {
+    u32x4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
+    return v;
+}
+
+template <class DT>
+__device__ __forceinline__ void unpack8(const u32x4& v, float* f) {
+    const u32 words[4] = {v.a, v.b, v.c, v.d};
+#pragma unroll
+    for (int e = 0; e < 8; e++) f[e] = DT::ld((typename DT::T)(words[e / 2] >> (16 * (e & 1))));
+}
+
+// x' into xs (K floats): x, or its RMS normalisation rounded to T. Ends with a __syncthreads().
+template <class DT>
+__device__ __forceinline__ void stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                        float* xs, int K, float eps) {
+    __shared__ float red[GEMV_WARPS];
+    const int t = threadIdx.x, groups = K / 8;
+    float rstd = 1.f;
+    if (gamma) {
+        float ss = 0.f;
+        for (int i = t; i < groups; i += GEMV_THREADS) {
+            float f[8];
+            unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
+        rstd = rsqrtf(fdiv_full(ss, (float)K) + eps);
+    }
+    for (int i = t; i < groups; i += GEMV_THREADS) {
+        float f[8];
+        unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
+        if (gamma) {
+            float g[8];
+            unpack8<DT>(*reinterpret_cast<const u32x4*>(gamma + 8 * i), g);
+#pragma unroll
+            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(f[e] * rstd * g[e]));
+        }
+        float4* d = reinterpret_cast<float4*>(xs + 8 * i);
+        d[0] = make_float4(f[0], f[1], f[2], f[3]);
+        d[1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    __syncthreads();
+}
+
+// batch `b` of row `row` (chunks 32 (b B + u) + lane, u < B; zeros past the row) into buf
+template <int B>
+__device__ __forceinline__ void load_batch(u32x4* buf, const unsigned short* __restrict__ w, i64 row, int b,
+                                           int chunks, int K, int lane, bool live) {
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+        const int c = 32 * (b * B + u) + lane;
+        buf[u] = live && c < chunks ? ld_stream(w + row * K + 8 * c) : u32x4{0u, 0u, 0u, 0u};
+    }
+}
+
+// acc + the dot product of batch b's chunks with x'
+template <class DT, int B>
+__device__ __forceinline__ float fma_batch(float acc, const u32x4* buf, const float* xs, int b, int chunks, int lane) {
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+        const int c = 32 * (b * B + u) + lane;
+        if (c >= chunks) break;
+        float wf[8];
+        unpack8<DT>(buf[u], wf);
+        const float4* xv = reinterpret_cast<const float4*>(xs + 8 * c);
+        const float4 x0 = xv[0], x1 = xv[1];
+        acc = fmaf(wf[0], x0.x, acc); acc = fmaf(wf[1], x0.y, acc); acc = fmaf(wf[2], x0.z, acc);
+        acc = fmaf(wf[3], x0.w, acc); acc = fmaf(wf[4], x1.x, acc); acc = fmaf(wf[5], x1.y, acc);
+        acc = fmaf(wf[6], x1.z, acc); acc = fmaf(wf[7], x1.w, acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f)
+template <class DT, bool GLU>
+__device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
+                                     const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ residual,
+                                     const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
+                                     int N, int K, float eps, int act) {
+    constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW;
+    extern __shared__ __align__(16) float xs[];
+    const int lane = threadIdx.x & 31, warps = gridDim.x * GEMV_WARPS;
+    const int gw = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int R = N / RW, chunks = K / 8, batches = (chunks + 32 * B - 1) / (32 * B);
+    const int items = gw < R ? ((R - 1 - gw) / warps + 1) * batches : 0;
+    // item j: batch j % batches of this warp's row j / batches (rows gw, gw + warps, ...)
+    auto load = [&](u32x4* buf, int j) {
+        const i64 row = gw + (i64)(j / batches) * warps;
+#pragma unroll
+        for (int r = 0; r < RW; r++) load_batch<B>(buf + r * B, w, row + (i64)r * R, j % batches, chunks, K, lane, j < items);
+    };
+    u32x4 buf0[RW * B], buf1[RW * B];
+    load(buf0, 0);
+    load(buf1, 1);
+    pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
+    stage_x<DT>(x, gamma, xs, K, eps);
+    pdl_launch_dependents();
+    float acc[RW];
+#pragma unroll
+    for (int r = 0; r < RW; r++) acc[r] = 0.f;
+    auto step = [&](u32x4* buf, int j) {
+        const int b = j % batches;
+#pragma unroll
+        for (int r = 0; r < RW; r++) acc[r] = fma_batch<DT, B>(acc[r], buf + r * B, xs, b, chunks, lane);
+        load(buf, j + 2);
+        if (b != batches - 1) return;
+        const int n = gw + (j / batches) * warps;
+        float v[RW];
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            v[r] = warp_sum(acc[r]) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
+            acc[r] = 0.f;
+        }
+        if (lane != 0) return;
+        if (GLU) y[n] = DT::st(apply_act<1u << ACT_SILU>(v[0], ACT_SILU) * v[RW - 1]);
+        else y[n] = DT::st(apply_act<ACT_LINEAR | 1u << ACT_GELU_ERF>(v[0] + (residual ? DT::ld(residual[n]) : 0.f), act));
+    };
+    for (int j = 0; j < items; j += 2) {
+        step(buf0, j);
+        if (j + 1 < items) step(buf1, j + 1);
+    }
+}
+
+}  // namespace gemvk
+
+#define GEMV_PARAMS(T) const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,          \
+    const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act
+
+#define GEMV(NAME, DT, GLU)                                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM) NAME(GEMV_PARAMS(libnn::DT::T)) { \
+        gemvk::gemv<libnn::DT, GLU>(x, w, bias, residual, gamma, y, N, K, eps, act);                      \
+    }
+
+GEMV(gemv_f16, dt_f16, false)
+GEMV(gemv_glu_f16, dt_f16, true)
+GEMV(gemv_bf16, dt_bf16, false)
+GEMV(gemv_glu_bf16, dt_bf16, true)

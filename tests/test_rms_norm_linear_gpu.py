@@ -1,0 +1,153 @@
+"""kernels/gemv.cu on the GPU, through both ops that run it: linear's gemv path (bias, residual and every
+activation in the epilogue) and rms_norm_linear's (the RMS norm staged in front, SwiGLU in the epilogue),
+against the float64 reference on odd shapes (N = 1, primes, K = 8 and non-multiples of 256 chunks, a
+decode step's 3072 x 2048, a K of 8192 and a long row near the kernel's limit), fp16 and bf16, outputs
+poisoned; the bound call against new arrays; strided inputs copied; misaligned ones refused visibly
+under auto; a rows-at-once problem passed to the next path; results repeat bit for bit; rms_norm_linear's
+unfused path at more rows. Tolerances: relative L2 error fp16/bf16 1e-2 (dtypes.TOLERANCE)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import libnn
+from libnn import dtypes
+from libnn.errors import FallbackWarning
+from libnn.ops import linear, rms_norm_linear
+from conftest import random_normal, rel_error
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["fp16", "bf16"]
+# (N, K): N = 1 and primes; K = 8 (one chunk), 1000 (125 chunks: a batch partly past the row), 2056
+# (257 chunks: a second batch of one chunk); a decode step's QKV 3072 x 2048 and down 2048 x 8192
+SHAPES = [(1, 8), (7, 1000), (131, 2056), (3072, 2048), (2048, 8192), (5, 24576)]
+GLU_SHAPES = [(2, 8), (14, 1000), (262, 2056), (16384, 2048)]
+
+
+def gpu(a):
+    import cupy
+    return cupy.asarray(a)
+
+
+def weights(rng, N, K, dtype):
+    """w scaled so that the outputs stay O(1) whatever K is."""
+    return random_normal(rng, (N, K), dtype, 1 / np.sqrt(K))
+
+
+def reference_norm_linear(x, g, w, b=None, glu=None, eps=1e-6):
+    return rms_norm_linear(*(np.asarray(a).astype(np.float64) if a is not None else None for a in (x, g, w, b)),
+                           eps=eps, glu=glu, path="reference")
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_erf"])
+@pytest.mark.parametrize("N, K", SHAPES, ids=str)
+def test_linear_gemv_matches_reference(rng, N, K, activation, dtype):
+    x, w = random_normal(rng, (1, K), dtype), weights(rng, N, K, dtype)
+    b, r = random_normal(rng, (N,), dtype), random_normal(rng, (1, N), dtype)
+    y = linear(gpu(x), gpu(w), gpu(b), activation, residual=gpu(r), path="gemv")
+    expected = linear(*(a.astype(np.float64) for a in (x, w, b)), activation, residual=r.astype(np.float64),
+                      path="reference")
+    assert y.shape == (1, N) and y.dtype == x.dtype
+    assert rel_error(y, expected) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", SHAPES, ids=str)
+def test_rms_norm_linear_gemv_matches_reference(rng, N, K, dtype):
+    x, g, w = random_normal(rng, (1, 1, K), dtype, 3.0), random_normal(rng, (K,), dtype), weights(rng, N, K, dtype)
+    b = random_normal(rng, (N,), dtype)
+    y = rms_norm_linear(gpu(x), gpu(g), gpu(w), gpu(b), eps=1e-5, path="gemv")
+    assert y.shape == (1, 1, N) and y.dtype == x.dtype
+    assert rel_error(y, reference_norm_linear(x, g, w, b, eps=1e-5)) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", GLU_SHAPES, ids=str)
+def test_rms_norm_linear_gemv_with_swiglu_matches_reference(rng, N, K, dtype):
+    x, g, w = random_normal(rng, (1, K), dtype), random_normal(rng, (K,), dtype), weights(rng, N, K, dtype)
+    y = rms_norm_linear(gpu(x), gpu(g), gpu(w), glu="swiglu", path="gemv")
+    assert y.shape == (1, N // 2)
+    assert rel_error(y, reference_norm_linear(x, g, w, glu="swiglu")) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_auto_takes_gemv_at_one_row_and_unfused_at_more(rng, dtype):
+    K, N = 264, 96
+    g, w = random_normal(rng, (K,), dtype), weights(rng, N, K, dtype)
+    for rows, path in ((1, "gemv"), (5, "unfused")):
+        x = random_normal(rng, (rows, K), dtype)
+        y = rms_norm_linear(gpu(x), gpu(g), gpu(w), glu="swiglu")
+        assert libnn.get_op("rms_norm_linear").last_decision.path == path
+        assert rel_error(y, reference_norm_linear(x, g, w, glu="swiglu")) <= dtypes.TOLERANCE[dtype]
+    linear(gpu(x[:1]), gpu(w))
+    assert libnn.get_op("linear").last_decision.path == "gemv"
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_the_bound_call_reads_new_arrays_each_call(rng):
+    K, N = 512, 40
+    g, w = gpu(random_normal(rng, (K,), "fp16")), gpu(weights(rng, N, K, "fp16"))
+    for _ in range(3):  # one signature, three calls: each result is its own call's
+        x = random_normal(rng, (1, K), "fp16")
+        y = rms_norm_linear(gpu(x), g, w)
+        assert rel_error(y, reference_norm_linear(x, g.get(), w.get())) <= 1e-2
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+def test_strided_inputs_are_copied(rng):
+    """x a column slice of a wider row, w every other row of a larger weight: both copied first."""
+    K, N = 256, 24
+    wide = random_normal(rng, (1, 2 * K), "fp16")
+    big = weights(rng, 2 * N, K, "fp16")
+    g = random_normal(rng, (K,), "fp16")
+    y = rms_norm_linear(gpu(wide)[:, K:], gpu(g), gpu(big)[::2], path="gemv")
+    assert rel_error(y, reference_norm_linear(wide[:, K:], g, big[::2])) <= 1e-2
+
+
+def test_misaligned_x_falls_back_visibly(rng):
+    """x one element past an aligned start: the 16-byte loads cannot take it; auto says so and runs
+    cuBLASLt (the next path), forced gemv raises the same reason."""
+    import cupy
+
+    K, N = 64, 16
+    x = random_normal(rng, (1, K), "fp16")
+    buf = cupy.zeros(K + 1, cupy.float16)
+    buf[1:] = cupy.asarray(x[0])
+    shifted, w = buf[1:].reshape(1, K), gpu(weights(rng, N, K, "fp16"))
+    with pytest.warns(FallbackWarning, match="kernels/gemv.cu needs x and w 16-byte aligned; x is not"):
+        y = linear(shifted, w)
+    assert rel_error(y, x.astype(np.float64) @ w.get().astype(np.float64).T) <= 1e-2
+    with pytest.raises(libnn.LibraryError, match="x is not"):
+        linear(shifted, w, path="gemv")
+
+
+def test_two_rows_are_refused_by_name():
+    with pytest.raises(libnn.PathUnavailableError, match="M=2: the GEMV kernel takes one row"):
+        linear(gpu(np.ones((2, 16), np.float16)), gpu(np.ones((8, 16), np.float16)), path="gemv")
+
+
+def test_results_repeat_bit_for_bit(rng):
+    K, N = 2048, 3072
+    x, g, w = (gpu(random_normal(rng, s, "bf16")) for s in ((1, K), (K,), (N, K)))
+    first = rms_norm_linear(x, g, w, glu="swiglu", path="gemv").get()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            assert np.array_equal(rms_norm_linear(x, g, w, glu="swiglu", path="gemv").get().view(np.uint16),
+                                  first.view(np.uint16))
+
+
+@pytest.mark.usefixtures("poisoned_gpu_memory")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_unfused_matches_reference(rng, dtype):
+    x, g, w = random_normal(rng, (3, 7, 40), dtype), random_normal(rng, (40,), dtype), weights(rng, 22, 40, dtype)
+    y = rms_norm_linear(gpu(x), gpu(g), gpu(w), glu="swiglu", path="unfused")
+    assert y.shape == (3, 7, 11)
+    assert rel_error(y, reference_norm_linear(x, g, w, glu="swiglu")) <= dtypes.TOLERANCE[dtype]
