@@ -206,8 +206,8 @@ def test_auto_puts_gemv_first_at_one_row(every_library_present, activation, dtyp
 
 @pytest.mark.parametrize("M, K, dtype, why", [
     (2, 2048, "fp16", "M=2: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"),
-    (1, 2050, "fp16", "K=2050: the GEMV kernel takes K a multiple of 8 up to 24576"),
-    (1, 24584, "bf16", "K=24584: the GEMV kernel takes K a multiple of 8 up to 24576"),
+    (1, 2050, "fp16", "K=2050: the GEMV kernel takes K a multiple of 8 from 8 to 24576"),
+    (1, 24584, "bf16", "K=24584: the GEMV kernel takes K a multiple of 8 from 8 to 24576"),
     (1, 2048, "fp32", "dtype fp32 is not supported (supported: fp16, bf16)"),
 ], ids=["two-rows", "odd-K", "long-K", "fp32"])
 def test_gemv_passes_over_what_it_cannot_take(every_library_present, M, K, dtype, why):

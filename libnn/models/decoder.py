@@ -313,12 +313,12 @@ def path_for(path: str | dict[str, str], op: str) -> str:
     return name if name == "auto" or name in get_op(op).paths else "auto"
 
 
-COMPOSED_OPS = ("rms_norm", "linear", "swiglu")  # what rms_norm_linear computes, op by op
+COMPOSED_OPS = ("rms_norm", "linear", "linear_fp8", "swiglu")  # what rms_norm_linear computes, op by op
 
 
 def fused_norm_path(path: str | dict[str, str]) -> str | None:
     """rms_norm_linear's path under a model's `path`: its own entry in a dict; None where the spec forces a
-    path on rms_norm, linear or swiglu (a dict entry, or one name rms_norm_linear has no path of, such as
+    path on rms_norm, linear, linear_fp8 or swiglu (a dict entry, or one name rms_norm_linear has no path of, such as
     "cudnn"), so that the model runs those ops on the paths asked for; else "auto"."""
     if isinstance(path, dict) and "rms_norm_linear" not in path:
         forced = any(op_path(path, op) != "auto" for op in COMPOSED_OPS)
@@ -329,13 +329,13 @@ def fused_norm_path(path: str | dict[str, str]) -> str | None:
 
 def norm_then_dense(x: Any, norm: RMSNorm, weight: Any, bias: Any, w_scale: Any, path: str | dict[str, str],
                     glu: str | None = None) -> Any:
-    """dense(norm(x)) for a Linear's weight in either form (nn.functional.dense), then swiglu where glu:
-    one rms_norm_linear call (one kernel at batch 1) where the weight is not quantised, the norm has a
-    weight and `path` leaves the choice to it (fused_norm_path); otherwise the norm, the GEMM and swiglu
-    in turn, each on its own path."""
+    """dense(norm(x)) for a Linear's weight in either form (nn.functional.dense: E4M3 codes with w_scale),
+    then swiglu where glu: one rms_norm_linear call (one kernel at batch 1) where the norm has a weight
+    and `path` leaves the choice to it (fused_norm_path); otherwise the norm, the GEMM and swiglu in
+    turn, each on its own path."""
     fused = fused_norm_path(path)
-    if w_scale is None and norm.weight is not None and fused is not None:
-        return rms_norm_linear(x, norm.weight, weight, bias, eps=norm.eps, glu=glu, path=fused)
+    if norm.weight is not None and fused is not None:
+        return rms_norm_linear(x, norm.weight, weight, bias, w_scale=w_scale, eps=norm.eps, glu=glu, path=fused)
     y = dense(norm(x), weight, bias, w_scale=w_scale, path=path_for(path, "linear"))
     return swiglu(y, path=path_for(path, "swiglu")) if glu else y
 

@@ -24,9 +24,9 @@ What runs, per decoder layer (pre-norm; ops in libnn.ops, each on its `auto` pat
     a  = rms_norm_linear(h, post_attention_layernorm, W_gate_up, glu="swiglu")
     x' = linear(a, W_down, residual=h)
 then rms_norm_linear(model.norm, lm_head) on each sequence's last position only. rms_norm_linear is one
-kernel at batch 1 (kernels/gemv.cu: the norm staged in front of the GEMV, SwiGLU in its epilogue) and
-rms_norm, linear and swiglu in turn otherwise, or where the model's path forces one of them, or for FP8
-weights (models.decoder.norm_then_dense). Both residual adds sit in GEMM epilogues, so rms_norm runs
+kernel at batch 1 (kernels/gemv.cu: the norm staged in front of the GEMV, SwiGLU in its epilogue; FP8
+weights too) and rms_norm, linear (linear_fp8) and swiglu in turn otherwise, or where the model's path
+forces one of them (models.decoder.norm_then_dense). Both residual adds sit in GEMM epilogues, so rms_norm runs
 plain (its residual/return_sum fusion would move the add out of the GEMM into the norm, the same traffic).
 """
 

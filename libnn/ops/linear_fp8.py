@@ -13,6 +13,13 @@ Activations as linear's: None, "relu", "gelu" (tanh) and "gelu_erf". NaN in x ma
 inf does too (E4M3 has no infinity: it is quantised to NaN), and takes no part in sx.
 
 Paths, in `auto` order:
+- gemv:      one row of x (a batch-1 decode step), K a multiple of 16 to 24576, x and w 16-byte aligned:
+             kernels/gemv.cu's E4M3 kernels, which quantise x themselves (the quantiser's codes and scale)
+             and stream the codes once, each warp whole rows, the codes decoded exactly and the products
+             summed in fp32 by FFMA in a fixed order; scales, bias, residual and activation in the
+             epilogue. Faster than version 3 below at every decode shape measured on the H100
+             (benchmarks/RESULTS.md, fourteenth session); the norms and SwiGLU of a decoder layer fuse into
+             it through rms_norm_linear.
 - cublaslt:  cuBLASLt's FP8 GEMM (E4M3 inputs, fp32 accumulation, fp16/bf16 out) planned through
              nvmath-python's low-level bindings (libnn/backends/cublaslt.py says why not its Matmul):
              the scales as device pointers, bias, relu and gelu in the epilogue, the residual as C with
@@ -46,19 +53,20 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.ops import activations
-from libnn.ops.linear import bind_epilogue_pass, degenerate_result
+from libnn.ops.linear import (bind_epilogue_pass, bind_gemv_kernel, degenerate_result, gemv_support,
+                              refuse_unaligned_gemv)
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.device import multiprocessors
-from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, copying_strided, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute
 GPU_DTYPES = ("fp16", "bf16")               # FP8 GEMMs here write fp16 or bf16
 CUBLASLT_MULTIPLE = 16                      # N and K, for cuBLASLt's FP8 kernels
 
-op = Op("linear_fp8", order=("cublaslt", "custom", "reference"))
+op = Op("linear_fp8", order=("gemv", "cublaslt", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,26 @@ def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r):
     scale_count = problem.M if problem.per_channel else 1
     return _bind_gpu(cublaslt.bind_linear_fp8, scale_count, problem.activation in FUSED_ACTIVATIONS, problem,
                      x, w, w_scale, b, r)
+
+
+# --- gemv path: kernels/gemv.cu (its launch: libnn.ops.linear.bind_gemv_kernel) ---------------------------
+def _gemv_support(problem: LinearFp8Problem) -> str | None:
+    return _gpu_support(problem) or gemv_support(problem.M, problem.N, problem.K, problem.dtype, e4m3=True)
+
+
+@op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
+def _gemv(problem: LinearFp8Problem, x, w, w_scale, b, r):
+    """One launch for x of any leading shape holding one row; strided arrays are copied first."""
+    refuse_unaligned_gemv(contiguous(x), contiguous(w))
+    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device,
+                              e4m3=True, per_channel=problem.per_channel)
+    new = allocator((*x.shape[:-1], problem.N), dtypes.parse(problem.dtype))
+
+    def run(x, w, w_scale, b, r):
+        y = new()
+        kernel(x, w, w_scale, b, r, None, y)
+        return y
+    return copying_strided(run, x, w, w_scale, b, r)
 
 
 # --- custom path: kernels/linear_fp8.cu --------------------------------------------------------------------

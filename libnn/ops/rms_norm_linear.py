@@ -3,21 +3,24 @@ op so that a decode step can run it as one kernel:
 
     n = rms_norm(x, norm_weight, eps=eps)          (..., K)  libnn.ops.rms_norm
     v = linear(n, w, b)                            (..., N)  libnn.ops.linear
+        or, with w_scale, linear_fp8(n, w, w_scale, b)        libnn.ops.linear_fp8 (w E4M3 codes)
     y = v, or with glu="swiglu" swiglu(v)          (..., N) or (..., N / 2)  libnn.ops.swiglu
 
 x is (..., K); norm_weight (K,); w (N, K) (a stacked QKV or gate_up weight); b (N,) or None; with
 glu="swiglu", N is even and v's first half is the gate (Hugging Face's gate_proj rows first). Every array
-in one dtype, on one device; y in x's dtype, on x's device. This is LLaMA's input_layernorm → q/k/v
+in one dtype (w uint8 E4M3 codes and w_scale float32 (N,) or (1,) where given, as linear_fp8 takes them), on
+one device; y in x's dtype, on x's device. This is LLaMA's input_layernorm → q/k/v
 projection, post_attention_layernorm → gate_up → SwiGLU, and model.norm → lm_head.
 
 Paths, in `auto` order:
-- gemv:      one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 up to 24576, x, w and
-             norm_weight 16-byte aligned: kernels/gemv.cu with the RMS norm staged in front of the GEMV
-             (n rounded to x's dtype, as rms_norm returns it) and SwiGLU in its epilogue: one kernel where
-             the unfused path runs three (benchmarks/RESULTS.md, fourteenth session).
-- unfused:   the three ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
-- reference: the three ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused
-             ops round).
+- gemv:      one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 (16 for E4M3 codes) to
+             24576, x, w and norm_weight 16-byte aligned: kernels/gemv.cu with the RMS norm staged in front
+             of the GEMV (n rounded to x's dtype, as rms_norm returns it; with E4M3 codes then quantised as
+             linear_fp8 quantises x) and SwiGLU in its epilogue: one kernel where the unfused path runs
+             three or more (benchmarks/RESULTS.md, fourteenth session).
+- unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
+- reference: the ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused ops
+             round).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import numpy as np
 from libnn import dtypes
 from libnn.errors import LibraryError
 from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
+from libnn.ops.linear_fp8 import linear_fp8
+from libnn.ops.quantize_fp8 import fp8_gpu_missing
 from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
 from libnn.registry import Op
@@ -54,6 +59,8 @@ class RMSNormLinearProblem:
     glu: str | None
     eps: float
     device: str           # "cpu" or "gpu:N"
+    e4m3: bool = False    # w holds E4M3 codes scaled by w_scale
+    per_channel: bool = False  # with e4m3: w_scale (N,) with N > 1; else one scale
 
     @property
     def out_features(self) -> int:
@@ -61,14 +68,15 @@ class RMSNormLinearProblem:
 
     def describe(self) -> str:
         extras = "+".join(filter(None, ["bias" if self.has_bias else None, self.glu])) or "no epilogue"
-        return f"rms_norm_linear M={self.M} N={self.N} K={self.K} {self.dtype} ({extras})"
+        weight = " (E4M3 weight)" if self.e4m3 else ""
+        return f"rms_norm_linear M={self.M} N={self.N} K={self.K} {self.dtype}{weight} ({extras})"
 
     @property
     def output_bytes(self) -> int:
         return memory.array_bytes((self.M, self.out_features), dtypes.parse(self.dtype))
 
 
-def rms_norm_linear_problem(x, norm_weight, w, b, eps, glu) -> RMSNormLinearProblem:
+def rms_norm_linear_problem(x, norm_weight, w, b, w_scale, eps, glu) -> RMSNormLinearProblem:
     """The checked problem of an rms_norm_linear call (errors name the op and the argument)."""
     where = "rms_norm_linear"
     if x.ndim < 1:
@@ -85,7 +93,14 @@ def rms_norm_linear_problem(x, norm_weight, w, b, eps, glu) -> RMSNormLinearProb
         raise ValueError(f"{where}: norm_weight must have shape ({K},), x's features, got {tuple(norm_weight.shape)}")
     if b is not None and tuple(b.shape) != (N,):
         raise ValueError(f"{where}: b must have shape ({N},) to match w's out_features, got {tuple(b.shape)}")
-    for name, a in (("norm_weight", norm_weight), ("w", w), ("b", b)):
+    if w_scale is not None:
+        if w.dtype != np.uint8:
+            raise TypeError(f"{where}: with w_scale, w must be uint8 E4M3 codes (what quantize_weight returns), "
+                            f"got dtype {w.dtype}")
+        if w_scale.dtype != np.float32 or tuple(w_scale.shape) not in ((1,), (N,)):
+            raise TypeError(f"{where}: w_scale must be float32 of shape (1,) (per tensor) or ({N},) (per output "
+                            f"channel); got dtype {w_scale.dtype} and shape {tuple(w_scale.shape)}")
+    for name, a in (("norm_weight", norm_weight), ("w", None if w_scale is not None else w), ("b", b)):
         if a is not None and a.dtype != x.dtype:
             raise TypeError(f"{where}: {name} has dtype {dtypes.short_name(a.dtype)} but x has "
                             f"{dtypes.short_name(x.dtype)}; cast them to one dtype")
@@ -96,51 +111,57 @@ def rms_norm_linear_problem(x, norm_weight, w, b, eps, glu) -> RMSNormLinearProb
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not eps > 0 \
             or not math.isfinite(eps):
         raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
-    device = device_of({"x": x, "norm_weight": norm_weight, "w": w, "b": b}, where)
+    device = device_of({"x": x, "norm_weight": norm_weight, "w": w, "b": b, "w_scale": w_scale}, where)
     return RMSNormLinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
-                                has_bias=b is not None, glu=glu, eps=float(eps), device=device)
+                                has_bias=b is not None, glu=glu, eps=float(eps), device=device,
+                                e4m3=w_scale is not None, per_channel=w_scale is not None and w_scale.shape[0] > 1)
 
 
-def rms_norm_linear(x: Any, norm_weight: Any, w: Any, b: Any = None, *, eps: float = 1e-6, glu: str | None = None,
-                    path: str = "auto") -> Any:
-    """linear(rms_norm(x, norm_weight, eps=eps), w, b), then swiglu where glu="swiglu", for x (..., K),
-    norm_weight (K,), w (N, K), b (N,) or None; returns a new (..., N) array, (..., N / 2) with glu, in x's
-    dtype, on x's device. `path` is "auto" or one of `libnn.paths("rms_norm_linear")`."""
+def rms_norm_linear(x: Any, norm_weight: Any, w: Any, b: Any = None, *, w_scale: Any = None, eps: float = 1e-6,
+                    glu: str | None = None, path: str = "auto") -> Any:
+    """linear(rms_norm(x, norm_weight, eps=eps), w, b), or with w_scale linear_fp8(..., w, w_scale, b) for w
+    in E4M3 codes, then swiglu where glu="swiglu", for x (..., K), norm_weight (K,), w (N, K), b (N,) or
+    None; returns a new (..., N) array, (..., N / 2) with glu, in x's dtype, on x's device. `path` is
+    "auto" or one of `libnn.paths("rms_norm_linear")`."""
     where = "rms_norm_linear"
     x, g, w = as_array(x, where, "x"), as_array(norm_weight, where, "norm_weight"), as_array(w, where, "w")
     b = None if b is None else as_array(b, where, "b")
-    key = (signature(x), signature(g), signature(w), None if b is None else signature(b), eps, glu, path,
-           stream_key())
-    return op.call(key, rms_norm_linear_problem, path, x, g, w, b, checks=(x, g, w, b, eps, glu))
+    s = None if w_scale is None else as_array(w_scale, where, "w_scale")
+    key = (signature(x), signature(g), signature(w), None if b is None else signature(b),
+           None if s is None else signature(s), eps, glu, path, stream_key())
+    return op.call(key, rms_norm_linear_problem, path, x, g, w, b, s, checks=(x, g, w, b, s, eps, glu))
 
 
 # --- gemv path: kernels/gemv.cu (its launch: libnn.ops.linear.bind_gemv_kernel) ----------------------------
 def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
-    return gemv_support(problem.M, problem.K, problem.dtype)
+    if problem.e4m3 and (reason := fp8_gpu_missing(int(problem.device.split(":")[1]))):
+        return reason
+    return gemv_support(problem.M, problem.N, problem.K, problem.dtype, problem.e4m3)
 
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
-def _gemv(problem: RMSNormLinearProblem, x, g, w, b):
+def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
     """One launch for x of any leading shape holding one row; strided arrays are copied first."""
     refuse_unaligned_gemv(contiguous(x), contiguous(w))
     if contiguous(g).data.ptr % 16:
         raise LibraryError("kernels/gemv.cu needs norm_weight 16-byte aligned; it is not")
-    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, problem.glu is not None,
-                                        problem.device, problem.eps)
+    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, problem.glu is not None, problem.device,
+                              problem.eps, problem.e4m3, problem.per_channel)
     new = allocator((*x.shape[:-1], problem.out_features), x.dtype)
 
-    def run(x, g, w, b):
+    def run(x, g, w, b, s):
         y = new()
-        kernel(x, w, b, None, g, y)
+        kernel(x, w, s, b, None, g, y)
         return y
-    return copying_strided(run, x, g, w, b)
+    return copying_strided(run, x, g, w, b, s)
 
 
-# --- unfused and reference paths: the three ops ---------------------------------------------------------
+# --- unfused and reference paths: the ops in turn --------------------------------------------------------
 def _composed(sub_path: str):
-    """rms_norm, linear and swiglu in turn, each on `sub_path`."""
-    def run(problem: RMSNormLinearProblem, x, g, w, b):
-        v = linear(rms_norm(x, g, eps=problem.eps, path=sub_path), w, b, path=sub_path)
+    """rms_norm, linear (or linear_fp8) and swiglu in turn, each on `sub_path`."""
+    def run(problem: RMSNormLinearProblem, x, g, w, b, s):
+        n = rms_norm(x, g, eps=problem.eps, path=sub_path)
+        v = linear(n, w, b, path=sub_path) if s is None else linear_fp8(n, w, s, b, path=sub_path)
         return swiglu(v, path=sub_path) if problem.glu else v
     return run
 
