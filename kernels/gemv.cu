@@ -36,7 +36,6 @@ LAUNCH (every kernel takes the same parameters)
     after it start once every block has staged x'.
 */
 #include "common.cuh"
-#include "fp8.cuh"
 
 constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_WARPS = GEMV_THREADS / 32;
@@ -64,29 +63,10 @@ __device__ __forceinline__ void unpack8(const u32x4& v, float* f) {
     for (int e = 0; e < 8; e++) f[e] = DT::ld((typename DT::T)(words[e / 2] >> (16 * (e & 1))));
 }
 
-// the values of 16 E4M3 codes, exact: the hardware's conversion to fp16 pairs (sm_89+), each then widened
-__device__ __forceinline__ void unpack16_e4m3(const u32x4& v, float* f) {
-    const u32 words[4] = {v.a, v.b, v.c, v.d};
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-#if __CUDA_ARCH__ >= 890
-        u32 h2;
-        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"((u16)(words[i / 2] >> (16 * (i & 1)))));
-        f[2 * i] = f16_to_f32((u16)(h2 & 0xffffu));
-        f[2 * i + 1] = f16_to_f32((u16)(h2 >> 16));
-#else
-        f[2 * i] = e4m3_value((words[i / 2] >> (16 * (i & 1))) & 0xffu);
-        f[2 * i + 1] = e4m3_value((words[i / 2] >> (16 * (i & 1) + 8)) & 0xffu);
-#endif
-    }
-}
-
-// x' into xs (K floats): x, or its RMS normalisation rounded to T; with W8, then quantised as
-// kernels/quantize_fp8.cu quantises x (sx = max|x'| / 448, 1 where that is 0) and each value replaced by its
-// code's value: returns sx (1 without W8). Ends with a __syncthreads().
-template <class DT, bool W8>
-__device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
-                                         float* xs, int K, float eps) {
+// x' into xs (K floats): x, or its RMS normalisation rounded to T. Ends with a __syncthreads().
+template <class DT>
+__device__ __forceinline__ void stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                        float* xs, int K, float eps) {
     __shared__ float red[GEMV_WARPS];
     const int t = threadIdx.x, groups = K / 8;
     float rstd = 1.f;
@@ -106,10 +86,7 @@ __device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, c
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
         rstd = rsqrtf(fdiv_full(ss, (float)K) + eps);
-        __syncthreads();   // red is reused below
     }
-    float amax = 0.f;
-    bool finite = true;
     for (int i = t; i < groups; i += GEMV_THREADS) {
         float f[8];
         unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
@@ -119,64 +96,38 @@ __device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, c
 #pragma unroll
             for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(f[e] * rstd * g[e]));
         }
-        if (W8) {
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                amax = fmaxf(amax, finite_abs(f[e]));
-                finite &= fabsf(f[e]) <= F32_MAX;
-            }
-        }
         float4* d = reinterpret_cast<float4*>(xs + 8 * i);
         d[0] = make_float4(f[0], f[1], f[2], f[3]);
         d[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
-    if (!W8) {
-        __syncthreads();
-        return 1.f;
-    }
-    // quantize_fp8.cu's codes: the quotient by the reciprocal with two corrections where x' is finite and
-    // sx >= 2^-100 (every block decides alike), div_rn and e4m3_code otherwise
-    float sx = div_rn(block_max(amax, red), E4M3_MAX);
-    if (!(sx > 0.f)) sx = 1.f;
-    const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
-    const float r = div_rn(1.f, sx);
-    for (int k = t; k < K; k += GEMV_THREADS) {   // block_max's barrier put the staged values before these reads
-        const float v = xs[k];
-        xs[k] = e4m3_value(fast ? e4m3x2_code(div_by_reciprocal(v, sx, r), 0.f) & 0xffu : e4m3_code(div_rn(v, sx)));
-    }
     __syncthreads();
-    return sx;
 }
 
-// batch `b` of row `row` (chunks 32 (b B + u) + lane, u < B, of 16 bytes; zeros past the row) into buf
+// batch `b` of row `row` (chunks 32 (b B + u) + lane, u < B; zeros past the row) into buf
 template <int B>
-__device__ __forceinline__ void load_batch(u32x4* buf, const unsigned char* __restrict__ w, i64 row_bytes, i64 row,
-                                           int b, int chunks, int lane, bool live) {
+__device__ __forceinline__ void load_batch(u32x4* buf, const unsigned short* __restrict__ w, i64 row, int b,
+                                           int chunks, int K, int lane, bool live) {
 #pragma unroll
     for (int u = 0; u < B; u++) {
         const int c = 32 * (b * B + u) + lane;
-        buf[u] = live && c < chunks ? ld_stream(w + row * row_bytes + 16 * c) : u32x4{0u, 0u, 0u, 0u};
+        buf[u] = live && c < chunks ? ld_stream(w + row * K + 8 * c) : u32x4{0u, 0u, 0u, 0u};
     }
 }
 
-// acc + the dot product of batch b's chunks (8 values of T, or 16 E4M3 codes, each) with x'
-template <class DT, bool W8, int B>
+// acc + the dot product of batch b's chunks with x'
+template <class DT, int B>
 __device__ __forceinline__ float fma_batch(float acc, const u32x4* buf, const float* xs, int b, int chunks, int lane) {
-    constexpr int E = W8 ? 16 : 8;
 #pragma unroll
     for (int u = 0; u < B; u++) {
         const int c = 32 * (b * B + u) + lane;
         if (c >= chunks) break;
-        float wf[E];
-        if (W8) unpack16_e4m3(buf[u], wf);
-        else unpack8<DT>(buf[u], wf);
-        const float4* xv = reinterpret_cast<const float4*>(xs + E * c);
-#pragma unroll
-        for (int q = 0; q < E / 4; q++) {
-            const float4 xq = xv[q];
-            acc = fmaf(wf[4 * q], xq.x, acc); acc = fmaf(wf[4 * q + 1], xq.y, acc);
-            acc = fmaf(wf[4 * q + 2], xq.z, acc); acc = fmaf(wf[4 * q + 3], xq.w, acc);
-        }
+        float wf[8];
+        unpack8<DT>(buf[u], wf);
+        const float4* xv = reinterpret_cast<const float4*>(xs + 8 * c);
+        const float4 x0 = xv[0], x1 = xv[1];
+        acc = fmaf(wf[0], x0.x, acc); acc = fmaf(wf[1], x0.y, acc); acc = fmaf(wf[2], x0.z, acc);
+        acc = fmaf(wf[3], x0.w, acc); acc = fmaf(wf[4], x1.x, acc); acc = fmaf(wf[5], x1.y, acc);
+        acc = fmaf(wf[6], x1.z, acc); acc = fmaf(wf[7], x1.w, acc);
     }
     return acc;
 }
@@ -187,34 +138,29 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f); W8: w holds E4M3 codes, scaled by
-// sx * w_scale[n or 0]
-template <class DT, bool GLU, bool W8>
-__device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const void* __restrict__ w_,
-                                     const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
-                                     const typename DT::T* __restrict__ residual,
+// RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f)
+template <class DT, bool GLU>
+__device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
+                                     const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ residual,
                                      const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
-                                     int N, int K, float eps, int per_channel, int act) {
-    constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW, E = W8 ? 16 : 8;
+                                     int N, int K, float eps, int act) {
+    constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW;
     extern __shared__ __align__(16) float xs[];
-    const unsigned char* __restrict__ w = static_cast<const unsigned char*>(w_);
     const int lane = threadIdx.x & 31, warps = gridDim.x * GEMV_WARPS;
     const int gw = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const int R = N / RW, chunks = K / E, batches = (chunks + 32 * B - 1) / (32 * B);
-    const i64 row_bytes = (i64)K * (W8 ? 1 : 2);
+    const int R = N / RW, chunks = K / 8, batches = (chunks + 32 * B - 1) / (32 * B);
     const int items = gw < R ? ((R - 1 - gw) / warps + 1) * batches : 0;
     // item j: batch j % batches of this warp's row j / batches (rows gw, gw + warps, ...)
     auto load = [&](u32x4* buf, int j) {
         const i64 row = gw + (i64)(j / batches) * warps;
 #pragma unroll
-        for (int r = 0; r < RW; r++)
-            load_batch<B>(buf + r * B, w, row_bytes, row + (i64)r * R, j % batches, chunks, lane, j < items);
+        for (int r = 0; r < RW; r++) load_batch<B>(buf + r * B, w, row + (i64)r * R, j % batches, chunks, K, lane, j < items);
     };
     u32x4 buf0[RW * B], buf1[RW * B];
     load(buf0, 0);
     load(buf1, 1);
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
-    const float sx = stage_x<DT, W8>(x, gamma, xs, K, eps);
+    stage_x<DT>(x, gamma, xs, K, eps);
     pdl_launch_dependents();
     float acc[RW];
 #pragma unroll
@@ -222,15 +168,14 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     auto step = [&](u32x4* buf, int j) {
         const int b = j % batches;
 #pragma unroll
-        for (int r = 0; r < RW; r++) acc[r] = fma_batch<DT, W8, B>(acc[r], buf + r * B, xs, b, chunks, lane);
+        for (int r = 0; r < RW; r++) acc[r] = fma_batch<DT, B>(acc[r], buf + r * B, xs, b, chunks, lane);
         load(buf, j + 2);
         if (b != batches - 1) return;
         const int n = gw + (j / batches) * warps;
         float v[RW];
 #pragma unroll
         for (int r = 0; r < RW; r++) {
-            const float scale = W8 ? sx * w_scale[per_channel ? n + r * R : 0] : 1.f;
-            v[r] = warp_sum(acc[r]) * scale + (bias ? DT::ld(bias[n + r * R]) : 0.f);
+            v[r] = warp_sum(acc[r]) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
             acc[r] = 0.f;
         }
         if (lane != 0) return;
@@ -245,20 +190,15 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
 
 }  // namespace gemvk
 
-#define GEMV_PARAMS(T) const T* __restrict__ x, const void* __restrict__ w, const float* __restrict__ w_scale,   \
-    const T* __restrict__ bias, const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, \
-    int N, int K, float eps, int per_channel, int act
+#define GEMV_PARAMS(T) const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,          \
+    const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act
 
-#define GEMV(NAME, DT, GLU, W8)                                                                           \
+#define GEMV(NAME, DT, GLU)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM) NAME(GEMV_PARAMS(libnn::DT::T)) { \
-        gemvk::gemv<libnn::DT, GLU, W8>(x, w, w_scale, bias, residual, gamma, y, N, K, eps, per_channel, act); \
+        gemvk::gemv<libnn::DT, GLU>(x, w, bias, residual, gamma, y, N, K, eps, act);                      \
     }
 
-GEMV(gemv_f16, dt_f16, false, false)
-GEMV(gemv_glu_f16, dt_f16, true, false)
-GEMV(gemv_bf16, dt_bf16, false, false)
-GEMV(gemv_glu_bf16, dt_bf16, true, false)
-GEMV(gemv_e4m3_f16, dt_f16, false, true)
-GEMV(gemv_e4m3_glu_f16, dt_f16, true, true)
-GEMV(gemv_e4m3_bf16, dt_bf16, false, true)
-GEMV(gemv_e4m3_glu_bf16, dt_bf16, true, true)
+GEMV(gemv_f16, dt_f16, false)
+GEMV(gemv_glu_f16, dt_f16, true)
+GEMV(gemv_bf16, dt_bf16, false)
+GEMV(gemv_glu_bf16, dt_bf16, true)

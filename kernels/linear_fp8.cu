@@ -36,7 +36,12 @@ Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_
     cores add them into fp32 accumulators, in another order than version 1's and possibly with fewer
     bits kept per addition (Hopper's FP8 matrix units are reported to truncate; not measured here): the
     tests bound the result by the dtype's tolerance against the float64 reference, not by fp32 rounding. The warps' sums
-    meet in shared memory; version 1's epilogue follows. Version 2 (one warp per output, codes decoded to
+    meet in shared memory; version 1's epilogue follows. Two fusions for a decoder layer (rms_norm_linear):
+    with gamma non-null, x is first RMS-normalised row by row (kernels/rms_norm.cu's formula, one block
+    sum per row) and rounded to T, as rms_norm returns it, before it is quantised; with glu = 1, w holds
+    gate rows 0..F-1 and up rows F..2F-1 (N = 2F), a tile takes 8 gate rows and their 8 up rows (rows g
+    and g + 8 of the mma), and the epilogue writes y (M, F) = silu(gate) * up, each with its own scale and
+    bias (residual null, act none). Version 2 (one warp per output, codes decoded to
     fp32 and FFMA, x quantised by div_rn and e4m3_code) ran at a third of the copy rate at a decode step's
     shapes; version 3 replaced it (benchmarks/RESULTS.md).
 
@@ -48,13 +53,13 @@ LAUNCH (version 1)
     element offsets are 64-bit.
 
 LAUNCH (version 3)
-    (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, T* y,
-     int M, int N, int K, int per_channel, int act)
+    (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, const T* gamma,
+     T* y, int M, int N, int K, int per_channel, int act, float eps, int glu)
     block (FP8_GEMV3_THREADS, 1, 1), grid (min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs), 1, 1),
     dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
     to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
-    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1; x (M, K), y and residual (M, N) row-major and
-    contiguous; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
+    Preconditions: 1 <= M <= FP8_GEMV_MAX_M, K >= 1, N >= 1 (even with glu); x (M, K), y and residual (M, N)
+    row-major and contiguous (y (M, N / 2) with glu); gamma (K,) or null, eps > 0 with it; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
     programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
     ahead, whose output x is, before it reads x; rms_norm, layer_norm, swiglu and attention's zeroing
     kernel let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
@@ -234,11 +239,50 @@ __device__ __forceinline__ void load8(const typename DT::T* __restrict__ x, int 
 // kernels/quantize_fp8.cu's codes. Where x is finite and sx >= 2^-100 (every block decides alike) the
 // quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
 // e4m3_code otherwise. Ends with a __syncthreads().
+// 1 / sqrt((1/K) sum_k x[m, k]^2 + eps) of each row m < M into rstd (kernels/rms_norm.cu's formula: the mean
+// by div.full, rsqrtf), one block sum per row. Ends with a __syncthreads().
 template <class DT>
-__device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, unsigned char* xs, int M, int K,
-                                            int S, float* red) {
+__device__ __forceinline__ void row_rstd(const typename DT::T* __restrict__ x, int M, int K, bool vec, float eps,
+                                         float* rstd, float* red) {
+    const int t = threadIdx.x;
+    for (int m = 0; m < M; m++) {
+        float ss = 0.f;
+        for (int k = 8 * t; k < K; k += 8 * FP8_GEMV3_THREADS) {
+            float v[8];
+            load8<DT>(x, m, k, K, vec, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss = fmaf(v[e], v[e], ss);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        if (t == 0) {
+            float sum = 0.f;
+            for (int w = 0; w < FP8_GEMV3_THREADS / 32; w++) sum += red[w];
+            rstd[m] = rsqrtf(fdiv_full(sum, (float)K) + eps);
+        }
+        __syncthreads();
+    }
+}
+
+// x[m, k .. k + 7] as load8 gives it, or with gamma its RMS normalisation rounded to T (what rms_norm returns)
+template <class DT>
+__device__ __forceinline__ void load8_normed(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                             const float* rstd, int m, int k, int K, bool vec, float* v) {
+    load8<DT>(x, m, k, K, vec, v);
+    if (!gamma) return;
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] = k + e < K ? DT::ld(DT::st(v[e] * rstd[m] * DT::ld(gamma[k + e]))) : 0.f;
+}
+
+template <class DT>
+__device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                            float eps, unsigned char* xs, int M, int K, int S, float* red) {
+    __shared__ float rstd[FP8_GEMV_MAX_M];
     const int t = threadIdx.x, groups = S / 8;   // 8 codes at a time; S is a multiple of 64
     const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0;
+    if (gamma) row_rstd<DT>(x, M, K, vec, eps, rstd, red);
     float amax = 0.f;
     bool finite = true;
 #pragma unroll 2
@@ -246,7 +290,7 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
         const int m = i / groups, k = 8 * (i - m * groups);
         if (k >= K) continue;
         float v[8];
-        load8<DT>(x, m, k, K, vec, v);
+        load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             amax = fmaxf(amax, finite_abs(v[e]));
@@ -261,7 +305,7 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
         const int m = i / groups, k = 8 * (i - m * groups);
         float v[8];
-        load8<DT>(x, m, k, K, vec, v);
+        load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
         u32 codes[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -282,57 +326,76 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
 }
 
 // the codes of item j of this warp (chunks c .. c + U - 1 of its share of K, for one tile of 16 rows of w)
+// (a tile's rows are 16 consecutive rows of w; with glu 8 gate rows f and their up rows F + f, F = N / 2)
 template <int U>
 __device__ __forceinline__ void load_item(u32x4* a, u32x4* b, const unsigned char* __restrict__ wq, int j,
                                           int items, int groups, int begin, int end, int g, int q, int N, int K,
-                                          bool vec) {
+                                          bool vec, int glu) {
     const int tile = blockIdx.x + (j / groups) * gridDim.x, c = begin + (j % groups) * U;
-    const unsigned char* row0 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g, N - 1) * K;   // rows past N: the
-    const unsigned char* row1 = wq + (i64)imin(tile * FP8_GEMV3_ROWS + g + 8, N - 1) * K;  // last, unused
-    load_chunks<U>(a, b, row0, row1, c, j < items ? end : c, q, K, vec);
+    i64 r0, r1;   // rows past the output's: the last, unused
+    if (glu) {
+        const int F = N / 2, f = imin(tile * 8 + g, F - 1);
+        r0 = f;
+        r1 = F + f;
+    } else {
+        r0 = imin(tile * FP8_GEMV3_ROWS + g, N - 1);
+        r1 = imin(tile * FP8_GEMV3_ROWS + g + 8, N - 1);
+    }
+    load_chunks<U>(a, b, wq + r0 * K, wq + r1 * K, c, j < items ? end : c, q, K, vec);
 }
 
 template <class DT, int U>
 __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, const unsigned char* __restrict__ wq,
                                       const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
-                                      const typename DT::T* __restrict__ residual, typename DT::T* __restrict__ y,
-                                      int M, int N, int K, int per_channel, int act) {
+                                      const typename DT::T* __restrict__ residual,
+                                      const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
+                                      int M, int N, int K, int per_channel, int act, float eps, int glu) {
     constexpr int WARPS = FP8_GEMV3_THREADS / 32;
     extern __shared__ __align__(16) unsigned char xcodes[];   // x's codes, M rows of S bytes
     __shared__ float part[2][WARPS][4][32];   // each warp's sums of a tile (two tiles: one barrier per tile)
     __shared__ float red[WARPS];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = lane >> 2, q = lane & 3;
     const int S = gemv3_x_stride(K);
+    // with glu a tile is 8 outputs f: rows f (gate) and F + f (up) of w; y (M, F)
+    const int outputs = glu ? N / 2 : N, tile_outputs = glu ? 8 : FP8_GEMV3_ROWS;
     // every warp takes the same share of K of every tile in U-chunk groups: item j = (tile j / groups, group)
     const int chunks = (K + FP8_GEMV3_CHUNK - 1) / FP8_GEMV3_CHUNK, share = (chunks + WARPS - 1) / WARPS;
     const int begin = imin(chunks, warp * share), end = imin(chunks, begin + share);
-    const int groups = (share + U - 1) / U, tiles = (N + FP8_GEMV3_ROWS - 1) / FP8_GEMV3_ROWS;
+    const int groups = (share + U - 1) / U, tiles = (outputs + tile_outputs - 1) / tile_outputs;
     const int items = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x * groups;
     const bool vec = (K & 15) == 0 && ((u64)wq & 15) == 0;
     // in the epilogue thread t < 128 finishes accumulator i = t / 32 of lane l = t % 32: y^T[row (l >> 2) +
-    // 8 (i >> 1)][x's row 2 (l & 3) + (i & 1)]
-    const int l = t & 31, i = t >> 5, row = (l >> 2) + 8 * (i >> 1), m = 2 * (l & 3) + (i & 1);
+    // 8 (i >> 1)][x's row 2 (l & 3) + (i & 1)]; with glu threads t < 64 finish output row (l >> 2) of the
+    // tile from accumulators i (gate) and i + 2 (up)
+    const int l = t & 31, i = t >> 5, m = 2 * (l & 3) + (i & 1);
+    const int row = glu ? (l >> 2) : (l >> 2) + 8 * (i >> 1), finishers = glu ? 2 * 32 : 4 * 32;
     // two buffers, both in flight while x is quantised and while a tile's results are written
     u32x4 a0[U], b0[U], a1[U], b1[U];
-    load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec);
-    load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec);
+    load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec, glu);
+    load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec, glu);
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
-    const float sx = quantize_x<DT>(x, xcodes, M, K, S, red);
+    const float sx = quantize_x<DT>(x, gamma, eps, xcodes, M, K, S, red);
     pdl_launch_dependents();   // every block is past its wait: the next kernel (a norm, rope, swiglu) may start
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    float scale = 0.f, shift = 0.f;   // this thread's output's sx * w_scale and bias + residual, read early
+    // this thread's output's sx * w_scale and bias + residual (with glu: the gate's, then the up's), read early
+    float scale[2] = {0.f, 0.f}, shift[2] = {0.f, 0.f};
     // the products of item j, then the next item into its buffer, then (after a tile's last group) its
     // results: every warp reaches the barrier together
     auto step = [&](u32x4* a, u32x4* b, int j) {
         const int tile = j / groups, group = j % groups;
-        const int n = (blockIdx.x + tile * gridDim.x) * FP8_GEMV3_ROWS + row;
-        const bool writes = t < 4 * 32 && n < N && m < M;
+        const int n = (blockIdx.x + tile * gridDim.x) * tile_outputs + row;
+        const bool writes = t < finishers && n < outputs && m < M;
         if (group == 0 && writes) {
-            scale = sx * w_scale[per_channel ? n : 0];
-            shift = (bias ? DT::ld(bias[n]) : 0.f) + (residual ? DT::ld(residual[(i64)m * N + n]) : 0.f);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (h && !glu) break;
+                const int wrow = n + h * outputs;
+                scale[h] = sx * w_scale[per_channel ? wrow : 0];
+                shift[h] = (bias ? DT::ld(bias[wrow]) : 0.f) + (residual ? DT::ld(residual[(i64)m * N + n]) : 0.f);
+            }
         }
         mma_chunks<U>(acc, a, b, xcodes, begin + group * U, end, g, q, M, S);
-        load_item<U>(a, b, wq, j + 2, items, groups, begin, end, g, q, N, K, vec);
+        load_item<U>(a, b, wq, j + 2, items, groups, begin, end, g, q, N, K, vec, glu);
         if (group != groups - 1) return;
         float (*p)[4][32] = part[tile & 1];
 #pragma unroll
@@ -342,10 +405,15 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
         }
         __syncthreads();
         if (!writes) return;
-        float sum = 0.f;
+        float sum[2] = {0.f, 0.f};
 #pragma unroll
-        for (int w = 0; w < WARPS; w++) sum += p[w][i][l];
-        y[(i64)m * N + n] = DT::st(apply_act<ACTS>(sum * scale + shift, act));
+        for (int w = 0; w < WARPS; w++) {
+            sum[0] += p[w][i][l];
+            if (glu) sum[1] += p[w][i + 2][l];
+        }
+        const float v = sum[0] * scale[0] + shift[0];
+        y[(i64)m * outputs + n] = DT::st(glu ? apply_act<1u << ACT_SILU>(v, ACT_SILU) * (sum[1] * scale[1] + shift[1])
+                                             : apply_act<ACTS>(v, act));
     };
     for (int j = 0; j < items; j += 2) {
         step(a0, b0, j);
@@ -369,12 +437,13 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
 
 #define FP8_GEMV_PARAMS(T) const T* __restrict__ x, const unsigned char* __restrict__ wq,                   \
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ residual,        \
-    T* __restrict__ y, int M, int N, int K, int per_channel, int act
+    const T* __restrict__ gamma, T* __restrict__ y, int M, int N, int K, int per_channel, int act, float eps, int glu
 
 #define FP8_GEMV3(SUFFIX, DT)                                                                            \
     extern "C" __global__ void __launch_bounds__(FP8_GEMV3_THREADS, FP8_GEMV3_BLOCKS_PER_SM)             \
         fp8_gemv3_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
-        fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL>(x, wq, w_scale, bias, residual, y, M, N, K, per_channel, act); \
+        fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL>(x, wq, w_scale, bias, residual, gamma, y, M, N, K, per_channel, \
+                                                  act, eps, glu);                                                  \
     }
 
 FP8_GEMM1(f16, dt_f16)

@@ -512,13 +512,15 @@ def _build_swiglu(p, rng) -> Case:
 # --- rms_norm_linear ------------------------------------------------------------------------------------
 @st.composite
 def rms_norm_linear_specs(draw, dtypes_=GPU_DTYPES, one_row=False):
-    """rms_norm_linear's problems; `one_row` (M = 1, K a multiple of 8, fp16/bf16, no view one element
-    off alignment) narrows them to what the gemv path takes."""
+    """rms_norm_linear's problems, with weights in x's dtype or E4M3 codes (x fp16/bf16); `one_row` (M = 1,
+    K a multiple of 8, fp16/bf16, no view one element off alignment) narrows them to what the gemv path
+    takes."""
     views = ALIGNED_VIEWS if one_row else VIEWS
     K = draw(TINY.map(lambda n: 8 * n) | st.sampled_from([1000, 2048]) if one_row else SMALL)
+    dtype = draw(st.sampled_from(("fp16", "bf16") if one_row else dtypes_))
     p = dict(lead=draw(st.lists(st.just(1) if one_row else TINY, min_size=0, max_size=2)), K=K,
-             N=draw(SMALL), glu=draw(st.sampled_from([None, "swiglu"])), bias=draw(st.booleans()),
-             dtype=draw(st.sampled_from(("fp16", "bf16") if one_row else dtypes_)),
+             N=draw(SMALL), glu=draw(st.sampled_from([None, "swiglu"])), bias=draw(st.booleans()), dtype=dtype,
+             e4m3=dtype in ("fp16", "bf16") and draw(st.booleans()),
              eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])), x_view=draw(st.sampled_from(views)),
              w_view=draw(st.sampled_from(views)), seed=draw(st.integers(0, 2**32 - 1)))
     return Spec("rms_norm_linear", p)
@@ -530,10 +532,16 @@ def _build_rms_norm_linear(p, rng) -> Case:
     lead, K, dtype = tuple(p["lead"]), p["K"], p["dtype"]
     N = 2 * p["N"] if p["glu"] else p["N"]
     arrays = {"x": normal(rng, (*lead, K), dtype, 3.0), "norm_weight": normal(rng, (K,), dtype),
-              "w": normal(rng, (N, K), dtype, 1 / math.sqrt(K)), "b": normal(rng, (N,), dtype) if p["bias"] else None}
+              "w": normal(rng, (N, K), dtype, 1 / math.sqrt(K)), "w_scale": None,
+              "b": normal(rng, (N,), dtype) if p["bias"] else None}
+    if p["e4m3"]:
+        from libnn.ops.quantize_fp8 import quantize_weight
+
+        arrays["w"], arrays["w_scale"] = quantize_weight(normal(rng, (N, K), "fp32", 1 / math.sqrt(K)))
 
     def call(a, path):
-        return rms_norm_linear(a["x"], a["norm_weight"], a["w"], a["b"], eps=p["eps"], glu=p["glu"], path=path)
+        return rms_norm_linear(a["x"], a["norm_weight"], a["w"], a["b"], w_scale=a["w_scale"], eps=p["eps"],
+                               glu=p["glu"], path=path)
 
     return Case("rms_norm_linear", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"], "w": p["w_view"]})
 
@@ -543,17 +551,13 @@ FP8_SIZES = st.one_of(SMALL, st.sampled_from([16, 32, 48, 64]))  # cuBLASLt's FP
 
 
 @st.composite
-def linear_fp8_specs(draw, one_row=False):
-    """linear_fp8's problems; `one_row` (M = 1, K a multiple of 16, 16-byte aligned views) narrows them to
-    what the gemv path takes."""
+def linear_fp8_specs(draw):
     from libnn.ops.linear_fp8 import ACTIVATIONS, GPU_DTYPES as FP8_DTYPES
 
-    views = ALIGNED_VIEWS if one_row else VIEWS
-    p = dict(lead=draw(st.lists(st.just(1) if one_row else SMALL, min_size=0, max_size=2)), N=draw(FP8_SIZES),
-             K=draw(TINY.map(lambda n: 16 * n) if one_row else FP8_SIZES),
+    p = dict(lead=draw(st.lists(SMALL, min_size=0, max_size=2)), N=draw(FP8_SIZES), K=draw(FP8_SIZES),
              dtype=draw(st.sampled_from(FP8_DTYPES)), per_channel=draw(st.booleans()), bias=draw(st.booleans()),
              activation=draw(st.sampled_from(ACTIVATIONS)), residual=draw(st.booleans()),
-             x_view=draw(st.sampled_from(views)), w_view=draw(st.sampled_from(views)),
+             x_view=draw(st.sampled_from(VIEWS)), w_view=draw(st.sampled_from(VIEWS)),
              seed=draw(st.integers(0, 2**32 - 1)))
     return Spec("linear_fp8", p)
 
@@ -629,7 +633,6 @@ PATH_STRATEGIES = {("linear", "cutlass"): lambda: linear_specs(dtypes_=("fp16", 
                                                                aligned=True),
                    ("linear", "gemv"): lambda: linear_specs(dtypes_=("fp16", "bf16"), aligned=True, one_row=True,
                                                             views=ALIGNED_VIEWS),
-                   ("linear_fp8", "gemv"): lambda: linear_fp8_specs(one_row=True),
                    ("rms_norm_linear", "gemv"): lambda: rms_norm_linear_specs(one_row=True)}
 
 

@@ -1,6 +1,6 @@
-"""kernels/gemv.cu on the GPU, through the ops that run it: linear's and linear_fp8's gemv paths (bias,
-residual and every activation in the epilogue; E4M3 codes with per-channel and per-tensor scales, x
-quantised in the kernel) and rms_norm_linear's (the RMS norm staged in front, SwiGLU in the epilogue),
+"""kernels/gemv.cu on the GPU, through the ops that run it: linear's gemv path (bias, residual and every
+activation in the epilogue) and rms_norm_linear's (the RMS norm staged in front, SwiGLU in the epilogue;
+with E4M3 weights kernels/linear_fp8.cu's version 3 with the same fusions, 1 to 8 rows),
 against the float64 reference on odd shapes (N = 1, primes, K = 8 and non-multiples of 256 chunks, a
 decode step's 3072 x 2048, a K of 8192 and a long row near the kernel's limit), fp16 and bf16, outputs
 poisoned; the bound call against new arrays; strided inputs copied; misaligned ones refused visibly
@@ -15,7 +15,7 @@ import pytest
 import libnn
 from libnn import dtypes
 from libnn.errors import FallbackWarning
-from libnn.ops import linear, linear_fp8, rms_norm_linear
+from libnn.ops import linear, rms_norm_linear
 from libnn.ops.quantize_fp8 import quantize_weight
 from conftest import random_normal, rel_error
 
@@ -155,45 +155,36 @@ def test_unfused_matches_reference(rng, dtype):
     assert rel_error(y, reference_norm_linear(x, g, w, glu="swiglu")) <= dtypes.TOLERANCE[dtype]
 
 
-# --- E4M3 weights: linear_fp8's gemv path and rms_norm_linear with w_scale ---------------------------------
-E4M3_SHAPES = [(1, 16), (7, 1008), (131, 2064), (3072, 2048), (2048, 8192), (3, 24576)]
-
-
+# --- E4M3 weights: rms_norm_linear with w_scale (kernels/linear_fp8.cu version 3, fused) --------------------
 @pytest.mark.usefixtures("poisoned_gpu_memory")
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", [None, "gelu_erf"])
-@pytest.mark.parametrize("N, K", E4M3_SHAPES, ids=str)
-def test_linear_fp8_gemv_matches_reference(rng, N, K, activation, dtype, per_channel):
-    """The reference quantises x as the kernel does (test_linear_fp8_gpu.py checks the codes bit for bit)
-    and sums the dequantised products in float64."""
-    x = random_normal(rng, (1, K), dtype)
+@pytest.mark.parametrize("glu", [None, "swiglu"])
+@pytest.mark.parametrize("M, N, K", [(1, 2, 16), (1, 14, 1000), (3, 262, 2064), (8, 34, 513), (1, 16384, 2048),
+                                     (2, 6144, 2048)], ids=str)
+def test_rms_norm_linear_gemv_with_e4m3_weights_matches_reference(rng, M, N, K, glu, dtype, per_channel):
+    """The reference normalises, rounds to x's dtype, quantises x as the kernel does and sums the
+    dequantised products in float64; the unfused path (rms_norm, linear_fp8, swiglu) alike."""
+    x, g = random_normal(rng, (M, K), dtype, 3.0), random_normal(rng, (K,), dtype)
     weight = quantize_weight(random_normal(rng, (N, K), "fp32", 1 / np.sqrt(K)) *
                              np.geomspace(0.1, 10, N)[:, None].astype(np.float32), per_channel=per_channel)
-    b, r = random_normal(rng, (N,), dtype), random_normal(rng, (1, N), dtype)
-    y = linear_fp8(gpu(x), gpu(weight.data), gpu(weight.scale), gpu(b), activation, residual=gpu(r), path="gemv")
-    expected = linear_fp8(x, weight.data, weight.scale, b, activation, residual=r, path="reference")
-    assert y.shape == (1, N) and rel_error(y, expected) <= dtypes.TOLERANCE[dtype]
-
-
-@pytest.mark.usefixtures("poisoned_gpu_memory")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("glu", [None, "swiglu"])
-@pytest.mark.parametrize("N, K", [(2, 16), (14, 1008), (262, 2064), (16384, 2048)], ids=str)
-def test_rms_norm_linear_gemv_with_e4m3_weights_matches_reference(rng, N, K, glu, dtype):
-    x, g = random_normal(rng, (1, K), dtype, 3.0), random_normal(rng, (K,), dtype)
-    weight = quantize_weight(random_normal(rng, (N, K), "fp32", 1 / np.sqrt(K)), per_channel=True)
-    y = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), w_scale=gpu(weight.scale), glu=glu, path="gemv")
-    expected = rms_norm_linear(x, g, weight.data, w_scale=weight.scale, glu=glu, path="reference")
-    assert y.shape == (1, N // 2 if glu else N)
+    b = random_normal(rng, (N,), dtype)
+    y = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), gpu(b), w_scale=gpu(weight.scale), glu=glu, path="gemv")
+    expected = rms_norm_linear(x, g, weight.data, b, w_scale=weight.scale, glu=glu, path="reference")
+    assert y.shape == (M, N // 2 if glu else N)
     assert rel_error(y, expected) <= dtypes.TOLERANCE[dtype]
-    unfused = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), w_scale=gpu(weight.scale), glu=glu, path="unfused")
+    unfused = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), gpu(b), w_scale=gpu(weight.scale), glu=glu,
+                              path="unfused")
     assert rel_error(unfused, expected) <= dtypes.TOLERANCE[dtype]
 
 
-def test_e4m3_k_must_be_a_multiple_of_16():
-    import cupy
-
-    with pytest.raises(libnn.PathUnavailableError, match="K=24: the GEMV kernel takes K a multiple of 16"):
-        linear_fp8(cupy.ones((1, 24), cupy.float16), cupy.zeros((8, 24), cupy.uint8), cupy.ones(1, cupy.float32),
-                   path="gemv")
+def test_e4m3_weights_past_eight_rows_take_the_unfused_path(rng):
+    K, N = 64, 32
+    x, g = random_normal(rng, (9, K), "fp16"), random_normal(rng, (K,), "fp16")
+    weight = quantize_weight(random_normal(rng, (N, K), "fp32", 0.1))
+    y = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), w_scale=gpu(weight.scale), glu="swiglu")
+    assert libnn.get_op("rms_norm_linear").last_decision.path == "unfused"
+    expected = rms_norm_linear(x, g, weight.data, w_scale=weight.scale, glu="swiglu", path="reference")
+    assert rel_error(y, expected) <= 1e-2
+    with pytest.raises(libnn.PathUnavailableError, match="M=9: the FP8 GEMV takes 1 to 8 rows"):
+        rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), w_scale=gpu(weight.scale), path="gemv")

@@ -8,7 +8,8 @@ import pytest
 
 import libnn
 from libnn.models.decoder import fused_norm_path
-from libnn.ops import linear, rms_norm, rms_norm_linear, swiglu
+from libnn.ops import linear, linear_fp8, rms_norm, rms_norm_linear, swiglu
+from libnn.ops.quantize_fp8 import quantize_weight
 from conftest import random_normal
 
 
@@ -24,6 +25,23 @@ def test_reference_is_the_three_ops_in_turn(rng, shape, N, bias, glu, dtype):
     expected = swiglu(v) if glu else v
     assert y.shape == (*shape[:-1], N // 2 if glu else N) and y.dtype == x.dtype
     np.testing.assert_array_equal(y, expected)
+
+
+@pytest.mark.parametrize("glu", [None, "swiglu"])
+def test_with_e4m3_weights_the_reference_is_rms_norm_then_linear_fp8(rng, glu):
+    x, g = random_normal(rng, (3, 32), "fp32"), random_normal(rng, (32,), "fp32")
+    weight = quantize_weight(random_normal(rng, (10, 32), "fp32", 0.2))
+    y = rms_norm_linear(x, g, weight.data, w_scale=weight.scale, glu=glu)
+    v = linear_fp8(rms_norm(x, g), weight.data, weight.scale)
+    np.testing.assert_array_equal(y, swiglu(v) if glu else v)
+
+
+def test_e4m3_weights_are_checked():
+    x, g = np.ones((1, 8), np.float32), np.ones(8, np.float32)
+    with pytest.raises(TypeError, match="rms_norm_linear: with w_scale, w must be uint8 E4M3 codes"):
+        rms_norm_linear(x, g, np.ones((2, 8), np.float32), w_scale=np.ones(1, np.float32))
+    with pytest.raises(TypeError, match=r"rms_norm_linear: w_scale must be float32 of shape \(1,\) \(per tensor\) or \(2,\)"):
+        rms_norm_linear(x, g, np.ones((2, 8), np.uint8), w_scale=np.ones(3, np.float32))
 
 
 def test_the_norm_is_applied(rng):

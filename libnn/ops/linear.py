@@ -429,36 +429,31 @@ _GV = contracts.constants("gemv.cu")
 GEMV_DTYPES = ("fp16", "bf16")
 
 
-def gemv_support(M: int, N: int, K: int, dtype: str, e4m3: bool = False) -> str | None:
-    """Why kernels/gemv.cu cannot take M rows of K features to N outputs in `dtype` (None: it can), with a
-    weight in `dtype` or, with `e4m3`, in E4M3 codes (16 a 16-byte chunk, so K a multiple of 16)."""
+def gemv_support(M: int, N: int, K: int, dtype: str) -> str | None:
+    """Why kernels/gemv.cu cannot take M rows of K features to N outputs in `dtype` (None: it can)."""
     if N == 0:
         return "N=0: no output to compute"
     if M != 1:
         return f"M={M}: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"
     if dtype not in GEMV_DTYPES:
         return f"dtype {dtype} is not supported (supported: {', '.join(GEMV_DTYPES)})"
-    multiple = 16 if e4m3 else 8
-    if K % multiple or not multiple <= K <= _GV["GEMV_MAX_K"]:
-        return f"K={K}: the GEMV kernel takes K a multiple of {multiple} from {multiple} to {_GV['GEMV_MAX_K']}"
+    if K % 8 or not 8 <= K <= _GV["GEMV_MAX_K"]:
+        return f"K={K}: the GEMV kernel takes K a multiple of 8 from 8 to {_GV['GEMV_MAX_K']}"
     return None
 
 
-def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0,
-                     e4m3: bool = False, per_channel: bool = False):
+def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0):
     """kernels/gemv.cu's launch for y (R,) = act(x' @ w.T + bias + residual), or with `glu` SwiGLU of the
-    (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, w_scale, bias, residual, gamma, y), each
-    a pointer or None; gamma (K,) RMS-normalises x with `eps` first. With `e4m3` w holds E4M3 codes, x' is
-    quantised as linear_fp8 quantises x, and w_scale (N,) or, without `per_channel`, (1,) scales the rows.
-    Programmatic on sm_90 and newer."""
+    (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y), each a
+    pointer or None; gamma (K,) RMS-normalises x with `eps` first. Programmatic on sm_90 and newer."""
     rows = N // 2 if glu else N
     blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
                  _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(int(device.split(":")[1])))
-    kernel = f"gemv{'_e4m3' if e4m3 else ''}{'_glu' if glu else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
+    kernel = f"gemv{'_glu' if glu else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
     return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],),
-                       _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
-                                  residual=launch.ARRAY, gamma=launch.ARRAY, y=launch.ARRAY, N=N, K=K, eps=eps,
-                                  per_channel=int(per_channel), act=activations.KERNEL_CODES[activation]),
+                       _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,
+                                  gamma=launch.ARRAY, y=launch.ARRAY, N=N, K=K, eps=eps,
+                                  act=activations.KERNEL_CODES[activation]),
                        shared_mem=4 * K, programmatic=launch.programmatic_supported(device))
 
 
@@ -487,7 +482,7 @@ def bind_gemv(problem: LinearProblem, x, w, b, r=None):
 
     def run(x, w, b, r):
         y = new()
-        kernel(x, w, None, b, r, None, y)
+        kernel(x, w, b, r, None, y)
         return y
     return run
 

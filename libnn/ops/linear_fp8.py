@@ -13,13 +13,6 @@ Activations as linear's: None, "relu", "gelu" (tanh) and "gelu_erf". NaN in x ma
 inf does too (E4M3 has no infinity: it is quantised to NaN), and takes no part in sx.
 
 Paths, in `auto` order:
-- gemv:      one row of x (a batch-1 decode step), K a multiple of 16 to 24576, x and w 16-byte aligned:
-             kernels/gemv.cu's E4M3 kernels, which quantise x themselves (the quantiser's codes and scale)
-             and stream the codes once, each warp whole rows, the codes decoded exactly and the products
-             summed in fp32 by FFMA in a fixed order; scales, bias, residual and activation in the
-             epilogue. Faster than version 3 below at every decode shape measured on the H100
-             (benchmarks/RESULTS.md, fourteenth session); the norms and SwiGLU of a decoder layer fuse into
-             it through rms_norm_linear.
 - cublaslt:  cuBLASLt's FP8 GEMM (E4M3 inputs, fp32 accumulation, fp16/bf16 out) planned through
              nvmath-python's low-level bindings (libnn/backends/cublaslt.py says why not its Matmul):
              the scales as device pointers, bias, relu and gelu in the epilogue, the residual as C with
@@ -53,20 +46,19 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.ops import activations
-from libnn.ops.linear import (bind_epilogue_pass, bind_gemv_kernel, degenerate_result, gemv_support,
-                              refuse_unaligned_gemv)
+from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime.device import multiprocessors
-from libnn.runtime.arrays import allocator, as_array, contiguous, copying_strided, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute
 GPU_DTYPES = ("fp16", "bf16")               # FP8 GEMMs here write fp16 or bf16
 CUBLASLT_MULTIPLE = 16                      # N and K, for cuBLASLt's FP8 kernels
 
-op = Op("linear_fp8", order=("gemv", "cublaslt", "custom", "reference"))
+op = Op("linear_fp8", order=("cublaslt", "custom", "reference"))
 
 
 @dataclass(frozen=True)
@@ -225,26 +217,6 @@ def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r):
                      x, w, w_scale, b, r)
 
 
-# --- gemv path: kernels/gemv.cu (its launch: libnn.ops.linear.bind_gemv_kernel) ---------------------------
-def _gemv_support(problem: LinearFp8Problem) -> str | None:
-    return _gpu_support(problem) or gemv_support(problem.M, problem.N, problem.K, problem.dtype, e4m3=True)
-
-
-@op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
-def _gemv(problem: LinearFp8Problem, x, w, w_scale, b, r):
-    """One launch for x of any leading shape holding one row; strided arrays are copied first."""
-    refuse_unaligned_gemv(contiguous(x), contiguous(w))
-    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device,
-                              e4m3=True, per_channel=problem.per_channel)
-    new = allocator((*x.shape[:-1], problem.N), dtypes.parse(problem.dtype))
-
-    def run(x, w, w_scale, b, r):
-        y = new()
-        kernel(x, w, w_scale, b, r, None, y)
-        return y
-    return copying_strided(run, x, w, w_scale, b, r)
-
-
 # --- custom path: kernels/linear_fp8.cu --------------------------------------------------------------------
 _GEMM = contracts.params("linear_fp8.cu", "FP8_GEMM_PARAMS")
 _GEMV = contracts.params("linear_fp8.cu", "FP8_GEMV_PARAMS")
@@ -279,10 +251,38 @@ def _gemv_x_stride(K: int) -> int:
     return -(-(-(-K // chunk) * chunk) // 128) * 128 + 64
 
 
+def gemv3_support(M: int, N: int, K: int) -> str | None:
+    """Why kernels/linear_fp8.cu's version 3 (the GEMV that quantises x itself) cannot take M rows of K
+    features to N outputs (None: it can)."""
+    if not 1 <= M <= _G["FP8_GEMV_MAX_M"]:
+        return f"M={M}: the FP8 GEMV takes 1 to {_G['FP8_GEMV_MAX_M']} rows (a decode step's batch)"
+    if N < 1 or K < 1:
+        return f"N={N}, K={K}: the FP8 GEMV needs both >= 1"
+    if M * _gemv_x_stride(K) > _G["FP8_GEMV3_XS_BYTES"]:
+        return (f"M={M}, K={K}: x's codes need {M * _gemv_x_stride(K)} bytes of the FP8 GEMV's "
+                f"{_G['FP8_GEMV3_XS_BYTES']} of shared memory")
+    return None
+
+
 def gemv_fits(problem: LinearFp8Problem) -> bool:
     """Whether kernels/linear_fp8.cu's version 3 (the GEMV that quantises x itself) takes the problem."""
-    return (1 <= problem.M <= _G["FP8_GEMV_MAX_M"] and problem.K >= 1 and problem.N >= 1
-            and problem.M * _gemv_x_stride(problem.K) <= _G["FP8_GEMV3_XS_BYTES"])
+    return gemv3_support(problem.M, problem.N, problem.K) is None
+
+
+def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, activation: str | None, device: str,
+                      glu: bool = False, eps: float = 0.0):
+    """kernels/linear_fp8.cu version 3's launch by its LAUNCH table: run(x, wq, w_scale, bias, residual, gamma,
+    y), each a pointer or None; gamma (K,) RMS-normalises x with `eps` before it is quantised, and `glu`
+    writes y (M, N / 2) = silu(gate) * up of the gate and up halves of w's rows."""
+    sms = multiprocessors(int(device.split(":")[1]))
+    return launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[dtype]}",
+                       (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),
+                       (_G["FP8_GEMV3_THREADS"],),
+                       _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
+                                  residual=launch.ARRAY, gamma=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
+                                  per_channel=int(per_channel), act=activations.KERNEL_CODES[activation], eps=eps,
+                                  glu=int(glu)),
+                       shared_mem=M * _gemv_x_stride(K), programmatic=launch.programmatic_supported(device))
 
 
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
@@ -291,23 +291,14 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
     quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
     any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
     M, N, K = problem.M, problem.N, problem.K
-    sms = multiprocessors(problem.device_id)
-    kernel = launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[problem.dtype]}",
-                         (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),
-                         (_G["FP8_GEMV3_THREADS"],),
-                         _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
-                                    residual=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
-                                    per_channel=int(problem.per_channel),
-                                    act=activations.KERNEL_CODES[problem.activation]),
-                         shared_mem=M * _gemv_x_stride(K),
-                         programmatic=launch.programmatic_supported(problem.device))
+    kernel = bind_gemv3_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation, problem.device)
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 
     def run(x, w, w_scale, b, r):
         y = new()
         kernel(_matrix(x, M, K), contiguous(w), contiguous(w_scale), None if b is None else contiguous(b),
-               None if r is None else _matrix(r, M, N), y)
+               None if r is None else _matrix(r, M, N), None, y)
         return y
     return run
 

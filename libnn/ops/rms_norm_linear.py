@@ -13,11 +13,12 @@ one device; y in x's dtype, on x's device. This is LLaMA's input_layernorm → q
 projection, post_attention_layernorm → gate_up → SwiGLU, and model.norm → lm_head.
 
 Paths, in `auto` order:
-- gemv:      one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 (16 for E4M3 codes) to
-             24576, x, w and norm_weight 16-byte aligned: kernels/gemv.cu with the RMS norm staged in front
-             of the GEMV (n rounded to x's dtype, as rms_norm returns it; with E4M3 codes then quantised as
-             linear_fp8 quantises x) and SwiGLU in its epilogue: one kernel where the unfused path runs
-             three or more (benchmarks/RESULTS.md, fourteenth session).
+- gemv:      one kernel where the unfused path runs three or more (benchmarks/RESULTS.md, fourteenth
+             session): the RMS norm staged in front of the GEMV (n rounded to x's dtype, as rms_norm returns
+             it) and SwiGLU in its epilogue. For weights in x's dtype, kernels/gemv.cu (linear's gemv path):
+             one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 to 24576, x, w and
+             norm_weight 16-byte aligned. For E4M3 codes, kernels/linear_fp8.cu's version 3 (linear_fp8's
+             decode GEMV, on the FP8 tensor cores): 1 to 8 rows, n then quantised as linear_fp8 quantises x.
 - unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
 - reference: the ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused ops
              round).
@@ -34,7 +35,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.errors import LibraryError
 from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
-from libnn.ops.linear_fp8 import linear_fp8
+from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_gemv3_kernel, gemv3_support, linear_fp8
 from libnn.ops.quantize_fp8 import fp8_gpu_missing
 from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
@@ -132,21 +133,31 @@ def rms_norm_linear(x: Any, norm_weight: Any, w: Any, b: Any = None, *, w_scale:
     return op.call(key, rms_norm_linear_problem, path, x, g, w, b, s, checks=(x, g, w, b, s, eps, glu))
 
 
-# --- gemv path: kernels/gemv.cu (its launch: libnn.ops.linear.bind_gemv_kernel) ----------------------------
+# --- gemv path: kernels/gemv.cu, or for E4M3 codes kernels/linear_fp8.cu's version 3 ---------------------------
+# (their launches: libnn.ops.linear.bind_gemv_kernel and libnn.ops.linear_fp8.bind_gemv3_kernel)
 def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
-    if problem.e4m3 and (reason := fp8_gpu_missing(int(problem.device.split(":")[1]))):
-        return reason
-    return gemv_support(problem.M, problem.N, problem.K, problem.dtype, problem.e4m3)
+    if not problem.e4m3:
+        return gemv_support(problem.M, problem.N, problem.K, problem.dtype)
+    if problem.dtype not in FP8_DTYPES:
+        return f"dtype {problem.dtype} is not supported with E4M3 weights (supported: {', '.join(FP8_DTYPES)})"
+    return fp8_gpu_missing(int(problem.device.split(":")[1])) or gemv3_support(problem.M, problem.N, problem.K)
 
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
 def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
-    """One launch for x of any leading shape holding one row; strided arrays are copied first."""
-    refuse_unaligned_gemv(contiguous(x), contiguous(w))
-    if contiguous(g).data.ptr % 16:
-        raise LibraryError("kernels/gemv.cu needs norm_weight 16-byte aligned; it is not")
-    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, problem.glu is not None, problem.device,
-                              problem.eps, problem.e4m3, problem.per_channel)
+    """One launch for x of any leading shape; strided arrays are copied first."""
+    glu = problem.glu is not None
+    if problem.e4m3:
+        kernel = bind_gemv3_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
+                                   problem.device, glu, problem.eps)
+    else:
+        refuse_unaligned_gemv(contiguous(x), contiguous(w))
+        if contiguous(g).data.ptr % 16:
+            raise LibraryError("kernels/gemv.cu needs norm_weight 16-byte aligned; it is not")
+        gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps)
+
+        def kernel(x, w, s, b, r, g, y):
+            gemv(x, w, b, r, g, y)
     new = allocator((*x.shape[:-1], problem.out_features), x.dtype)
 
     def run(x, g, w, b, s):
