@@ -37,8 +37,8 @@ Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_
     bits kept per addition (Hopper's FP8 matrix units are reported to truncate; not measured here): the
     tests bound the result by the dtype's tolerance against the float64 reference, not by fp32 rounding. The warps' sums
     meet in shared memory; version 1's epilogue follows. Two fusions for a decoder layer (rms_norm_linear):
-    with gamma non-null, x is first RMS-normalised row by row (kernels/rms_norm.cu's formula, one block
-    sum per row) and rounded to T, as rms_norm returns it, before it is quantised; with glu = 1, w holds
+    with gamma non-null, x is first RMS-normalised row by row (kernels/rms_norm.cu's formula; every row's
+    sum of squares in one pass over x) and rounded to T, as rms_norm returns it, before it is quantised; with glu = 1, w holds
     gate rows 0..F-1 and up rows F..2F-1 (N = 2F), a tile takes 8 gate rows and their 8 up rows (rows g
     and g + 8 of the mma), and the epilogue writes y (M, F) = silu(gate) * up, each with its own scale and
     bias (residual null, act none). Version 2 (one warp per output, codes decoded to
@@ -240,30 +240,43 @@ __device__ __forceinline__ void load8(const typename DT::T* __restrict__ x, int 
 // quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
 // e4m3_code otherwise. Ends with a __syncthreads().
 // 1 / sqrt((1/K) sum_k x[m, k]^2 + eps) of each row m < M into rstd (kernels/rms_norm.cu's formula: the mean
-// by div.full, rsqrtf), one block sum per row. Ends with a __syncthreads().
+// by div.full, rsqrtf): one pass over x for every row's sum (each thread's in registers, by row), then the
+// warps' sums through shared memory, added in a fixed order. Ends with a __syncthreads().
 template <class DT>
 __device__ __forceinline__ void row_rstd(const typename DT::T* __restrict__ x, int M, int K, bool vec, float eps,
-                                         float* rstd, float* red) {
-    const int t = threadIdx.x;
-    for (int m = 0; m < M; m++) {
-        float ss = 0.f;
-        for (int k = 8 * t; k < K; k += 8 * FP8_GEMV3_THREADS) {
-            float v[8];
-            load8<DT>(x, m, k, K, vec, v);
+                                         float* rstd) {
+    constexpr int WARPS = FP8_GEMV3_THREADS / 32;
+    __shared__ float sums[FP8_GEMV_MAX_M][WARPS];
+    const int t = threadIdx.x, groups = (K + 7) / 8;
+    float ss[FP8_GEMV_MAX_M];
 #pragma unroll
-            for (int e = 0; e < 8; e++) ss = fmaf(v[e], v[e], ss);
-        }
+    for (int r = 0; r < FP8_GEMV_MAX_M; r++) ss[r] = 0.f;
+    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+        const int m = i / groups, k = 8 * (i - m * groups);
+        float v[8];
+        load8<DT>(x, m, k, K, vec, v);
+        float s = 0.f;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        if (t == 0) {
-            float sum = 0.f;
-            for (int w = 0; w < FP8_GEMV3_THREADS / 32; w++) sum += red[w];
-            rstd[m] = rsqrtf(fdiv_full(sum, (float)K) + eps);
-        }
-        __syncthreads();
+        for (int e = 0; e < 8; e++) s = fmaf(v[e], v[e], s);
+#pragma unroll
+        for (int r = 0; r < FP8_GEMV_MAX_M; r++)
+            if (r == m) ss[r] += s;   // registers indexed by constants: no local memory
     }
+#pragma unroll
+    for (int r = 0; r < FP8_GEMV_MAX_M; r++) {
+        float s = ss[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((t & 31) == 0) sums[r][t >> 5] = s;
+    }
+    __syncthreads();
+    if (t < M) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) sum += sums[t][w];
+        rstd[t] = rsqrtf(fdiv_full(sum, (float)K) + eps);
+    }
+    __syncthreads();
 }
 
 // x[m, k .. k + 7] as load8 gives it, or with gamma its RMS normalisation rounded to T (what rms_norm returns)
@@ -282,7 +295,7 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     __shared__ float rstd[FP8_GEMV_MAX_M];
     const int t = threadIdx.x, groups = S / 8;   // 8 codes at a time; S is a multiple of 64
     const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0;
-    if (gamma) row_rstd<DT>(x, M, K, vec, eps, rstd, red);
+    if (gamma) row_rstd<DT>(x, M, K, vec, eps, rstd);
     float amax = 0.f;
     bool finite = true;
 #pragma unroll 2
