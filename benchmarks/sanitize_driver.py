@@ -108,6 +108,7 @@ def _linear_paths():
       "the norm in front, SwiGLU behind; E4M3 weights on linear_fp8.cu version 3 with the same fusions, 1 to 8 rows")
 def _gemv():
     from libnn.ops import linear, rms_norm_linear
+    from libnn.ops.linear_fp8 import bind_gemv3_kernel
     from libnn.ops.quantize_fp8 import quantize_weight
 
     for dtype in ("fp16", "bf16"):
@@ -120,9 +121,11 @@ def _gemv():
         for M, N, K in ((1, 1, 16), (3, 7, 1000), (8, 131, 2064)):   # E4M3 weights: linear_fp8.cu version 3
             x, g = normal((M, K), dtype), normal((K,), dtype)
             w = quantize_weight(normal((2 * N, K), "fp32", 0.2))
-            rms_norm_linear(x, g, w.data, normal((2 * N,), dtype), w_scale=w.scale, glu="swiglu", path="gemv")
+            glu = bind_gemv3_kernel(dtype, M, 2 * N, K, True, None, "gpu:0", True, 1e-6)
+            glu(x, w.data, w.scale, normal((2 * N,), dtype), None, g, normal((M, N), dtype))
             per_tensor = quantize_weight(normal((N, K), "fp32", 0.2), per_channel=False)
-            rms_norm_linear(x, g, per_tensor.data, w_scale=per_tensor.scale, path="gemv")
+            normed = bind_gemv3_kernel(dtype, M, N, K, False, None, "gpu:0", False, 1e-6)
+            normed(x, per_tensor.data, per_tensor.scale, None, None, g, normal((M, N), dtype))
 
 
 @item("linear: the cutlass path (CUTLASS sm90 GEMM with the exact GELU), with and without bias and residual")

@@ -18,7 +18,8 @@ Paths, in `auto` order:
              it) and SwiGLU in its epilogue. For weights in x's dtype, kernels/gemv.cu (linear's gemv path):
              one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 to 24576, x, w and
              norm_weight 16-byte aligned. For E4M3 codes, kernels/linear_fp8.cu's version 3 (linear_fp8's
-             decode GEMV, on the FP8 tensor cores): 1 to 8 rows, n then quantised as linear_fp8 quantises x.
+             decode GEMV, on the FP8 tensor cores), n then quantised as linear_fp8 quantises x: one row
+             too (the kernel takes up to 8, but from 2 rows the unfused ops were faster on the H100).
 - unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
 - reference: the ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused ops
              round).
@@ -140,6 +141,9 @@ def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
         return gemv_support(problem.M, problem.N, problem.K, problem.dtype)
     if problem.dtype not in FP8_DTYPES:
         return f"dtype {problem.dtype} is not supported with E4M3 weights (supported: {', '.join(FP8_DTYPES)})"
+    if problem.M != 1:
+        return (f"M={problem.M}: with E4M3 weights the fused GEMV takes one row; from 2 rows every block's "
+                f"normalising x costs more than rms_norm's own kernel (benchmarks/RESULTS.md)")
     return fp8_gpu_missing(int(problem.device.split(":")[1])) or gemv3_support(problem.M, problem.N, problem.K)
 
 
