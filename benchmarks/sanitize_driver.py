@@ -272,7 +272,7 @@ def _rope():
 
 
 # --- kv_append ----------------------------------------------------------------------------------------
-@item("kv_append: custom paths, rotated and not, partial rotary, k and v as slices of one projection")
+@item("kv_append: custom paths, rotated and not, partial rotary, k and v (and q) as slices of one projection")
 def _kv_append():
     from libnn.ops import kv_append, rope_frequencies
 
@@ -286,6 +286,8 @@ def _kv_append():
                 for inv_freq in (dev(rope_frequencies(rotary or D)), None):
                     kv_append(qkv[:, :, H:2 * H], qkv[:, :, 2 * H:], positions, inv_freq, caches[0, 1],
                               caches[1, 1], rotary_dim=rotary if inv_freq is not None else None, path=path)
+                kv_append(qkv[:, :, H:2 * H], qkv[:, :, 2 * H:], positions, dev(rope_frequencies(rotary or D)),
+                          caches[0, 1], caches[1, 1], q=qkv[:, :, :H], rotary_dim=rotary, path=path)
 
 
 @item("attention: split-K decoding (attn3), one query row against cache rows, GQA, lengths 0, 1 and full")

@@ -5,7 +5,8 @@ projection and the caches as one layer's rows of a larger cache (strided views, 
 are poisoned (NaN bits) first: every position a token writes must hold exactly the reference's bits
 (k: the custom rope's bits, the rotation kernels/rope.cu shares, and within the dtype's tolerance of the
 reference, rotated in float64; v: the reference's bits, copied), and every other position its poison. Without
-inv_freq (rotary_dim 0, GPT-2's learned positions) k's bits are copied as v's. Positions out of range are
+inv_freq (rotary_dim 0, GPT-2's learned positions) k's bits are copied as v's. With q (GQA heads, a
+slice of the projection) the same launch returns q rotated: rope's bits. Positions out of range are
 refused unless checked; with checked=True an out-of-range position writes nothing (the kernel never writes
 outside the caches)."""
 
@@ -70,6 +71,36 @@ def test_custom_writes_the_references_bits_and_nothing_else(rng, case, style, dt
     assert rel_error(got_k[rows, positions], expected_k[rows, positions]) <= dtypes.TOLERANCE[dtype]
     for layer in (layers[0], v_layers[0]):  # the other layer's rows: untouched
         np.testing.assert_array_equal(layer.get().view(bits), untouched.view(bits))
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("case", SHAPES, ids=case_id)
+def test_q_rotated_in_the_same_launch_is_ropes(rng, case, style, dtype):
+    """q (4 heads per KV head, GQA, as the QKV projection's slice) rotated by the launch that writes k:
+    rope's own bits on the GPU, the float64 reference within the dtype's tolerance; the caches as without q."""
+    import cupy
+
+    B, S, H, D, L, R, position_dtype = case
+    Hq = 4 * H
+    qkv = random_normal(rng, (B, S, Hq + 2 * H, D), dtype)
+    positions = (rng.integers(0, L - S + 1, (B, 1)) + np.arange(S)).astype(position_dtype)
+    inv_freq = rope_frequencies(R or D)
+    gq, gp, gf = cupy.asarray(qkv), cupy.asarray(positions), cupy.asarray(inv_freq)
+    k_cache, v_cache = poisoned((B, L, H, D), dtype), poisoned((B, L, H, D), dtype)
+    q, k, v = gq[:, :, :Hq], gq[:, :, Hq:Hq + H], gq[:, :, Hq + H:]
+    rotated = kv_append(k, v, gp, gf, k_cache, v_cache, q=q, style=style, rotary_dim=R)
+    assert rotated.shape == (B, S, Hq, D) and rotated.dtype == q.dtype
+    bits = f"u{dtypes.parse(dtype).itemsize}"
+    own = rope(q, gp, gf, style=style, rotary_dim=R)
+    np.testing.assert_array_equal(rotated.get().view(bits), own.get().view(bits))
+    expected_q = rope(qkv[:, :, :Hq].astype(np.float64), positions, inv_freq, style=style, rotary_dim=R)
+    assert rel_error(rotated, expected_q) <= dtypes.TOLERANCE[dtype]
+    rows = np.arange(B)[:, None]
+    k_alone, v_alone = poisoned((B, L, H, D), dtype), poisoned((B, L, H, D), dtype)
+    assert kv_append(k, v, gp, gf, k_alone, v_alone, style=style, rotary_dim=R) is None
+    np.testing.assert_array_equal(k_cache.get().view(bits), k_alone.get().view(bits))
+    np.testing.assert_array_equal(v_cache.get()[rows, positions].view(bits), v_alone.get()[rows, positions].view(bits))
+
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("case", SHAPES, ids=case_id)

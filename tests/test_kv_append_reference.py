@@ -125,3 +125,29 @@ def test_caches_sharing_memory_are_refused(rng):
     k, v, positions, inv_freq, k_cache, _ = arrays(rng)
     with pytest.raises(ValueError, match="kv_append: k_cache and v_cache share memory"):
         kv_append(k, v, positions, inv_freq, k_cache, k_cache)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_q_comes_back_rotated_as_rope_rotates_it(rng, style):
+    B, S, H, Hq, D, L = 2, 3, 2, 6, 16, 9
+    q, k, v = (random_normal(rng, (B, S, h, D), "fp64") for h in (Hq, H, H))
+    positions = np.array([[0, 1, 2], [4, 5, 6]], np.int64)
+    inv_freq = rope_frequencies(D)
+    k_cache, v_cache = np.zeros((B, L, H, D)), np.zeros((B, L, H, D))
+    rotated = kv_append(k, v, positions, inv_freq, k_cache, v_cache, q=q, style=style)
+    np.testing.assert_array_equal(rotated, rope(q, positions, inv_freq, style=style))
+    alone_k, alone_v = np.zeros((B, L, H, D)), np.zeros((B, L, H, D))
+    assert kv_append(k, v, positions, inv_freq, alone_k, alone_v, style=style) is None
+    np.testing.assert_array_equal(k_cache, alone_k)
+    np.testing.assert_array_equal(v_cache, alone_v)
+
+
+def test_q_is_checked():
+    k = np.ones((1, 2, 2, 8))
+    args = (k, k, np.zeros((1, 2), np.int32), rope_frequencies(8), np.zeros((1, 4, 2, 8)), np.zeros((1, 4, 2, 8)))
+    with pytest.raises(ValueError, match=r"kv_append: q must be \(B, S, Hq, D\) = \(1, 2, Hq, 8\) in k's dtype fp64"):
+        kv_append(*args, q=np.ones((1, 2, 4, 4)))
+    with pytest.raises(ValueError, match="kv_append: q must be"):
+        kv_append(*args, q=np.ones((1, 2, 4, 8), np.float32))
+    with pytest.raises(ValueError, match="kv_append: q is rotated with k; without inv_freq there is no rotation"):
+        kv_append(k, k, *args[2:3], None, *args[4:], q=np.ones((1, 2, 4, 8)))

@@ -383,17 +383,28 @@ class KVCache:
     def extend(self, lengths: np.ndarray) -> None:
         """Room for each sequence's first lengths[b] positions (a row holds max_len)."""
 
-    def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any, Any]:
+    def store(self, layer: int, step: Step, q: Any, k: Any, v: Any, path: str) -> tuple[Any, Any, Any, Any]:
         """Write this pass's k (rotated where step.inv_freq is given) and v into layer `layer`'s cache rows
-        0..B-1 at their tokens' positions; return the keys and values attention reads and its page table
-        (None: dense): the prefill's window (B, S, Hkv, D), or for a decode step every sequence's whole
-        row (B, max_len, Hkv, D), its length in step.seq_lens_kv. The positions are the model's own
-        (prefill: 0..S-1; decode: each sequence's length, below max_len by the checks of
-        CausalLM._decode), so kv_append need not read them back."""
+        0..B-1 at their tokens' positions; return the keys and values attention reads, its page table
+        (None: dense) and q (rotated by the same kernel where step.inv_freq is given): the prefill's window
+        (B, S, Hkv, D), or for a decode step every sequence's whole row (B, max_len, Hkv, D), its length in
+        step.seq_lens_kv. The positions are the model's own (prefill: 0..S-1; decode: each sequence's
+        length, below max_len by the checks of CausalLM._decode), so kv_append need not read them back."""
         B, S = k.shape[:2]
         keys, values = self.k[layer, :B], self.v[layer, :B]
-        kv_append(k, v, step.positions, step.inv_freq, keys, values, checked=True, path=path)
-        return (keys[:, :S], values[:, :S], None) if step.causal else (keys, values, None)
+        q = _rotated_q(q, kv_append(k, v, step.positions, step.inv_freq, keys, values, q=_q_for(q, step),
+                                    checked=True, path=path))
+        return (keys[:, :S], values[:, :S], None, q) if step.causal else (keys, values, None, q)
+
+
+def _q_for(q: Any, step: Step) -> Any:
+    """q for kv_append to rotate with k: where the step has rotary frequencies (none: GPT-2's learned
+    positions, q goes to attention as it is)."""
+    return None if step.inv_freq is None else q
+
+
+def _rotated_q(q: Any, rotated: Any) -> Any:
+    return q if rotated is None else rotated
 
 
 def paged_positions(max_batch: int, max_len: int, page_size: int) -> int:
@@ -460,15 +471,16 @@ class PagedKVCache:
         if self._upload_to is not None:
             self._upload_to(self._host)
 
-    def store(self, layer: int, step: Step, k: Any, v: Any, path: str) -> tuple[Any, Any, Any]:
+    def store(self, layer: int, step: Step, q: Any, k: Any, v: Any, path: str) -> tuple[Any, Any, Any, Any]:
         """As KVCache.store, through rows 0..B-1 of the page table: return layer `layer`'s pools as
-        (pages + 1, page_size, Hkv, D) views (attention's BSHD order) and the table (B, max_pages), the
-        keys attention reads for each sequence being its pages' first seq_lens_kv rows."""
+        (pages + 1, page_size, Hkv, D) views (attention's BSHD order), the table (B, max_pages), the keys
+        attention reads for each sequence being its pages' first seq_lens_kv rows, and q."""
         B = k.shape[0]
         keys, values = (pool[layer].transpose(0, 2, 1, 3) for pool in (self.k, self.v))
         table = self.table[:B]
-        kv_append(k, v, step.positions, step.inv_freq, keys, values, page_table=table, checked=True, path=path)
-        return keys, values, CheckedPageTable(table)
+        q = _rotated_q(q, kv_append(k, v, step.positions, step.inv_freq, keys, values, q=_q_for(q, step),
+                                    page_table=table, checked=True, path=path))
+        return keys, values, CheckedPageTable(table), q
 
 
 class _QueuedUpload:
@@ -511,8 +523,9 @@ class Step:
     def attend(self, layer: int, q: Any, k: Any, v: Any, path: str | dict[str, str]) -> Any:
         """k and v (B, S, Hkv, D) into layer `layer`'s cache, then q's (B, S, Hq, D) attention over the
         cache: o (B, S, Hq, D), causal with padding lengths at prefill, one query per sequence against its
-        cached length at a decode step."""
-        keys, values, pages = self.cache.store(layer, self, k, v, path_for(path, "kv_append"))
+        cached length at a decode step. With rotary frequencies q and k come unrotated: kv_append rotates
+        both in one launch as it writes k."""
+        keys, values, pages, q = self.cache.store(layer, self, q, k, v, path_for(path, "kv_append"))
         return attention(q, keys, values, causal=self.causal, seq_lens_q=self.seq_lens_q,
                          seq_lens_kv=self.seq_lens_kv, layout="BSHD", page_table=pages,
                          path=path_for(path, "attention"))

@@ -16,8 +16,8 @@ one GEMM each; the projections' parameters are views into them.
 
 What runs, per decoder layer (pre-norm; ops in libnn.ops, each on its `auto` path):
     q, k, v = views of rms_norm_linear(x, input_layernorm, W_qkv)       rms_norm then one GEMM
-    q = rope(q); kv_append(k, v)                              k rotated and v written into the KV cache at
-                                                             each token's position, one kernel
+    kv_append(k, v, q=q)                                     q and k rotated (RoPE), k and v written into
+                                                             the KV cache at each token's position, one kernel
     o  = attention(q, K cache, V cache)                      causal + padding lengths (prefill); q of one
                                                              token against each sequence's cached length (decode)
     h  = linear(o, W_o, residual=x)                          the residual in the GEMM's epilogue
@@ -48,7 +48,7 @@ from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
 from libnn.nn.module import Module
 from libnn.nn.norm import RMSNorm
 from libnn.ops.embedding import embedding
-from libnn.ops.rope import SCALING_TYPES, rope, rope_frequencies
+from libnn.ops.rope import SCALING_TYPES, rope_frequencies
 from libnn.runtime.arrays import as_array
 
 # CausalLM: this module's since LLaMA was libnn's one decoder; the class is libnn.models.decoder's
@@ -57,7 +57,7 @@ __all__ = ["CausalLM", "LlamaConfig", "LlamaModel", "LLAMA"]
 MODEL_TYPES = ("llama",)
 CLASS_NAMES = ("LlamaForCausalLM",)
 HIDDEN_ACTS = ("silu",)
-OPS = ("linear", "attention", "rms_norm", "embedding", "rope", "kv_append", "swiglu", "rms_norm_linear")  # the ops a forward pass calls
+OPS = ("linear", "attention", "rms_norm", "embedding", "kv_append", "swiglu", "rms_norm_linear")  # the ops a forward pass calls
 # The config's sizes and the least each may be (no decoder layers leaves embeddings and lm_head, still a model).
 SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 0, "num_attention_heads": 1,
          "num_key_value_heads": 1, "head_dim": 2, "max_position_embeddings": 1}
@@ -300,8 +300,7 @@ class LlamaDecoderLayer(Module):
         qkv = _normed(x, self.input_layernorm, self.self_attn.packed(), path)
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
-        q = rope(q, step.positions, step.inv_freq, path=path_for(path, "rope"))
-        o = step.attend(index, q, k, v, path)
+        o = step.attend(index, q, k, v, path)   # q and k rotated there, by kv_append's one kernel
         h = self.self_attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
         a = _normed(h, self.post_attention_layernorm, self.mlp.packed(), path, glu="swiglu")
         return self.mlp.down_proj(a, residual=h)

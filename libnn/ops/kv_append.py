@@ -8,8 +8,11 @@ at p = positions[b, s] and head h:
     k_cache[b, p, h] = rope(k[b, s, h], p)      rope's function exactly (style, rotary_dim, inv_freq)
     v_cache[b, p, h] = v[b, s, h]
 
-The caches are written in place; nothing is returned. Two tokens of one sequence at one position leave
-either's values there (which one is not defined).
+The caches are written in place. With `q` (B, S, Hq, D), the queries of the same tokens, the same launch
+also rotates q as `rope(q, positions, inv_freq, style=, rotary_dim=)` does and returns it (a new array):
+a decoder's query and key rotated by one kernel, where rope and kv_append took two. Without q nothing is
+returned. Two tokens of one sequence at one position leave either's values there (which one is not
+defined).
 
 Paged caches (`page_table`, int32 (B, max_pages)): k_cache and v_cache are pools of pages (pages,
 page_size, H, D), any strides with a contiguous last dimension (a pool stored (pages, H, page_size, D),
@@ -30,8 +33,8 @@ Paths, in `auto` order (no library has this op):
              row addressed by the position (through the page table where there is one), the v row copied
              by the same threads; strides as they come where the last dimension is contiguous (k and v as
              views into one QKV projection, the cache rows as views of a larger cache).
-- reference: rope's reference of k (k itself without inv_freq), then both written with NumPy's indexing
-             (the page table's rows gathered by NumPy where there is one).
+- reference: rope's reference of k (k itself without inv_freq) and of q, then k and v written with NumPy's
+             indexing (the page table's rows gathered by NumPy where there is one).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from libnn.registry import Op, option_key
 from libnn.ops import paging
 from libnn.ops.rope import POSITION_DTYPES, overlaps_itself, rope, rotary_dim_of
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import as_array, device_of, min_max, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, device_of, min_max, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -69,16 +72,18 @@ class KVAppendProblem:
     device: str
     pages: int = 0         # paged caches: the pools' pages (0: dense caches)
     page_size: int = 0     # paged caches: positions per page, a power of two
+    Hq: int = 0            # q's heads, rotated in the same launch (0: no q)
 
     def describe(self) -> str:
         k = f"{self.style} k" if self.rotary_dim else "k (no rotation)"
         paged = f" ({self.pages} pages of {self.page_size})" if self.pages else ""
+        q = f", q of {self.Hq} heads rotated" if self.Hq else ""
         return (f"kv_append {k}, v (B={self.B}, S={self.S}, H={self.H}, D={self.D}) into caches of "
-                f"{self.L} positions{paged}, {self.dtype}, positions {self.position_dtype}")
+                f"{self.L} positions{paged}{q}, {self.dtype}, positions {self.position_dtype}")
 
 
 def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked,
-                      page_table=None) -> KVAppendProblem:
+                      page_table=None, q=None) -> KVAppendProblem:
     if k.ndim != 4:
         raise ValueError(f"kv_append: k must be (B, S, H, D), got shape {tuple(k.shape)}")
     if not dtypes.is_float(k.dtype):
@@ -111,13 +116,20 @@ def kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary
         raise ValueError(f"kv_append: positions must have shape (B, S) = {(B, S)} for k of shape {tuple(k.shape)}, "
                          f"got {tuple(positions.shape)}")
     R = _rotary_dim(D, inv_freq, style, rotary_dim)
+    if q is not None:
+        if q.ndim != 4 or (q.shape[0], q.shape[1], q.shape[3]) != (B, S, D) or q.dtype != k.dtype:
+            raise ValueError(f"kv_append: q must be (B, S, Hq, D) = ({B}, {S}, Hq, {D}) in k's dtype "
+                             f"{dtypes.short_name(k.dtype)}, got {tuple(q.shape)} {dtypes.short_name(q.dtype)}")
+        if inv_freq is None:
+            raise ValueError("kv_append: q is rotated with k; without inv_freq there is no rotation, so pass q "
+                             "only with inv_freq")
     if not isinstance(checked, bool):
         raise TypeError(f"kv_append: checked must be True or False, got {type(checked).__name__} {checked!r}")
     device = device_of({"k": k, "v": v, "positions": positions, "inv_freq": inv_freq, "k_cache": k_cache,
-                        "v_cache": v_cache, "page_table": page_table}, "kv_append")
+                        "v_cache": v_cache, "page_table": page_table, "q": q}, "kv_append")
     problem = KVAppendProblem(B=B, S=S, H=H, D=D, L=k_cache.shape[1], rotary_dim=R, style=style,
                               dtype=dtypes.short_name(k.dtype), position_dtype=positions.dtype.name, checked=checked,
-                              device=device)
+                              device=device, Hq=0 if q is None else q.shape[2])
     return problem if page_table is None else _paged_problem(problem, page_table, k_cache.shape[0])
 
 
@@ -132,27 +144,30 @@ def _paged_problem(problem: KVAppendProblem, page_table, pages: int) -> KVAppend
     return replace(problem, L=page_table.shape[1] * page_size, pages=pages, page_size=page_size)
 
 
-def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cache: Any, *, page_table: Any = None,
-              style: str = "half", rotary_dim: int | None = None, checked: bool = False, path: str = "auto") -> None:
+def kv_append(k: Any, v: Any, positions: Any, inv_freq: Any, k_cache: Any, v_cache: Any, *, q: Any = None,
+              page_table: Any = None, style: str = "half", rotary_dim: int | None = None, checked: bool = False,
+              path: str = "auto") -> Any:
     """Write k rotated at `positions` (RoPE: see `rope`) and v into k_cache and v_cache (B, L, H, D) at
     each token's position: k_cache[b, positions[b, s]] = rope(k[b, s]), v_cache[b, positions[b, s]] =
     v[b, s], for k and v (B, S, H, D). With `page_table` (B, max_pages) int32 the caches are pools of
     pages (pages, page_size, H, D) and position p of sequence b is row p % page_size of page
     page_table[b, p // page_size] (see the module docstring). inv_freq None writes k unrotated
     (rotary_dim None or 0 then; style is not read). Positions are checked to lie in [0, L), and the
-    page table's entries in [0, pages) (one synchronisation), unless `checked`. `path` is "auto" or one
-    of `libnn.paths("kv_append")`."""
+    page table's entries in [0, pages) (one synchronisation), unless `checked`. With `q` (B, S, Hq, D)
+    (inv_freq needed), returns q rotated as rope rotates it, from the same launch; else None. `path` is
+    "auto" or one of `libnn.paths("kv_append")`."""
     k, v = as_array(k, "kv_append", "k"), as_array(v, "kv_append", "v")
     positions = as_array(positions, "kv_append", "positions")
     inv_freq = None if inv_freq is None else as_array(inv_freq, "kv_append", "inv_freq")
     k_cache, v_cache = as_array(k_cache, "kv_append", "k_cache"), as_array(v_cache, "kv_append", "v_cache")
     page_table = None if page_table is None else as_array(page_table, "kv_append", "page_table")
+    q = None if q is None else as_array(q, "kv_append", "q")
     key = (signature(k), signature(v), signature(positions), signature(inv_freq), signature(k_cache),
-           signature(v_cache), signature(page_table), option_key(style), option_key(rotary_dim),
+           signature(v_cache), signature(page_table), signature(q), option_key(style), option_key(rotary_dim),
            option_key(checked), path, stream_key())
-    op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim, checked,
-                                           page_table),
-            path, k, v, positions, inv_freq, k_cache, v_cache, page_table)
+    return op.call(key, lambda: kv_append_problem(k, v, positions, inv_freq, k_cache, v_cache, style, rotary_dim,
+                                                  checked, page_table, q),
+                   path, k, v, positions, inv_freq, k_cache, v_cache, page_table, q)
 
 
 def _rotary_dim(D: int, inv_freq, style, rotary_dim) -> int:
@@ -213,7 +228,7 @@ def custom_launch(problem: KVAppendProblem) -> tuple[str, tuple[int, int, int], 
     bx = min(KV_MAX_BX, max(32, _pow2_at_least(problem.D)))
     by = min(KV_THREADS // bx, _pow2_at_least(problem.S))
     cap = launch.GRID_STRIDE_BLOCKS
-    grid = (min(-(-problem.S // by), cap), min(problem.H, cap), min(problem.B, cap))
+    grid = (min(-(-problem.S // by), cap), min(problem.H + problem.Hq, cap), min(problem.B, cap))
     name = f"kv_append1_{dtypes.KERNEL_SUFFIX[problem.dtype]}_{_POSITION_SUFFIX[problem.position_dtype]}"
     return name, grid, (bx, by)
 
@@ -231,7 +246,7 @@ def _custom_support(problem: KVAppendProblem) -> str | None:
     return None
 
 
-def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table):
+def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table, q):
     """The runner of kernels/kv_append.cu for arrays of this signature: one packed launch; k, v, positions
     or the page table the kernel cannot address as they lie are copied first, a cache it cannot address
     is refused."""
@@ -241,8 +256,9 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
     if cache_rows is None:
         raise ValueError("kv_append: the caches' last dimension must be contiguous on the GPU path (the kernel "
                          f"writes rows of D elements), got strides {tuple(k_cache.strides)} bytes")
+    new_q = None if q is None else allocator(tuple(q.shape), q.dtype)
     if problem.B * problem.S * problem.H == 0:
-        return lambda *arrays: None
+        return lambda *arrays: None if new_q is None else new_q()
     contiguous = (problem.S * problem.H * problem.D, problem.H * problem.D, problem.D)
     k_rows, v_rows = _rows(k), _rows(v)
     position_strides = tuple(s // positions.itemsize for s in positions.strides)
@@ -255,6 +271,8 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
         table_strides = (page_table.shape[1], 1)
     name, grid, block = custom_launch(problem)
     (kb, ks, kh), (vb, vs, vh), (cb, cs, ch) = k_rows or contiguous, v_rows or contiguous, cache_rows
+    q_rows = None if q is None else _rows(q)  # None with a q: copied to a contiguous one first
+    qb, qs, qh = q_rows or (problem.S * problem.Hq * problem.D, problem.Hq * problem.D, problem.D)
     A = launch.ARRAY
     kernel = launch.bind("kv_append.cu", name, grid, block,
                          _KV.pack(k=A, v=A, positions=A, inv_freq=A, k_cache=A, v_cache=A, B=problem.B, S=problem.S,
@@ -262,19 +280,23 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                                   vb=vb, vs=vs, vh=vh, cb=cb, cs=cs, ch=ch, pb=position_strides[0],
                                   ps=position_strides[1], interleaved=problem.style == "interleaved",
                                   page_table=A, tb=table_strides[0], tp=table_strides[1],
-                                  page_shift=max(0, problem.page_size.bit_length() - 1), pages=problem.pages),
+                                  page_shift=max(0, problem.page_size.bit_length() - 1), pages=problem.pages,
+                                  q=A, q_out=A, Hq=problem.Hq, qb=qb, qs=qs, qh=qh),
                          programmatic=launch.programmatic_supported(problem.device))
 
     copy_freq = inv_freq is not None and not inv_freq.flags.c_contiguous  # None: a null pointer, never read (R = 0)
     cache_bytes = _extent(k_cache)
 
-    def run(k, v, positions, inv_freq, k_cache, v_cache, page_table):
+    def run(k, v, positions, inv_freq, k_cache, v_cache, page_table, q):
         _check_disjoint(k_cache.data.ptr, v_cache.data.ptr, cache_bytes)
         _check_positions(problem, positions, page_table, problem.checked)
+        q_out = None if q is None else new_q()
         kernel(k if k_rows else cupy.ascontiguousarray(k), v if v_rows else cupy.ascontiguousarray(v),
                cupy.ascontiguousarray(positions) if copy_positions else positions,
                cupy.ascontiguousarray(inv_freq) if copy_freq else inv_freq, k_cache, v_cache,
-               cupy.ascontiguousarray(page_table) if copy_table else page_table)  # None: a null table (dense)
+               cupy.ascontiguousarray(page_table) if copy_table else page_table,  # None: a null table (dense)
+               None if q is None else q if q_rows else cupy.ascontiguousarray(q), q_out)
+        return q_out
     return run
 
 
@@ -283,15 +305,18 @@ op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=T
 
 # --- reference -----------------------------------------------------------------------------------------------
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table):
+def _reference(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_cache, page_table, q):
     # on the host the check costs no synchronisation: NumPy would wrap a -1
     _check_positions(problem, positions, page_table, False)
     if np.shares_memory(k_cache, v_cache):
         raise ValueError("kv_append: k_cache and v_cache share memory; pass two separate caches")
     rotated = k if not problem.rotary_dim else rope(k, positions, inv_freq, style=problem.style,
                                                      rotary_dim=problem.rotary_dim, path="reference")
+    rotated_q = None if q is None else rope(q, positions, inv_freq, style=problem.style,
+                                            rotary_dim=problem.rotary_dim, path="reference")
     rows = np.broadcast_to(np.arange(problem.B)[:, None], (problem.B, problem.S))
     if page_table is not None:  # (page, row in the page) of each token
         rows, positions = page_table[rows, positions // problem.page_size], positions % problem.page_size
     k_cache[rows, positions] = rotated
     v_cache[rows, positions] = v
+    return rotated_q
