@@ -16,6 +16,8 @@ CATEGORIES = (("attention", harness.ATTENTION_KERNELS), ("GEMM", harness.GEMM_KE
 def test_the_first_category_whose_pattern_finds_the_name_wins_case_insensitively():
     assert harness.kernel_category("cudnn_generated_fort_native_SDPA_sm90_x", CATEGORIES) == "attention"  # not GEMM
     assert harness.kernel_category("sm90_xmma_gemm_bf16", CATEGORIES) == "GEMM"
+    assert harness.kernel_category("gemv_glu_f16", CATEGORIES) == "GEMM"          # libnn's GEMVs too
+    assert harness.kernel_category("fp8_gemv3_bf16", CATEGORIES) == "GEMM"
     assert harness.kernel_category("LayerNorm_fwd", CATEGORIES) == "norm"
     assert harness.kernel_category("elementwise_add", CATEGORIES) == harness.GLUE
 

@@ -125,9 +125,10 @@ def time_paths(paths: dict[str, Callable[[Any], Any]], row: dict[str, Any], *, f
 
 # --- kernel time by category -------------------------------------------------------------------------
 # Kernel-name patterns (searched in the lower-cased name) the suites' splits share. cuDNN's SDPA kernels
-# carry "sm90_" as cuBLAS's GEMMs do, so a split lists attention before GEMM.
+# carry "sm90_" as cuBLAS's GEMMs do, so a split lists attention before GEMM. libnn's GEMVs (kernels/gemv.cu,
+# linear_fp8.cu's fp8_gemv3) count as GEMM, the RMS norms and SwiGLU fused into them with them.
 ATTENTION_KERNELS = re.compile(r"sdpa|fmha|flash|attn|attention")
-GEMM_KERNELS = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|sm90_|sm80_")
+GEMM_KERNELS = re.compile(r"gemm|gemv|xmma|cutlass|nvjet|cublas|sm90_|sm80_")
 KernelCategories = Sequence[tuple[str, re.Pattern[str]]]
 GLUE = "glue"  # every kernel no category's pattern finds
 TOP_GLUE = 3   # the costliest glue kernels a split names
