@@ -28,12 +28,13 @@ LAUNCH (every kernel takes the same parameters)
     (const T* x, const T* w, const T* bias, const T* residual, const T* gamma, T* y, int N, int K,
      float eps, int act)
     block (GEMV_THREADS, 1, 1), grid (min(ceil(R / GEMV_WARPS), GEMV_BLOCKS_PER_SM x SMs), 1, 1), R = N rows
-    (N / 2 row pairs with GLU); dynamic shared memory 4 K bytes (above 48 KB the launcher opts in).
-    Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0; x and w 16-byte aligned;
-    bias, residual and gamma may be null (residual null and act none with GLU); y (R,) overlaps no
-    input. On sm_90 and newer it is launched with programmatic stream serialization: it loads its first
-    two batches of w, then waits (pdl_wait) for the kernel ahead, whose output x is, and lets the kernel
-    after it start once every block has staged x'.
+    (N / 2 row pairs with GLU); dynamic shared memory 4 * K bytes (above 48 KB the launcher opts in).
+    Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0; x, w and gamma 16-byte
+    aligned; bias, residual and gamma may be null (residual null and act none with GLU); y (R,) overlaps
+    no input. On sm_90 and newer it is launched with programmatic stream serialization: it loads its
+    first two batches of w, then waits (pdl_wait) for the kernel ahead, whose output x is, and lets the
+    kernel after it start once every block has staged x'. So w must be what no kernel in flight writes
+    (a weight), as for linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
 */
 #include "common.cuh"
 
@@ -41,8 +42,8 @@ constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_WARPS = GEMV_THREADS / 32;
 constexpr int GEMV_CHUNKS = 8;          // 16-byte chunks of w a lane has in each of its two batches in flight
 constexpr int GEMV_BLOCKS_PER_SM = 2;   // the launch bound (<= 128 registers) and the grid's blocks per SM
-constexpr int GEMV_MAX_K = 24576;       // x' in fp32 shared memory, 4 K bytes: two blocks an SM still fit
-static_assert(2 * 4 * GEMV_MAX_K <= 227 * 1024, "two blocks' x' fit in an SM's shared memory");
+constexpr int GEMV_MAX_K = 24576;       // x' in fp32 shared memory, 4 * K bytes: two blocks fit an sm_90 SM
+static_assert(2 * 4 * GEMV_MAX_K <= 227 * 1024, "two blocks' x' fit in an sm_90 SM's shared memory");
 
 namespace gemvk {
 

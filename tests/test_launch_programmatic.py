@@ -54,13 +54,13 @@ def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capabili
 # file: each may start before the kernel ahead of it finishes, so each must wait (pdl_wait) before it reads
 # that kernel's output or writes what it may still read
 PROGRAMMATIC = {"rms_norm.cu": "rms", "swiglu.cu": "swiglu", "rope.cu": "rope1", "kv_append.cu": "kv_append1",
-                "linear_fp8.cu": "fp8_gemv3"}
+                "linear_fp8.cu": "fp8_gemv3", "gemv.cu": "gemv"}
 
 
 @pytest.mark.parametrize("file, prefix", PROGRAMMATIC.items())
 def test_every_kernel_launched_programmatically_waits_before_its_work(file, prefix):
-    """Each exported kernel of those files calls pdl_wait before its device function; the GEMV waits
-    before it quantises x (its weight loads, of what no kernel writes, come first)."""
+    """Each exported kernel of those files calls pdl_wait before its device function; the GEMVs wait
+    before they quantise or stage x (their weight loads, of what no kernel writes, come first)."""
     import re
     from pathlib import Path
 
@@ -72,13 +72,15 @@ def test_every_kernel_launched_programmatically_waits_before_its_work(file, pref
     assert launched, f"no exported {prefix}* kernel found in kernels/{file}"
     for kernel in launched:
         name = " ".join(kernel.split()[:4])  # for the message: the macro's signature line
-        if "gemv3<" in kernel:  # the GEMV waits inside gemv3, checked below
+        if "gemv3<" in kernel or "gemvk::gemv<" in kernel:  # the GEMVs wait inside, checked below
             continue
         work = re.search(r"\b\w+k::\w+<", kernel)  # the call of the kernel's device function (rmsk::, ropek::...)
         assert "pdl_wait();" in kernel, f"kernels/{file}: {name} is launched programmatically but never waits"
         assert work and kernel.index("pdl_wait();") < work.start(), f"kernels/{file}: {name} works before pdl_wait"
     if file == "linear_fp8.cu":
         assert re.search(r"pdl_wait\(\);[^\n]*\n\s*const float sx = quantize_x", source)
+    if file == "gemv.cu":
+        assert re.search(r"pdl_wait\(\);[^\n]*\n\s*stage_x<", source)
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False)])

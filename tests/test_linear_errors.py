@@ -209,7 +209,8 @@ def test_auto_puts_gemv_first_at_one_row(every_library_present, activation, dtyp
     (1, 2050, "fp16", "K=2050: the GEMV kernel takes K a multiple of 8 from 8 to 24576"),
     (1, 24584, "bf16", "K=24584: the GEMV kernel takes K a multiple of 8 from 8 to 24576"),
     (1, 2048, "fp32", "dtype fp32 is not supported (supported: fp16, bf16)"),
-], ids=["two-rows", "odd-K", "long-K", "fp32"])
+    (0, 2048, "fp16", "M=0: the GEMV kernel takes one row (a batch-1 decode step)"),
+], ids=["two-rows", "odd-K", "long-K", "fp32", "no-rows"])
 def test_gemv_passes_over_what_it_cannot_take(every_library_present, M, K, dtype, why):
     names, passed_over = resolved(gpu_problem(None, dtype, M=M, K=K))
     assert "gemv" not in names and passed_over["gemv"] == why

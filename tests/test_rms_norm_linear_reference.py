@@ -81,6 +81,7 @@ def test_paths_in_auto_order():
 @pytest.mark.parametrize("path, expected", [
     ("auto", "auto"), ("reference", "reference"), ("gemv", "gemv"),
     ("cudnn", None),                                   # rms_norm's and linear's cudnn paths, as asked
+    ("cupy", "auto"),                                  # embedding's path alone: none of the three forced
     ("custom", None),
     ({"attention": "custom"}, "auto"),                 # nothing of the three forced
     ({"linear": "cublaslt"}, None),                    # the GEMMs forced: the three ops run

@@ -313,18 +313,21 @@ def path_for(path: str | dict[str, str], op: str) -> str:
     return name if name == "auto" or name in get_op(op).paths else "auto"
 
 
-COMPOSED_OPS = ("rms_norm", "linear", "linear_fp8", "swiglu")  # what rms_norm_linear computes, op by op
+# what rms_norm_linear computes, op by op (a quantised Linear's GEMM takes linear's path too: nn.functional.dense)
+COMPOSED_OPS = ("rms_norm", "linear", "swiglu")
 
 
 def fused_norm_path(path: str | dict[str, str]) -> str | None:
     """rms_norm_linear's path under a model's `path`: its own entry in a dict; None where the spec forces a
-    path on rms_norm, linear, linear_fp8 or swiglu (a dict entry, or one name rms_norm_linear has no path of, such as
-    "cudnn"), so that the model runs those ops on the paths asked for; else "auto"."""
+    path on rms_norm, linear or swiglu (a dict entry, or one name that one of them has and rms_norm_linear
+    has not, such as "cudnn"), so that the model runs those ops on the paths asked for; else "auto"."""
+    own = get_op("rms_norm_linear").paths
     if isinstance(path, dict) and "rms_norm_linear" not in path:
         forced = any(op_path(path, op) != "auto" for op in COMPOSED_OPS)
     else:
-        forced = op_path(path, "rms_norm_linear") not in ("auto", *get_op("rms_norm_linear").paths)
-    return None if forced else op_path(path, "rms_norm_linear")
+        name = op_path(path, "rms_norm_linear")
+        forced = name not in ("auto", *own) and any(name in get_op(op).paths for op in COMPOSED_OPS)
+    return None if forced else path_for(path, "rms_norm_linear")
 
 
 def norm_then_dense(x: Any, norm: RMSNorm, weight: Any, bias: Any, w_scale: Any, path: str | dict[str, str],

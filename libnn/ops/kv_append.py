@@ -258,7 +258,11 @@ def bind_custom(problem: KVAppendProblem, k, v, positions, inv_freq, k_cache, v_
                          f"writes rows of D elements), got strides {tuple(k_cache.strides)} bytes")
     new_q = None if q is None else allocator(tuple(q.shape), q.dtype)
     if problem.B * problem.S * problem.H == 0:
-        return lambda *arrays: None if new_q is None else new_q()
+        if new_q is None or problem.B * problem.S == 0:  # nothing to write, nothing (or an empty q) to rotate
+            return lambda *arrays: None if new_q is None else new_q()
+        # no KV heads: q alone to rotate, which rope does
+        return lambda k, v, positions, inv_freq, k_cache, v_cache, page_table, q: rope(
+            q, positions, inv_freq, style=problem.style, rotary_dim=problem.rotary_dim)
     contiguous = (problem.S * problem.H * problem.D, problem.H * problem.D, problem.D)
     k_rows, v_rows = _rows(k), _rows(v)
     position_strides = tuple(s // positions.itemsize for s in positions.strides)

@@ -9,7 +9,8 @@ that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's n
 
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - gemv:      one row of x (M = 1: a batch-1 decode step), fp16/bf16, K a multiple of 8 to 24576, x and
-             w 16-byte aligned: kernels/gemv.cu, a bandwidth kernel that streams w once (each warp whole
+             w 16-byte aligned, w a weight (no kernel in flight writes it: the kernel reads w before it
+             waits for the kernel ahead, see kernels/gemv.cu): kernels/gemv.cu, a bandwidth kernel that streams w once (each warp whole
              rows, fp32 FFMA, a fixed summation order) with bias, residual and every activation in its
              epilogue. At a decode step's shapes it matches or beats cuBLASLt, and a chain of them with the
              norms and SwiGLU fused (ops/rms_norm_linear.py) beats cuBLASLt's chain (benchmarks/RESULTS.md).
@@ -431,10 +432,11 @@ GEMV_DTYPES = ("fp16", "bf16")
 
 def gemv_support(M: int, N: int, K: int, dtype: str) -> str | None:
     """Why kernels/gemv.cu cannot take M rows of K features to N outputs in `dtype` (None: it can)."""
-    if N == 0:
-        return "N=0: no output to compute"
     if M != 1:
-        return f"M={M}: the GEMV kernel takes one row (a batch-1 decode step); from 2 rows cuBLASLt is faster"
+        faster = "; from 2 rows cuBLASLt is faster" if M > 1 else ""
+        return f"M={M}: the GEMV kernel takes one row (a batch-1 decode step){faster}"
+    if N == 0:
+        return "N=0: no output for the GEMV kernel to compute (the other paths return the empty result)"
     if dtype not in GEMV_DTYPES:
         return f"dtype {dtype} is not supported (supported: {', '.join(GEMV_DTYPES)})"
     if K % 8 or not 8 <= K <= _GV["GEMV_MAX_K"]:
@@ -458,8 +460,9 @@ def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bo
 
 
 def refuse_unaligned_gemv(x, w) -> None:
-    """LibraryError unless x and w are 16-byte aligned, as kernels/gemv.cu's 16-byte loads need."""
-    misaligned = [name for name, a in (("x", x), ("w", w)) if a.data.ptr % 16]
+    """LibraryError unless x and w are 16-byte aligned, as kernels/gemv.cu's 16-byte loads need (None: an
+    array the runner copies, aligned, at every call)."""
+    misaligned = [name for name, a in (("x", x), ("w", w)) if a is not None and a.data.ptr % 16]
     if misaligned:
         raise LibraryError(f"kernels/gemv.cu needs x and w 16-byte aligned; {' and '.join(misaligned)} "
                            f"{'is' if len(misaligned) == 1 else 'are'} not")

@@ -273,7 +273,11 @@ def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, act
                       glu: bool = False, eps: float = 0.0):
     """kernels/linear_fp8.cu version 3's launch by its LAUNCH table: run(x, wq, w_scale, bias, residual, gamma,
     y), each a pointer or None; gamma (K,) RMS-normalises x with `eps` before it is quantised, and `glu`
-    writes y (M, N / 2) = silu(gate) * up of the gate and up halves of w's rows."""
+    writes y (M, N / 2) = silu(gate) * up of the gate and up halves of w's rows (no activation then, and
+    run with a null residual)."""
+    if glu and (activation is not None or N % 2):
+        raise ValueError(f"linear_fp8: the GEMV's SwiGLU epilogue takes no activation and an even N, got "
+                         f"{activation!r} and N={N}")
     sms = multiprocessors(int(device.split(":")[1]))
     return launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[dtype]}",
                        (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),

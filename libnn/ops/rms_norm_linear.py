@@ -20,6 +20,8 @@ Paths, in `auto` order:
              norm_weight 16-byte aligned. For E4M3 codes, kernels/linear_fp8.cu's version 3 (linear_fp8's
              decode GEMV, on the FP8 tensor cores), n then quantised as linear_fp8 quantises x: one row
              too (the kernel takes up to 8, but from 2 rows the unfused ops were faster on the H100).
+             With glu, v is not rounded to x's dtype before SwiGLU (linear's output is, on the unfused
+             path): the two differ by that rounding too, within the dtype's tolerance.
 - unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
 - reference: the ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused ops
              round).
@@ -42,7 +44,7 @@ from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
 from libnn.registry import Op
 from libnn.runtime import memory
-from libnn.runtime.arrays import allocator, as_array, contiguous, copying_strided, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, copying_strided, device_of, signature, stream_key
 
 GLUS = (None, "swiglu")
 DTYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -155,8 +157,9 @@ def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
         kernel = bind_gemv3_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
                                    problem.device, glu, problem.eps)
     else:
-        refuse_unaligned_gemv(contiguous(x), contiguous(w))
-        if contiguous(g).data.ptr % 16:
+        # a strided array is copied (256-byte aligned) at every call: only the others' pointers matter
+        refuse_unaligned_gemv(*(a if a.flags.c_contiguous else None for a in (x, w)))
+        if g.flags.c_contiguous and g.data.ptr % 16:
             raise LibraryError("kernels/gemv.cu needs norm_weight 16-byte aligned; it is not")
         gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps)
 
