@@ -176,12 +176,6 @@ __device__ __forceinline__ int key_end(int i, int Lq, int Lk, int causal) {
     return Lk;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int off = 16; off; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;   // the butterfly leaves every lane the bitwise-same sum (fp addition commutes)
-}
-
 // ---------------------------------------------------------------------------------------------------
 // 1) one warp per query row
 template <class DT>

@@ -223,6 +223,14 @@ __device__ __forceinline__ u32 pack_f32x2(float lo, float hi) {
 }
 
 
+// the sum of v over the warp: a butterfly (__shfl_xor_sync), which leaves every lane the bitwise-same sum
+// (fp addition commutes) in a fixed order
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Programmatic dependent launch (sm_90 and newer; no-ops below). A kernel launched with the programmatic
 // stream serialization attribute (runtime/launch.py, programmatic=True) may start before the kernel ahead of it
 // in the stream has finished: `pdl_wait` blocks until that kernel has completed and its writes are visible, so a

@@ -79,8 +79,7 @@ __device__ __forceinline__ void stage_x(const typename DT::T* __restrict__ x, co
 #pragma unroll
             for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        ss = warp_sum(ss);
         if ((t & 31) == 0) red[t >> 5] = ss;
         __syncthreads();
         ss = 0.f;
@@ -131,12 +130,6 @@ __device__ __forceinline__ float fma_batch(float acc, const u32x4* buf, const fl
         acc = fmaf(wf[6], x1.z, acc); acc = fmaf(wf[7], x1.w, acc);
     }
     return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
 }
 
 // RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f)

@@ -264,9 +264,7 @@ __device__ __forceinline__ void row_rstd(const typename DT::T* __restrict__ x, i
     }
 #pragma unroll
     for (int r = 0; r < FP8_GEMV_MAX_M; r++) {
-        float s = ss[r];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float s = warp_sum(ss[r]);
         if ((t & 31) == 0) sums[r][t >> 5] = s;
     }
     __syncthreads();

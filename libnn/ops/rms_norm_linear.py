@@ -37,6 +37,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.errors import LibraryError
+from libnn.ops import row_kernels
 from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
 from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_gemv3_kernel, gemv3_support, linear_fp8
 from libnn.ops.quantize_fp8 import fp8_gpu_missing
@@ -112,9 +113,7 @@ def rms_norm_linear_problem(x, norm_weight, w, b, w_scale, eps, glu) -> RMSNormL
         raise ValueError(f"{where}: glu must be one of {list(GLUS)}, got {glu!r}")
     if glu and N % 2:
         raise ValueError(f"{where}: with glu={glu!r} w's out_features must be even (gate and up halves), got {N}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not eps > 0 \
-            or not math.isfinite(eps):
-        raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
+    row_kernels.check_eps(where, eps)
     device = device_of({"x": x, "norm_weight": norm_weight, "w": w, "b": b, "w_scale": w_scale}, where)
     return RMSNormLinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                                 has_bias=b is not None, glu=glu, eps=float(eps), device=device,
