@@ -290,14 +290,16 @@ def _kv_append():
                           caches[0, 1], caches[1, 1], q=qkv[:, :, :H], rotary_dim=rotary, path=path)
 
 
-@item("attention: split-K decoding (attn3), one query row against cache rows, GQA, lengths 0, 1 and full")
+@item("attention: split-K decoding (attn3), one query row against cache rows, GQA up to 16, every head-dim "
+      "bucket, warps without a tile, lengths 0, 1 and full")
 def _attention_decode():
     import cupy
 
     from libnn.ops import attention
 
     for dtype in ("fp16", "bf16"):
-        for B, Hq, Hkv, D, L in ((1, 1, 1, 8, 1), (3, 8, 1, 64, 70), (2, 6, 2, 256, 33), (4, 4, 4, 32, 600)):
+        for B, Hq, Hkv, D, L in ((1, 1, 1, 8, 1), (3, 8, 1, 64, 70), (2, 6, 2, 96, 33), (4, 4, 4, 32, 600),
+                                (2, 16, 1, 128, 200)):
             q, k, v = normal((B, 1, Hq, D), dtype), normal((B, L, Hkv, D), dtype), normal((B, L, Hkv, D), dtype)
             lengths = cupy.asarray(np.array([L, 1, 0, L // 2][:B], np.int32))
             attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")

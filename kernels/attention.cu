@@ -1,6 +1,7 @@
 /*
 Scaled dot-product attention for inference, in the style of llm.c dev/cuda: a plain kernel, a
-FlashAttention-2 kernel on tensor cores, and the masked softmax of the unfused (cuBLAS) path.
+FlashAttention-2 kernel on tensor cores, a split-K decoding kernel on tensor cores, and the masked
+softmax of the unfused (cuBLAS) path.
 
     q    (B, Hq,  Sq,  D)    element strides (q_sb, q_sh, q_ss, 1)
     k, v (B, Hkv, Skv, D)    element strides (k_sb, k_sh, k_ss, 1), (v_sb, v_sh, v_ss, 1)
@@ -58,21 +59,23 @@ attention):
    elements (a 16-byte copy may read up to 7 elements past Lk), bias rows 16-byte aligned.
    -DATTN2_WARPS=4 or 8 (default 8) sets the block (4 spills in the bias kernels at DB = 128).
 
-3) attn3_decode_{f16,bf16} + attn3_combine_{f16,bf16}
-   Split-K decoding ("flash-decoding", Dao et al., 2023) for one query row per sequence (Sq = 1: a
-   decoder's step reading its KV cache), no bias, no causal mask (one row sees every key below Lk).
-   The keys of each (b, kv head) are cut into splits of CHUNK keys, one block per (split, kv head, b),
-   so that short batches still fill the GPU; a block serves the g = Hq / Hkv query heads of its kv head
-   at once, so each K and V row is read from memory once for all of them (GQA). Scores: lanes split a
-   key row in 16-byte vectors (D / (16 / sizeof T) lanes per key, several keys per warp), each lane's
-   partial dot products with the g scaled query rows (kept in shared memory as fp32) summed by
-   shuffles; the split's softmax (m, l) per head in shared memory; then P V with a thread per 16-byte
-   vector of a V row and rows strided over the block, its g accumulators reduced across the block
-   through shared memory. Each split writes fp32 (m, l, o unnormalised) partials; attn3_combine merges
-   a head's splits (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros where no key
-   is allowed (Lk = 0, or Lq = 0). Preconditions (the launcher checks them): fp16 or bf16 (an fp32
-   build spilled on sm_80 and decoders keep 16-bit caches), D / 8 a power of two from 1 to 32 (D in 8,
-   16, 32, ..., 256), g <= ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any strides.
+3) attn3_decode_d{32,64,96,128}_{f16,bf16} + attn3_combine_{f16,bf16}
+   Split-K decoding ("flash-decoding", Dao et al., 2023) on tensor cores, for one query row per sequence
+   (Sq = 1: a decoder's step reading its KV cache), no bias, no causal mask (one row sees every key below
+   Lk). The g = Hq / Hkv query heads of a kv head are the rows of one 16-row A tile (GQA: each K and V
+   row is read once for all of them; rows g..15 are zeros), so a key tile's scores, online softmax and
+   P V are attn2's (tile_scores, tile_softmax, tile_pv) on mma.sync. The keys of each (b, kv head) are
+   cut into splits of split_tiles tiles of 64 keys, one block per (kv head, split, b), kv heads fastest
+   (the blocks running together read neighbouring slices of the same cache rows). A block's 2 warps take
+   its split's tiles in turn, each streaming its own: 3 stages of a K and a V tile in shared memory, 2
+   in flight (16-byte cp.async, zero-filled past Lk and past D), no block barrier in the key loop. Then
+   the warps' (m, l, o) are merged in warp order and written as the split's fp32 partials (o
+   unnormalised); attn3_combine merges a head's splits in split order (m = max, l and o rescaled by
+   exp2(m_s - m)) and writes o once, zeros where no key is allowed (Lk = 0, or Lq = 0). Deterministic:
+   the splits depend on the shapes only. Preconditions (the launcher checks them): fp16 or bf16, D % 8
+   == 0 and D <= 128 (the bucket DB as attn2's), g <= ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any
+   strides; the block's shared memory within the device's (every bucket on the H100; to 96 on the A100).
+   (The scalar split kernel this replaced reached 40% of copy at batch 64: benchmarks/RESULTS.md.)
 
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
 
@@ -90,9 +93,10 @@ After cuDNN's fused SDPA (the cudnn path, libnn/ops/attention.py), under key pad
    words per batch entry. One block per batch entry, which returns unless its entry has no key (a
    thread per element of o was far slower: a 64-bit division per element, benchmarks/RESULTS.md).
 
-LAUNCH (libnn/ops/attention_kernels.py packs the parameters by the names of ATTN_PARAMS, attn_softmax's
-and attn_zero_empty_batches' lists, and reads ATTN1_THREADS, ATTN2_WARPS, ATTN2_BN, SOFTMAX_THREADS and
-ZERO_THREADS from this file)
+LAUNCH (libnn/ops/attention_kernels.py packs the parameters by the names of ATTN_PARAMS, ATTN3_PARAMS,
+attn_softmax's, attn3_combine's and attn_zero_empty_batches' lists, and reads ATTN1_THREADS, ATTN2_WARPS,
+ATTN2_BN, ATTN3_THREADS, ATTN3_STAGES, ATTN3_MAX_G, COMBINE_THREADS, SOFTMAX_THREADS and ZERO_THREADS from
+this file)
     attn1, attn2 take the same parameters, in this order:
     (const T* q, const T* k, const T* v, T* o, const T* bias_or_null, const int* lens_q_or_null,
      const int* lens_kv_or_null, int B, int Hq, int Hkv, int Sq, int Skv, int D, int causal,
@@ -106,22 +110,26 @@ ZERO_THREADS from this file)
                                                                      (over 48 KB: set the max dynamic
                                                                      smem attribute first)
     attn_softmax_*         (128, 1, 1)       B*Hq*Sq                 0
-    attn3_decode_*         (ATTN3_THREADS)   (splits, Hkv, B)        4 * (g * D + max(g * chunk, g * ATTN3_THREADS * 16 / sizeof T))
-        (const T* q, const T* k, const T* v, float* part_o, float* part_ml, const int* lens_q_or_null,
-         const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D, int chunk, int splits, float scale_log2,
-         long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss)
+    attn3_decode_dDB_*     (ATTN3_THREADS)   (Hkv, splits, B)        (16 + ATTN3_WARPS * ATTN3_STAGES * 2 * 64) * (DB + 8) * 2
+        (ATTN3_PARAMS: const T* q, const T* k, const T* v, float* part_o, float* part_ml,
+         const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D,
+         int split_tiles, int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
+         v_ss)
         part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
-    attn3_combine_*        (ATTN3_THREADS)   B * Hq                  0
+        split_tiles >= 1 (any: a warp without a tile adds nothing), splits = ceil(Skv / (64 * split_tiles)),
+        splits < 65536; over 48 KB of shared memory: set the max dynamic smem attribute first
+    attn3_combine_*        (COMBINE_THREADS) B * Hq                  0
         (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
          long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
-        splits = ceil(Skv / chunk); dynamic shared memory at most 48 KB
+    Both are launched with programmatic stream serialization on sm_90 and newer (they wait, pdl_wait, for
+    the kernel ahead before their work).
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
     attn_zero_empty_batches (256, 1, 1)       B                       0
         (const int* lens_kv, unsigned short* o, long long words)
 
     Every kernel needs exactly its grid (a missing block leaves rows unwritten). Grids are 1-D (attn3_decode's
-    3-D: splits < 2^31, Hkv and B < 65536): the block count must stay below 2^31. Hq % Hkv == 0; o must not alias q, k, v or bias.
+    3-D: Hkv < 2^31, splits and B < 65536): the block count must stay below 2^31. Hq % Hkv == 0; o must not alias q, k, v or bias.
 */
 
 #include "common.cuh"
@@ -237,14 +245,15 @@ __device__ __forceinline__ void attn1_body(const Args<typename DT::T>& a) {
 extern __shared__ u32x4 dsmem[];   // u32x4: 16-byte aligned, as cp.async needs
 
 // Copy rows [0, ROWS) of a (rows x D) tile, row stride `stride` elements, into shared rows of LD
-// elements; rows >= valid and columns >= D are zero-filled without reading.
+// elements; rows >= valid and columns >= D are zero-filled without reading. The NT threads that copy
+// are numbered by `tid` (threadIdx.x for a block, the lane for a warp alone).
 template <int ROWS, int DB, int NT>
-__device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 stride, int valid, int D) {
-    constexpr int CH = DB / 8, LD = DB + 8, ITERS = ROWS * CH / NT;
-    static_assert(ROWS * CH % NT == 0, "tile copy shape");
+__device__ __forceinline__ void load_tile(u32 dst, const u16* src, i64 stride, int valid, int D, int tid) {
+    constexpr int CH = DB / 8, LD = DB + 8, ITERS = (ROWS * CH + NT - 1) / NT;
 #pragma unroll
     for (int it = 0; it < ITERS; it++) {
-        const int idx = threadIdx.x + it * NT;
+        const int idx = tid + it * NT;
+        if (ROWS * CH % NT != 0 && idx >= ROWS * CH) break;
         const int r = idx / CH, c = idx % CH;
         const bool ok = r < valid && c * 8 < D;
         cp_async16(dst + (u32)((r * LD + c * 8) * 2), ok ? src + (r * stride + c * 8) : src, ok ? 16 : 0);
@@ -401,8 +410,8 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
     const float inv_scale = BIAS ? fdiv_full(LOG2E, a.scale_log2) : 0.f;   // the launcher sends scale 0 to attn1
     auto load_tile_kv = [&](int j0, int stage) {   // K, V (and bias) of key tile j0 into `stage`, one group
         const u32 kv = sKV + stage * KV_STAGE;
-        load_tile<BN, DB, NT>(kv, hd.k + j0 * a.k_ss, a.k_ss, hd.Lk - j0, a.D);
-        load_tile<BN, DB, NT>(kv + BN * LD * 2, hd.v + j0 * a.v_ss, a.v_ss, hd.Lk - j0, a.D);
+        load_tile<BN, DB, NT>(kv, hd.k + j0 * a.k_ss, a.k_ss, hd.Lk - j0, a.D, threadIdx.x);
+        load_tile<BN, DB, NT>(kv + BN * LD * 2, hd.v + j0 * a.v_ss, a.v_ss, hd.Lk - j0, a.D, threadIdx.x);
         if constexpr (BIAS)
             stage_bias<BM, BN, NT>(smem_addr(sBias + stage * BIAS_STAGE), hd.bias + (m0 * a.b_si + j0), a.b_si, live,
                                    hd.Lk - j0);
@@ -426,7 +435,7 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
 
     // Double-buffered: tile it+1 is copied during all of tile it's work, one barrier per tile.
     if (ntiles > 0) {
-        load_tile<BM, DB, NT>(sQ, hd.q + m0 * a.q_ss, a.q_ss, live, a.D);
+        load_tile<BM, DB, NT>(sQ, hd.q + m0 * a.q_ss, a.q_ss, live, a.D, threadIdx.x);
         load_tile_kv(0, 0);
     }
     for (int it = 0; it < ntiles; it++) {
@@ -508,165 +517,180 @@ __device__ __forceinline__ void softmax_body(float* s, const typename DT::T* bia
 }
 
 // ---------------------------------------------------------------------------------------------------
-// 3) split-K decoding: one query row per (b, query head), the keys of a (b, kv head) in splits
-constexpr int ATTN3_THREADS = 128;
+// 3) split-K decoding on tensor cores: the g query heads of a (b, kv head) as the rows of one mma tile
+constexpr int ATTN3_THREADS = 64;       // 2 warps a block; each streams its own key tiles
 constexpr int ATTN3_WARPS = ATTN3_THREADS / 32;
-constexpr int ATTN3_MAX_G = 8;     // query heads per kv head a block serves (its accumulators: registers)
-constexpr int ATTN3_UNROLL = 4;    // K and V rows a thread loads before it uses the first: loads in flight
+constexpr int ATTN3_STAGES = 3;         // K + V tiles a warp holds in shared memory: STAGES - 1 in flight
+constexpr int ATTN3_MAX_G = 16;         // query heads per kv head: the 16 rows of the A tile (the launcher checks)
+constexpr int COMBINE_THREADS = 128;    // attn3_combine: threads per query head, over the head dim
 
-// The 16 bytes at p (16-byte aligned) as fp32 values.
-template <class DT>
-__device__ __forceinline__ void load_vec(const typename DT::T* p, float* x) {
-    const u32x4 raw = *reinterpret_cast<const u32x4*>(p);
-    const u32 w[4] = {raw.a, raw.b, raw.c, raw.d};
+__host__ __device__ constexpr int gcd(int a, int b) { return b ? gcd(b, a % b) : a; }
+
+// load_tile for one warp (the lane numbers the threads), its addresses advanced in steps the compiler
+// cannot see through: with load_tile's, it keeps every row's offset live across attn3's key loop (255
+// registers and spills). Lane l copies 16-byte chunk (l + 32 p) % CH of row (l + 32 p) / CH, for each of
+// the PERIOD phases p, then the same chunk RP rows further on, to the tile's end. Each copy asks L2 for
+// the 256 bytes around it: a cache row's neighbouring kv heads, which the blocks beside this one read.
+template <int ROWS, int DB>
+__device__ __forceinline__ void warp_load_tile(u32 dst, const u16* src, i64 stride, int valid, int D, int lane) {
+    constexpr int CH = DB / 8, LD = DB + 8, PERIOD = CH / gcd(CH, 32), RP = 32 * PERIOD / CH;
+    static_assert(ROWS % RP == 0, "tile copy shape");
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        if constexpr (sizeof(typename DT::T) == 2) {  // two 16-bit values a word, the first in the low half
-            x[2 * i] = DT::ld((typename DT::T)(w[i] & 0xffffu));
-            x[2 * i + 1] = DT::ld((typename DT::T)(w[i] >> 16));
-        } else {
-            x[i] = __uint_as_float(w[i]);
+    for (int ph = 0; ph < PERIOD; ph++) {
+        const int idx = lane + 32 * ph, r0 = idx / CH, c = idx % CH;
+        const bool col = c * 8 < D;
+        const u16* p = src + (r0 * stride + c * 8);
+        const u32 d = dst + (u32)((r0 * LD + c * 8) * 2);
+#pragma unroll 8   // (whole, the 32 copies a lane makes of a tile at DB = 128 took 255 registers and spilled)
+        for (int it = 0; it < ROWS / RP; it++) {
+            const bool ok = col && r0 + it * RP < valid;
+            cp_async16_l2_256(d + (u32)(it * RP * LD * 2), ok ? p : src, ok ? 16 : 0);
+            p += RP * stride;
+            asm volatile("" : "+l"(p));
         }
     }
 }
 
-template <class DT>
-__device__ __forceinline__ void decode_split(const typename DT::T* __restrict__ q, const typename DT::T* __restrict__ k,
-                                             const typename DT::T* __restrict__ v, float* __restrict__ part_o,
-                                             float* __restrict__ part_ml, const int* __restrict__ lens_q,
-                                             const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
-                                             int chunk, int splits, float scale_log2, i64 q_sb, i64 q_sh, i64 k_sb,
-                                             i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
-    typedef typename DT::T T;
-    constexpr int EPV = 16 / sizeof(T);            // elements per 16-byte vector
-    extern __shared__ float smem3[];
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+// The scores, softmax and P V of one key tile are attn2's (tile_scores, tile_softmax, tile_pv) on a warp's
+// own copy of the tile; a block's warps take the split's tiles in turn, then merge into one partial.
+template <class DT, int DB>
+__device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16* __restrict__ k,
+                                           const u16* __restrict__ v, float* __restrict__ part_o,
+                                           float* __restrict__ part_ml, const int* __restrict__ lens_q,
+                                           const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
+                                           int split_tiles, int splits, float scale_log2, i64 q_sb, i64 q_sh,
+                                           i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
+    constexpr int BN = ATTN2_BN, LD = DB + 8, NO = DB / 8, W = ATTN3_WARPS, S = ATTN3_STAGES;
+    constexpr int TILE = BN * LD * 2;             // bytes of one K or V tile in shared memory
+    constexpr bool BF = DT::bf16 != 0;
+    static_assert(DB % 16 == 0 && DB <= 128, "head-dim bucket");
+    static_assert(16 * DB * 4 + 2 * 16 * 4 <= S * 2 * TILE, "a warp's partial fits its stages");
+    static_assert(ATTN3_MAX_G == 16, "the query heads of a kv head are the rows of one m16n8k16 A tile");
+    // kv heads vary fastest over the grid: the blocks running at once read neighbouring slices of the same
+    // cache rows (B, L, Hkv, D), not rows a kv head's stride apart
+    const int hk = blockIdx.x, split = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // Launched programmatically: q, k, v and the lengths are the kernels' ahead output. Neither attn3
+    // kernel lets its dependent start early (pdl_launch_dependents): the output projection's GEMV, started
+    // under attn3_decode, made the 1.1B LLaMA's batch-1 step 10% slower (benchmarks/RESULTS.md).
+    pdl_wait();
     const int Lk = lens_kv ? lens_kv[b] : Skv;
-    const int live = lens_q ? (lens_q[b] > 0) : 1;
-    const int start = split * chunk, end = live ? imin(Lk, start + chunk) : 0, n = end - start;
-    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head g at + g * splits * 2
-    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head g at + g * splits * D
-    if (n <= 0) {  // no key of this split: a part that weighs nothing in the merge
-        for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
-            ml[(i64)g * splits * 2] = neg_inf();
-            ml[(i64)g * splits * 2 + 1] = 0.f;
+    const bool live = lens_q ? lens_q[b] > 0 : true;
+    const int start = split * split_tiles * BN, end = live ? imin(Lk, start + split_tiles * BN) : 0;
+    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head r at + r * splits * 2
+    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head r at + r * splits * D
+    if (end <= start) {  // no key in this split: a part that weighs nothing in the merge
+        for (int r = threadIdx.x; r < G; r += ATTN3_THREADS) {
+            ml[(i64)r * splits * 2] = neg_inf();
+            ml[(i64)r * splits * 2 + 1] = 0.f;
         }
         return;
     }
-    float* const qs = smem3;                  // (G, D): the query rows, times scale * log2(e)
-    float* const ss = smem3 + G * D;          // (G, chunk): scores, then their exponentials; then P V's partials
-    __shared__ float m_s[ATTN3_MAX_G], l_s[ATTN3_MAX_G];
-    for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
-        const int g = i / D, d = i - g * D;
-        qs[i] = DT::ld(q[b * q_sb + (hk * G + g) * q_sh + d]) * scale_log2;
-    }
-    __syncthreads();
+    // shared memory: Q [16][LD] (rows >= G zero), then each warp's S stages of K [BN][LD] + V [BN][LD]
+    const u32 sQ = smem_addr(dsmem), sW = sQ + 16 * LD * 2 + warp * S * 2 * TILE;
+    const u16* const kh = k + b * k_sb + hk * k_sh;
+    const u16* const vh = v + b * v_sb + hk * v_sh;
+    const int tiles = (end - start + BN - 1) / BN;
+    const int mine = tiles > warp ? (tiles - warp + W - 1) / W : 0;   // this warp's: warp, warp + W, ...
+    auto load = [&](int i) {  // the warp's i-th tile into stage i % S, one group (empty past its last)
+        if (i < mine) {
+            const int j0 = start + (warp + i * W) * BN;
+            const u32 st = sW + (i % S) * 2 * TILE;
+            warp_load_tile<BN, DB>(st, kh + j0 * k_ss, k_ss, end - j0, D, lane);
+            warp_load_tile<BN, DB>(st + TILE, vh + j0 * v_ss, v_ss, end - j0, D, lane);
+        }
+        cp_async_commit();
+    };
+    load_tile<16, DB, ATTN3_THREADS>(sQ, q + b * q_sb + hk * G * q_sh, q_sh, G, D, threadIdx.x);
+    cp_async_commit();
+#pragma unroll
+    for (int i = 0; i < S - 1; i++) load(i);
+    cp_async_wait<S - 1>();   // Q landed for this thread ...
+    __syncthreads();          // ... and for every thread
+    u32 qf[DB / 16][4];
+    const u32 q_addr = sQ + (u32)(((lane & 15) * LD + (lane >> 4) * 8) * 2);
+#pragma unroll
+    for (int kk = 0; kk < DB / 16; kk++) ldsm_x4(qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3], q_addr + kk * 32);
 
-    const int lanes = D / EPV, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int per_warp = 32 / lanes, sub = lane / lanes, part = lane - sub * lanes;
-    const T* kh = k + b * k_sb + hk * k_sh + part * EPV;
-    const int step = ATTN3_WARPS * per_warp;  // keys the block scores at once; ATTN3_UNROLL such steps per loop
-    for (int base = start + warp * per_warp + sub; base - sub < end; base += ATTN3_UNROLL * step) {
-        float x[ATTN3_UNROLL][EPV];  // every load of the iteration issued before any is used
+    // ldmatrix row addresses within a stage, as in attn2_body
+    const u32 k_off = (u32)(((((lane >> 4) << 3) + (lane & 7)) * LD + ((lane >> 3) & 1) * 8) * 2);
+    const u32 v_off = (u32)(TILE + ((lane & 15) * LD + (lane >> 4) * 8) * 2);
+    float acc[NO][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
 #pragma unroll
-        for (int u = 0; u < ATTN3_UNROLL; u++) {
-            if (base + u * step < end) load_vec<DT>(kh + (base + u * step) * k_ss, x[u]);
-            else {
+    for (int n = 0; n < NO; n++)
 #pragma unroll
-                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
-            }
-        }
-        for (int g = 0; g < G; g++) {
-            const float* qg = qs + g * D + part * EPV;
-#pragma unroll
-            for (int u = 0; u < ATTN3_UNROLL; u++) {
-                float dot = 0.f;
-#pragma unroll
-                for (int e = 0; e < EPV; e++) dot = fmaf(qg[e], x[u][e], dot);
-                for (int off = lanes >> 1; off; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-                const int j = base + u * step;
-                if (part == 0 && j < end) ss[g * chunk + (j - start)] = dot;
-            }
-        }
+        for (int c = 0; c < 4; c++) acc[n][c] = 0.f;
+    const int jend[2] = {end, end};
+    for (int i = 0; i < mine; i++) {
+        cp_async_wait<S - 2>();   // tile i landed for this lane ...
+        __syncwarp();             // ... for the warp, and every lane is done with tile i - 1's stage
+        load(i + S - 1);          // which takes tile i + S - 1
+        const int j0 = start + (warp + i * W) * BN;
+        const u32 st = sW + (i % S) * 2 * TILE;
+        float s[8][4];
+        u32 pa[4][4];
+        tile_scores<DT, DB, BN, false>(s, qf, st + k_off, nullptr, 0, 0.f);
+        tile_softmax<DT, NO>(s, pa, acc, m, l, jend, j0 + BN > end, j0, t, scale_log2);
+        tile_pv<BF, DB>(acc, pa, st + v_off);
     }
-    __syncthreads();
+    cp_async_wait<0>();   // (the groups left are empty)
+#pragma unroll
+    for (int r = 0; r < 2; r++) {   // row sums over the 4 lanes of a row
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
 
-    for (int g = warp; g < G; g += ATTN3_WARPS) {  // the split's softmax, a warp per head
-        float* sg = ss + g * chunk;
-        float m = neg_inf();
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sg[j]);
+    // Warps 1.. leave their (m, l, o) in their own stages; warp 0 adds them to its own in warp order.
+    __syncwarp();
+    float* const red = reinterpret_cast<float*>(reinterpret_cast<char*>(dsmem) + 16 * LD * 2);
+    constexpr int RED = S * 2 * TILE / 4;   // floats between two warps' partials
+    if (warp > 0) {
+        float* const mine_o = red + warp * RED;
 #pragma unroll
-        for (int off = 16; off; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        float l = 0.f;
-        if (m != neg_inf()) {
-            for (int j = lane; j < n; j += 32) {
-                const float p = exp2f(sg[j] - m);
-                sg[j] = p;
-                l += p;
+        for (int r = 0; r < 2; r++) {
+#pragma unroll
+            for (int n = 0; n < NO; n++)
+                *reinterpret_cast<float2*>(mine_o + (g + 8 * r) * DB + n * 8 + 2 * t) =
+                    make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+            if (t == 0) {
+                mine_o[16 * DB + g + 8 * r] = m[r];
+                mine_o[16 * DB + 16 + g + 8 * r] = l[r];
             }
-        } else {
-            for (int j = lane; j < n; j += 32) sg[j] = 0.f;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            m_s[g] = m;
-            l_s[g] = l;
         }
     }
     __syncthreads();
-
-    // P V: thread t takes vector `vpart` of rows r, r + rows, ... of the split
-    const int rows = ATTN3_THREADS / lanes, r = threadIdx.x / lanes, vpart = threadIdx.x - r * lanes;
-    float acc[ATTN3_MAX_G][EPV];
+    if (warp > 0) return;
+    for (int w = 1; w < W; w++) {
+        const float* const theirs = red + w * RED;
 #pragma unroll
-    for (int g = 0; g < ATTN3_MAX_G; g++)
+        for (int r = 0; r < 2; r++) {
+            const float mw = theirs[16 * DB + g + 8 * r], mn = fmaxf(m[r], mw);
+            if (mn == neg_inf()) continue;   // neither has seen a key
+            const float a = exp2f(m[r] - mn), aw = exp2f(mw - mn);
+            l[r] = l[r] * a + theirs[16 * DB + 16 + g + 8 * r] * aw;
+            m[r] = mn;
 #pragma unroll
-        for (int e = 0; e < EPV; e++) acc[g][e] = 0.f;
-    const T* vh = v + b * v_sb + hk * v_sh + vpart * EPV;
-    for (int j0 = r; j0 < n; j0 += ATTN3_UNROLL * rows) {
-        float x[ATTN3_UNROLL][EPV];
-#pragma unroll
-        for (int u = 0; u < ATTN3_UNROLL; u++) {
-            if (j0 + u * rows < n) load_vec<DT>(vh + (start + j0 + u * rows) * v_ss, x[u]);
-            else {
-#pragma unroll
-                for (int e = 0; e < EPV; e++) x[u][e] = 0.f;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < ATTN3_UNROLL; u++) {
-            const int j = j0 + u * rows;
-            if (j < n) {
-#pragma unroll
-                for (int g = 0; g < ATTN3_MAX_G; g++) {
-                    if (g < G) {
-                        const float p = ss[g * chunk + j];
-#pragma unroll
-                        for (int e = 0; e < EPV; e++) acc[g][e] = fmaf(p, x[u][e], acc[g][e]);
-                    }
-                }
+            for (int n = 0; n < NO; n++) {
+                const float2 ow = *reinterpret_cast<const float2*>(theirs + (g + 8 * r) * DB + n * 8 + 2 * t);
+                acc[n][2 * r] = acc[n][2 * r] * a + ow.x * aw;
+                acc[n][2 * r + 1] = acc[n][2 * r + 1] * a + ow.y * aw;
             }
         }
     }
-    __syncthreads();  // the scores are read: their space takes the partials (rows, G, D)
-    float* const red = ss;
 #pragma unroll
-    for (int g = 0; g < ATTN3_MAX_G; g++) {
-        if (g < G) {
+    for (int r = 0; r < 2; r++) {
+        const int row = g + 8 * r;
+        if (row >= G) continue;
+        float* const o_row = po + (i64)row * splits * D;
 #pragma unroll
-            for (int e = 0; e < EPV; e++) red[(r * G + g) * D + vpart * EPV + e] = acc[g][e];
+        for (int n = 0; n < NO; n++) {
+            const int d = n * 8 + 2 * t;
+            if (d < D) *reinterpret_cast<float2*>(o_row + d) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
         }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < G * D; i += ATTN3_THREADS) {
-        const int g = i / D, d = i - g * D;
-        float sum = 0.f;
-        for (int rr = 0; rr < rows; rr++) sum += red[(rr * G + g) * D + d];
-        po[(i64)g * splits * D + d] = sum;
-    }
-    for (int g = threadIdx.x; g < G; g += ATTN3_THREADS) {
-        ml[(i64)g * splits * 2] = m_s[g];
-        ml[(i64)g * splits * 2 + 1] = l_s[g];
+        if (t == 0) {
+            ml[(i64)row * splits * 2] = m[r];
+            ml[(i64)row * splits * 2 + 1] = l[r];
+        }
     }
 }
 
@@ -675,6 +699,7 @@ template <class DT>
 __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                typename DT::T* __restrict__ o, int Hq, int D, int splits, i64 o_sb,
                                                i64 o_sh) {
+    pdl_wait();   // the partials are attn3_decode's output (no early trigger: see attn3_body)
     const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
     const float* ml = part_ml + (i64)bh * splits * 2;
     const float* po = part_o + (i64)bh * splits * D;
@@ -685,7 +710,7 @@ __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o,
         for (int s = 0; s < splits; s++) l += ml[2 * s + 1] * exp2f(ml[2 * s] - m);
     const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
     typename DT::T* orow = o + b * o_sb + h * o_sh;
-    for (int d = threadIdx.x; d < D; d += ATTN3_THREADS) {
+    for (int d = threadIdx.x; d < D; d += COMBINE_THREADS) {
         float sum = 0.f;
         for (int s = 0; s < splits; s++)  // a split without keys wrote no o: never read it
             if (ml[2 * s + 1] > 0.f) sum += po[(i64)s * D + d] * exp2f(ml[2 * s] - m);
@@ -753,20 +778,32 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
     for (long long j = threadIdx.x; j < words; j += ZERO_THREADS) ob[j] = 0;
 }
 
-#define ATTN3(SUFFIX, DT)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_decode_##SUFFIX(                      \
-        const at::DT::T* __restrict__ q, const at::DT::T* __restrict__ k, const at::DT::T* __restrict__ v,      \
+#define ATTN3_PARAMS                                                                                         \
+    const at::u16* __restrict__ q, const at::u16* __restrict__ k, const at::u16* __restrict__ v,                \
         float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
-        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int chunk, int splits,                \
+        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int split_tiles, int splits,          \
         float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
-        at::i64 v_sh, at::i64 v_ss) {                                                                          \
-        at::decode_split<at::DT>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, chunk, splits,     \
-                                 scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);                   \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) attn3_combine_##SUFFIX(                     \
+        at::i64 v_sh, at::i64 v_ss
+
+// 2 warps: 2 blocks per SM fit in shared memory at DB <= 64 (one at 96 and 128).
+#define ATTN3(NAME, DT, DB)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) NAME(ATTN3_PARAMS) {                       \
+        at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, split_tiles,     \
+                                   splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);          \
+    }
+#define ATTN3_ALL(DB)                                  \
+    ATTN3(attn3_decode_d##DB##_f16, dt_f16, DB)        \
+    ATTN3(attn3_decode_d##DB##_bf16, dt_bf16, DB)
+ATTN3_ALL(32)
+ATTN3_ALL(64)
+ATTN3_ALL(96)
+ATTN3_ALL(128)
+
+#define ATTN3_COMBINE(SUFFIX, DT)                                                                               \
+    extern "C" __global__ void __launch_bounds__(at::COMBINE_THREADS) attn3_combine_##SUFFIX(                   \
         const float* __restrict__ part_o, const float* __restrict__ part_ml, at::DT::T* __restrict__ o, int Hq,  \
         int D, int splits, at::i64 o_sb, at::i64 o_sh) {                                                        \
         at::decode_combine<at::DT>(part_o, part_ml, o, Hq, D, splits, o_sb, o_sh);                              \
     }
-ATTN3(f16, dt_f16)
-ATTN3(bf16, dt_bf16)
+ATTN3_COMBINE(f16, dt_f16)
+ATTN3_COMBINE(bf16, dt_bf16)

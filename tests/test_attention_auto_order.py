@@ -58,3 +58,55 @@ def test_other_attention_keeps_cudnn_first_or_never_runs_it(every_library_presen
     assert "cudnn" not in passed_over or not passed_over["cudnn"].startswith("tried last")
     assert names[0] == ("cudnn" if "cudnn" in names else "custom")
 
+
+
+@pytest.fixture
+def decode_kernel_fits(monkeypatch):
+    """An H100's shared memory: two blocks of attn3_decode an SM at D <= 64, one at 96 and 128."""
+    from libnn.ops import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "blocks_by_shared_memory", lambda device_id, smem: 233472 // (smem + 1024))
+
+
+def decode_problem(B=8, Hq=32, Hkv=8, Skv=1024, D=64, **changes) -> AttentionProblem:
+    """A decoder's step: q (B, 1, Hq, D) against one layer's BSHD cache (B, Skv, Hkv, D), per-sequence lengths."""
+    q = (Hq * D, D, Hq * D, 1)
+    kv = (Skv * Hkv * D, D, Hkv * D, 1)
+    problem = AttentionProblem(B=B, Hq=Hq, Hkv=Hkv, Sq=1, Skv=Skv, D=D, dtype="fp16", layout="BSHD", q_strides=q,
+                               k_strides=kv, v_strides=kv, scale=D ** -0.5, causal="bottom_right",
+                               has_seq_lens_q=False, has_seq_lens_kv=True, bias_shape=None, aligned=True,
+                               device="gpu:0", lens_kv_nonempty=True)
+    return replace(problem, **changes)
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(B=1, Skv=4096), dict(B=64, Skv=4096), dict(D=128),
+                                     dict(D=80), dict(Hq=16, Hkv=1), dict(dtype="bf16"), dict(causal=None)], ids=str)
+def test_a_decode_step_runs_custom_first(every_library_present, decode_kernel_fits, changes):
+    names, passed_over = resolved(decode_problem(**changes))
+    assert names == ["custom", "unfused", "cudnn"]
+    assert passed_over["cudnn"] == ("tried last: a decode step (one query row per sequence): the custom split-K "
+                                    "kernel is faster")
+
+
+@pytest.mark.parametrize("changes", [
+    dict(Sq=2, causal="bottom_right"),  # a speculative step's few rows: attn3 takes one
+    dict(bias_shape=(8, 1, 1, 1024)),   # a bias
+    dict(D=136),                        # past the largest head-dim bucket
+    dict(Hq=64, Hkv=2),                 # 32 query heads a kv head: more than one mma tile's rows
+    dict(pages=100, page_size=64),      # a paged cache: custom does not read pages
+    dict(aligned=False),
+    dict(dtype="fp32"),
+], ids=str)
+def test_other_decode_steps_keep_cudnn_first_or_never_run_it(every_library_present, decode_kernel_fits, changes):
+    names, passed_over = resolved(decode_problem(**changes))
+    assert "cudnn" not in passed_over or not passed_over["cudnn"].startswith("tried last")
+    assert names[0] == ("cudnn" if "cudnn" in names else "custom")
+
+
+def test_a_decode_step_keeps_cudnn_first_where_the_kernel_does_not_fit_shared_memory(every_library_present,
+                                                                                      monkeypatch):
+    from libnn.ops import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "blocks_by_shared_memory", lambda device_id, smem: 0)
+    names, _ = resolved(decode_problem(D=128))
+    assert names[0] == "cudnn"

@@ -1,9 +1,9 @@
 """Split-K decoding (kernels/attention.cu's attn3_decode + attn3_combine, the custom path's kernel for one
 query row per sequence) against the float64 reference on the GPU: a decoder's step reading its KV cache
 (q (B, 1, Hq, D), k and v one layer's cache rows (B, L, Hkv, D) with each sequence's length), MHA, GQA and
-MQA groups up to 8, head dims from 32 to 256, caches from 1 to 4099 positions (splits of every size, the
-last one partial), lengths 0 (zeros out), 1 and full, fp16 and bf16 (fp32 goes to attn2/attn1), outputs
-poisoned. The op's
+MQA groups up to 16 (the rows of one mma tile), head dims 8 to 128 (every bucket, zero-filled past D),
+caches from 1 to 4099 positions (splits of one tile to many, the last one partial, warps without a tile),
+lengths 0 (zeros out), 1 and full, fp16 and bf16 (fp32 goes to attn2/attn1), outputs poisoned. The op's
 custom path picks attn3 for these problems and attn2/attn1 still run them when forced. Tolerances:
 relative L2 error fp16/bf16 1e-2 (dtypes.TOLERANCE)."""
 
@@ -20,8 +20,8 @@ from conftest import random_normal, rel_error
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_gpu_memory")]
 
 # (B, Hq, Hkv, D, L)
-SHAPES = [(1, 4, 4, 64, 1), (3, 32, 8, 64, 333), (2, 8, 1, 128, 1000), (5, 12, 4, 32, 64), (1, 2, 1, 256, 4099),
-          (7, 6, 6, 64, 97)]
+SHAPES = [(1, 4, 4, 64, 1), (3, 32, 8, 64, 333), (2, 8, 1, 128, 1000), (5, 12, 4, 32, 64), (1, 2, 1, 128, 4099),
+          (7, 6, 6, 64, 97), (2, 16, 1, 80, 701), (3, 10, 2, 8, 130), (1, 1, 1, 120, 64)]
 
 
 def case_id(case):
@@ -97,9 +97,11 @@ def test_a_bias_a_top_left_mask_or_two_query_rows_are_not_split_decoded(rng):
     assert flash_version(q2, k, v, cupy.empty_like(q2)) == "attn2_flash"
     q32 = q.astype(cupy.float32)
     assert flash_version(q32, k.astype(cupy.float32), v.astype(cupy.float32), cupy.empty_like(q32)) == "attn1_naive"
-    group9 = cupy.asarray(random_normal(rng, (2, 9, 1, 64), "fp16"))
+    group17 = cupy.asarray(random_normal(rng, (2, 17, 1, 64), "fp16"))
     k1 = k[:, :1]
-    assert flash_version(group9, k1, v[:, :1], cupy.empty_like(group9)) == "attn2_flash"  # 9 heads per kv head
+    assert flash_version(group17, k1, v[:, :1], cupy.empty_like(group17)) == "attn2_flash"  # 17 heads a kv head
+    wide = [cupy.asarray(random_normal(rng, (2, 8, S, 136), "fp16")) for S in (1, 40, 40)]
+    assert flash_version(*wide, cupy.empty_like(wide[0])) == "attn1_naive"  # D > 128: no bucket
 
 
 def test_an_empty_cache_is_not_split_decoded_and_gives_zeros(rng):

@@ -17,17 +17,18 @@ dimensions (a key-padding bias (B, 1, 1, Skv), a relative-position bias (1, Hq, 
 dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed come out as zeros on
 every path, never NaN.
 
-Paths, in `auto` order (except that small encoder attention, see _cudnn_slower, tries cudnn last):
+Paths, in `auto` order (except that small encoder attention and a decode step that the split-K kernel
+takes, see _cudnn_slower, try cudnn last):
 - cudnn:      the cuDNN frontend's fused SDPA graph (fp16/bf16), cached per problem like the conv graphs;
               plans that can give other bits on the same inputs left out (NONDETERMINISTIC_CUDNN_PLANS)
               unless config.allow_nondeterministic; a dense one-row problem's plans timed, the fastest
               kept (_decode_timing_arrays).
 - custom:     kernels/attention.cu: a flash-attention kernel on tensor cores for fp16/bf16 with D a
               multiple of 8 up to 128 and 16-byte aligned rows (online softmax, the S×S scores never
-              stored), a split-K decoding kernel for one query row per sequence (a decoder's step
-              from its cache: fp16/bf16, no bias or top-left mask, D = 8..256 a power of two times 8,
-              up to 8 query heads per kv head), and a warp-per-row kernel for the rest: fp32, D up to
-              256, any alignment.
+              stored), a split-K decoding kernel on tensor cores for one query row per sequence (a
+              decoder's step from its cache: fp16/bf16, no bias or top-left mask, D a multiple of 8 up
+              to 128, up to 16 query heads per kv head, deterministic), and a warp-per-row kernel for
+              the rest: fp32, D up to 256, any alignment.
 - unfused:    the textbook three passes: Q·Kᵀ on cuBLAS, our masked softmax kernel, P·V on cuBLAS;
               S×S scores in memory. Kept as the benchmark's middle rung.
 - reference:  NumPy in float64.
@@ -67,7 +68,7 @@ from libnn.backends import cudnn as cudnn_backend
 from libnn.config import config
 from libnn.ops import paging
 from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, decode_fits,
-                                        flash_fits, flash_supports)
+                                        decode_shared_memory_fits, flash_fits, flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (allocator, array_module, as_array, device_constant, device_of, is_cupy, min_max,
@@ -685,9 +686,9 @@ CUSTOM_FASTER_BELOW_FLOPS = 10**9
 
 def _cudnn_slower(problem: AttentionProblem) -> str | None:
     """Small non-causal self-attention (an encoder's), dense, with no bias or a bias broadcast along the
-    query rows (a key-padding bias, which the flash kernel stages once), rows the flash kernel takes:
-    its custom kernel first. (cudnn then comes after unfused, which the flash kernel's conditions here
-    keep from running.)"""
+    query rows (a key-padding bias, which the flash kernel stages once), rows the flash kernel takes; and
+    a decode step that attn3_decode takes: the custom kernel first. (cudnn then comes after unfused, which
+    the custom kernels' conditions here keep from running.)"""
     p = problem
     small = (p.layout != "THD" and not p.pages and p.causal is None and p.Sq == p.Skv and 32 <= p.D <= 64
              and p.flops <= CUSTOM_FASTER_BELOW_FLOPS and p.aligned
@@ -696,7 +697,19 @@ def _cudnn_slower(problem: AttentionProblem) -> str | None:
     if small:
         return (f"{p.flops / 1e6:.0f} MFLOP of self-attention with D={p.D}: the custom flash kernel is faster "
                 f"below {CUSTOM_FASTER_BELOW_FLOPS / 1e9:g} GFLOP")
+    if _split_decoded(p):
+        return "a decode step (one query row per sequence): the custom split-K kernel is faster"
     return None
+
+
+def _split_decoded(p: AttentionProblem) -> bool:
+    """Whether the custom path runs `p` on attn3_decode, which read a decode step's KV cache faster than
+    cuDNN's deterministic plans at every batch and length measured, and took less of the 1.1B LLaMA's
+    decode step (benchmarks/RESULTS.md, fifteenth session)."""
+    return (p.layout != "THD" and not p.pages and p.aligned
+            and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal, batch=p.B,
+                            Skv=p.Skv)
+            and decode_shared_memory_fits(p.D, int(p.device.split(":")[1])))
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, slower=_cudnn_slower,
@@ -821,8 +834,7 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
     if flash_supports(p.dtype, p.D):
         return ()
     flash = aligned and p.aligned and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale)
-    decode = p.aligned and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal,
-                                       batch=p.B, kv_heads=p.Hkv, Skv=p.Skv)
+    decode = _split_decoded(p)
     return ("attn1_naive",) + (("attn2_flash",) if flash else ()) + (("attn3_decode",) if decode else ())
 
 

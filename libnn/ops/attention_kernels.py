@@ -1,8 +1,8 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
 `bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn3_decode
-(split-K decoding, then attn3_combine) for one query row per sequence without bias or top-left mask —
-a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
+(split-K decoding on tensor cores, then attn3_combine) for one query row per sequence without bias or
+top-left mask — a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
 when the problem fits it — fp16/bf16, head dim D <= 128 with D % 8 == 0, q, k, v, o rows 16-byte
 aligned, scale != 0 under a bias — otherwise attn1_naive (one warp per query row, any D <= 256, fp32
 too). `bind_unfused` binds the same in three steps that hold the
@@ -25,7 +25,7 @@ import math
 from libnn import dtypes
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import allocator, is_cupy
-from libnn.runtime.device import current_device_id, multiprocessors
+from libnn.runtime.device import blocks_by_shared_memory, current_device_id, multiprocessors
 
 _FILE = "attention.cu"
 _VERSIONS = ("attn1_naive", "attn2_flash", "attn3_decode")  # 1) baseline, 2) and 3) where they apply
@@ -35,7 +35,7 @@ FLASH_BUCKETS = (32, 64, 96, 128)
 _ATTN = contracts.params(_FILE, "ATTN_PARAMS")  # attn1's and attn2's parameters
 _SOFTMAX = contracts.params(_FILE, "attn_softmax_##SUFFIX")
 _ZERO = contracts.params(_FILE, "attn_zero_empty_batches")
-_DECODE = contracts.params(_FILE, "attn3_decode_##SUFFIX")
+_DECODE = contracts.params(_FILE, "ATTN3_PARAMS")
 _COMBINE = contracts.params(_FILE, "attn3_combine_##SUFFIX")
 _K = contracts.constants(_FILE)
 FLASH_WARPS = _K["ATTN2_WARPS"]
@@ -44,9 +44,8 @@ _ROWS_PER_ATTN1_BLOCK = _K["ATTN1_THREADS"] // 32  # a warp per query row
 _SOFTMAX_THREADS = _K["SOFTMAX_THREADS"]
 _ZERO_THREADS = _K["ZERO_THREADS"]
 DECODE_THREADS, DECODE_MAX_GROUP = _K["ATTN3_THREADS"], _K["ATTN3_MAX_G"]
-DECODE_SMEM = 48 * 1024       # attn3_decode's dynamic shared memory stays below the default limit
-DECODE_BLOCKS_PER_SM = 4      # the splits are sized to give about this many blocks per SM
-DECODE_CHUNKS = (64, 128, 256, 512)  # keys per split
+_DECODE_WARPS, _DECODE_STAGES, _COMBINE_THREADS = DECODE_THREADS // 32, _K["ATTN3_STAGES"], _K["COMBINE_THREADS"]
+DECODE_MAX_SPLITS = 8  # splits of a (b, kv head)'s keys at most: attn3_combine adds them one by one
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -82,17 +81,31 @@ def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:
             and (not has_bias or scale != 0))
 
 
+def decode_launch(head_dim: int) -> tuple[str, int]:
+    """(kernel name without dtype suffix, dynamic shared memory) of attn3_decode for a head dim, from
+    kernels/attention.cu's LAUNCH table: Q's 16 rows, then each warp's stages of a K and a V tile."""
+    bucket = next(b for b in FLASH_BUCKETS if head_dim <= b)
+    row = (bucket + 8) * 2
+    return f"attn3_decode_d{bucket}", 16 * row + _DECODE_WARPS * _DECODE_STAGES * 2 * _BN * row
+
+
 def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, causal: str | None, *,
-                batch: int, kv_heads: int, Skv: int) -> bool:
+                batch: int, Skv: int) -> bool:
     """Whether attn3_decode takes a problem, alignment aside (q's, k's and v's rows must start on 16
     bytes): fp16 or bf16, one query row, at least one key position (an empty cache has no split), no
-    bias, no top-left mask (with one row, bottom-right masks nothing), the row in 1 to 32 16-byte vectors
-    (a power of two: D = 8, 16, 32, ..., 256), at most DECODE_MAX_GROUP query heads per kv head, and a
-    batch and kv heads within the grid's y and z limits (launch.MAX_GRID_YZ)."""
-    vectors = head_dim // 8  # 16-byte vectors of 16-bit elements
+    bias, no top-left mask (with one row, bottom-right masks nothing), D <= 128 with D % 8 == 0 (attn2's
+    buckets), at most DECODE_MAX_GROUP query heads per kv head (the rows of one mma tile), and a batch
+    within the grid's z limit (launch.MAX_GRID_YZ; kv heads go along x, the splits along y). The device
+    must also give a block the kernel's shared memory (decode_shared_memory_fits)."""
     return (dtype in ("fp16", "bf16") and Sq == 1 and Skv >= 1 and not has_bias and causal != "top_left"
-            and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and 1 <= vectors <= 32
-            and vectors & (vectors - 1) == 0 and batch <= launch.MAX_GRID_YZ and kv_heads <= launch.MAX_GRID_YZ)
+            and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and head_dim <= FLASH_BUCKETS[-1]
+            and batch <= launch.MAX_GRID_YZ)
+
+
+def decode_shared_memory_fits(head_dim: int, device_id: int) -> bool:
+    """Whether a block of device `device_id` may have attn3_decode's shared memory at this head dim (an
+    H100 takes every bucket, an A100 up to 96, an sm_86/89 GPU 32)."""
+    return blocks_by_shared_memory(device_id, decode_launch(head_dim)[1]) > 0
 
 
 def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None = None) -> str:
@@ -100,48 +113,48 @@ def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None 
     where it applies, else attn1_naive."""
     dtype, D = dtypes.short_name(q.dtype), q.shape[3]
     if (decode_fits(dtype, D, q.shape[2], q.shape[1] // k.shape[1], bias is not None, causal, batch=q.shape[0],
-                    kv_heads=k.shape[1], Skv=k.shape[2])
-            and all(_rows_aligned(a) for a in (q, k, v))):
+                    Skv=k.shape[2])
+            and all(_rows_aligned(a) for a in (q, k, v)) and decode_shared_memory_fits(D, current_device_id())):
         return "attn3_decode"
     fits = flash_fits(dtype, D, bias is not None, scale) and all(_rows_aligned(a) for a in (q, k, v, o))
     return "attn2_flash" if fits else "attn1_naive"
 
 
-def decode_chunk(B: int, Hkv: int, Skv: int, group: int, itemsize: int, head_dim: int, sms: int) -> int:
-    """attn3_decode's keys per split: the smallest of DECODE_CHUNKS whose blocks (splits x Hkv x B) stay
-    within DECODE_BLOCKS_PER_SM per SM of `sms`, and whose scores fit its shared memory."""
-    pairs = B * Hkv
-    fitting = [c for c in DECODE_CHUNKS if _decode_smem(group, head_dim, c, itemsize) <= DECODE_SMEM]
-    return next((c for c in fitting if pairs * -(-Skv // c) <= DECODE_BLOCKS_PER_SM * sms), fitting[-1])
-
-
-def _decode_smem(group: int, head_dim: int, chunk: int, itemsize: int) -> int:
-    """attn3_decode's dynamic shared memory (kernels/attention.cu's LAUNCH table)."""
-    return 4 * (group * head_dim + max(group * chunk, group * DECODE_THREADS * 16 // itemsize))
+def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int) -> int:
+    """attn3_decode's key tiles (of ATTN2_BN keys) per split: few enough that the blocks (Hkv x splits x B)
+    fill the GPU's resident blocks once (`sms` x `blocks_per_sm`) where the batch alone does not, with at
+    most DECODE_MAX_SPLITS splits, and never fewer tiles than a block's warps, which take a split's tiles
+    in turn. Sized by the cache's length Skv (the lengths are on the GPU): splits past a sequence's length
+    end at once."""
+    tiles = -(-Skv // _BN)
+    splits = min(DECODE_MAX_SPLITS, -(-sms * max(1, blocks_per_sm) // (B * Hkv)))
+    return max(_DECODE_WARPS, -(-tiles // splits))
 
 
 def _bind_decode(q, k, v, o, scale: float):
     """run(q, k, v, o, bias, lens_q, lens_kv): attn3_decode's splits into fp32 partials (from CuPy's pool
-    at each call), then attn3_combine into o."""
+    at each call), then attn3_combine into o; both launched programmatically where the GPU can."""
     B, Hq, _, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    group, itemsize = Hq // Hkv, q.itemsize
-    sms = multiprocessors(current_device_id())
-    chunk = decode_chunk(B, Hkv, Skv, group, itemsize, D, sms)
-    splits = -(-Skv // chunk)
+    device = current_device_id()
+    name, smem = decode_launch(D)
+    split_tiles = decode_split_tiles(B, Hkv, Skv, multiprocessors(device), blocks_by_shared_memory(device, smem))
+    splits = -(-Skv // (split_tiles * _BN))
     suffix = dtypes.KERNEL_SUFFIX[dtypes.short_name(q.dtype)]
     (q_sb, q_sh), (k_sb, k_sh, k_ss), (v_sb, v_sh, v_ss) = (_kernel_strides(q)[:2], _kernel_strides(k)[:3],
                                                             _kernel_strides(v)[:3])
     o_sb, o_sh = _kernel_strides(o)[:2]
     A = launch.ARRAY
-    split = launch.bind(_FILE, f"attn3_decode_{suffix}", (splits, Hkv, B), (DECODE_THREADS,),
+    programmatic = launch.programmatic_supported(f"gpu:{device}")
+    split = launch.bind(_FILE, f"{name}_{suffix}", (Hkv, splits, B), (DECODE_THREADS,),
                         _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
-                                     D=D, chunk=chunk, splits=splits, scale_log2=scale * math.log2(math.e),
-                                     q_sb=q_sb, q_sh=q_sh, k_sb=k_sb, k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh,
-                                     v_ss=v_ss),
-                        shared_mem=_decode_smem(group, D, chunk, itemsize))
-    combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (DECODE_THREADS,),
-                          _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh))
+                                     D=D, split_tiles=split_tiles, splits=splits,
+                                     scale_log2=scale * math.log2(math.e), q_sb=q_sb, q_sh=q_sh, k_sb=k_sb,
+                                     k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss),
+                        shared_mem=smem, programmatic=programmatic)
+    combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (_COMBINE_THREADS,),
+                          _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh),
+                          programmatic=programmatic)
 
     new_part_o, new_part_ml = allocator((B, Hq, splits, D), "float32"), allocator((B, Hq, splits, 2), "float32")
 

@@ -193,6 +193,17 @@ def multiprocessors(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def blocks_by_shared_memory(device_id: int, shared_mem: int) -> int:
+    """How many blocks using `shared_mem` bytes of shared memory each an SM of device `device_id` holds at
+    once, by shared memory alone (the driver also reserves some for each resident block: 1 KB from sm_80)."""
+    import cupy
+    runtime = cupy.cuda.runtime
+    per_sm = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)
+    reserved = runtime.deviceGetAttribute(runtime.cudaDevAttrReservedSharedMemoryPerBlock, device_id)
+    return per_sm // (shared_mem + reserved)
+
+
+@functools.lru_cache(maxsize=None)
 def compute_capability(device_id: int) -> tuple[int, int]:
     import cupy
     p = cupy.cuda.runtime.getDeviceProperties(device_id)
