@@ -291,7 +291,7 @@ def _kv_append():
 
 
 @item("attention: split-K decoding (attn3), one query row against cache rows, GQA up to 16, every head-dim "
-      "bucket, warps without a tile, lengths 0, 1 and full")
+      "bucket, warps without a tile, lengths 0, 1 and full; paged, pages out of order")
 def _attention_decode():
     import cupy
 
@@ -303,6 +303,11 @@ def _attention_decode():
             q, k, v = normal((B, 1, Hq, D), dtype), normal((B, L, Hkv, D), dtype), normal((B, L, Hkv, D), dtype)
             lengths = cupy.asarray(np.array([L, 1, 0, L // 2][:B], np.int32))
             attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
+        # paged: pools of 7 pages of 64 keys, each sequence's 3 pages out of order, lengths 0, 1, 150
+        q, k, v = normal((3, 1, 8, 64), dtype), normal((7, 64, 2, 64), dtype), normal((7, 64, 2, 64), dtype)
+        table = cupy.asarray(np.array([[6, 0, 3], [2, 5, 1], [4, 6, 0]], np.int32))
+        attention(q, k, v, layout="BSHD", seq_lens_kv=cupy.asarray(np.array([0, 1, 150], np.int32)),
+                  page_table=table, path="custom")
 
 
 # --- linear_fp8 ---------------------------------------------------------------------------------------

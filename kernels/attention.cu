@@ -72,9 +72,12 @@ attention):
    the warps' (m, l, o) are merged in warp order and written as the split's fp32 partials (o
    unnormalised); attn3_combine merges a head's splits in split order (m = max, l and o rescaled by
    exp2(m_s - m)) and writes o once, zeros where no key is allowed (Lk = 0, or Lq = 0). Deterministic:
-   the splits depend on the shapes only. Preconditions (the launcher checks them): fp16 or bf16, D % 8
-   == 0 and D <= 128 (the bucket DB as attn2's), g <= ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any
-   strides; the block's shared memory within the device's (every bucket on the H100; to 96 on the A100).
+   the splits depend on the shapes only. With a page table, k and v are pools of pages (k_sb and v_sb
+   step pages) and key j is row j % page_size of page page_table[b * t_sb + j / page_size]; page_size =
+   2^page_shift >= 64, so that a tile lies in one page. Preconditions (the launcher checks them): fp16 or
+   bf16, D % 8 == 0 and D <= 128 (the bucket DB as attn2's), g <= ATTN3_MAX_G, q, k, v rows 16-byte
+   aligned; o any strides; the table's entries within the pools; the block's shared memory within the
+   device's (every bucket on the H100; to 96 on the A100).
    (The scalar split kernel this replaced reached 40% of copy at batch 64: benchmarks/RESULTS.md.)
 
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
@@ -114,7 +117,7 @@ this file)
         (ATTN3_PARAMS: const T* q, const T* k, const T* v, float* part_o, float* part_ml,
          const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D,
          int split_tiles, int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
-         v_ss)
+         v_ss, const int* page_table_or_null, long long t_sb, int page_shift)
         part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
         split_tiles >= 1 (any: a warp without a tile adds nothing), splits = ceil(Skv / (64 * split_tiles)),
         splits < 65536; over 48 KB of shared memory: set the max dynamic smem attribute first
@@ -559,7 +562,8 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
                                            float* __restrict__ part_ml, const int* __restrict__ lens_q,
                                            const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
                                            int split_tiles, int splits, float scale_log2, i64 q_sb, i64 q_sh,
-                                           i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss) {
+                                           i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
+                                           const int* __restrict__ page_table, i64 t_sb, int page_shift) {
     constexpr int BN = ATTN2_BN, LD = DB + 8, NO = DB / 8, W = ATTN3_WARPS, S = ATTN3_STAGES;
     constexpr int TILE = BN * LD * 2;             // bytes of one K or V tile in shared memory
     constexpr bool BF = DT::bf16 != 0;
@@ -588,16 +592,22 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     }
     // shared memory: Q [16][LD] (rows >= G zero), then each warp's S stages of K [BN][LD] + V [BN][LD]
     const u32 sQ = smem_addr(dsmem), sW = sQ + 16 * LD * 2 + warp * S * 2 * TILE;
-    const u16* const kh = k + b * k_sb + hk * k_sh;
-    const u16* const vh = v + b * v_sb + hk * v_sh;
+    // Key j's K row: with a page table, row j % page_size of page table[b][j / page_size] (k_sb, v_sb
+    // step pages); a tile of 64 keys lies in one page (page_size a power of two >= 64)
+    const u16* const kh = k + hk * k_sh + (page_table ? 0 : b * k_sb);
+    const u16* const vh = v + hk * v_sh + (page_table ? 0 : b * v_sb);
+    const int* const pages = page_table ? page_table + b * t_sb : nullptr;
+    const int in_page = (1 << page_shift) - 1;
     const int tiles = (end - start + BN - 1) / BN;
     const int mine = tiles > warp ? (tiles - warp + W - 1) / W : 0;   // this warp's: warp, warp + W, ...
     auto load = [&](int i) {  // the warp's i-th tile into stage i % S, one group (empty past its last)
         if (i < mine) {
             const int j0 = start + (warp + i * W) * BN;
             const u32 st = sW + (i % S) * 2 * TILE;
-            warp_load_tile<BN, DB>(st, kh + j0 * k_ss, k_ss, end - j0, D, lane);
-            warp_load_tile<BN, DB>(st + TILE, vh + j0 * v_ss, v_ss, end - j0, D, lane);
+            const i64 page = pages ? pages[j0 >> page_shift] : 0;
+            const int row = pages ? j0 & in_page : j0;
+            warp_load_tile<BN, DB>(st, kh + page * k_sb + row * k_ss, k_ss, end - j0, D, lane);
+            warp_load_tile<BN, DB>(st + TILE, vh + page * v_sb + row * v_ss, v_ss, end - j0, D, lane);
         }
         cp_async_commit();
     };
@@ -783,13 +793,14 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
         float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
         const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int split_tiles, int splits,          \
         float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
-        at::i64 v_sh, at::i64 v_ss
+        at::i64 v_sh, at::i64 v_ss, const int* __restrict__ page_table, at::i64 t_sb, int page_shift
 
 // 2 warps: 2 blocks per SM fit in shared memory at DB <= 64 (one at 96 and 128).
 #define ATTN3(NAME, DT, DB)                                                                                     \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) NAME(ATTN3_PARAMS) {                       \
         at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, split_tiles,     \
-                                   splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss);          \
+                                   splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,          \
+                                   page_table, t_sb, page_shift);                                             \
     }
 #define ATTN3_ALL(DB)                                  \
     ATTN3(attn3_decode_d##DB##_f16, dt_f16, DB)        \

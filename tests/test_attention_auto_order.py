@@ -80,10 +80,11 @@ def decode_problem(B=8, Hq=32, Hkv=8, Skv=1024, D=64, **changes) -> AttentionPro
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(B=1, Skv=4096), dict(B=64, Skv=4096), dict(D=128),
-                                     dict(D=80), dict(Hq=16, Hkv=1), dict(dtype="bf16"), dict(causal=None)], ids=str)
+                                     dict(D=80), dict(Hq=16, Hkv=1), dict(dtype="bf16"), dict(causal=None),
+                                     dict(pages=100, page_size=64), dict(pages=9, page_size=1024)], ids=str)
 def test_a_decode_step_runs_custom_first(every_library_present, decode_kernel_fits, changes):
     names, passed_over = resolved(decode_problem(**changes))
-    assert names == ["custom", "unfused", "cudnn"]
+    assert names == ["custom", "cudnn"] if "pages" in changes else ["custom", "unfused", "cudnn"]
     assert passed_over["cudnn"] == ("tried last: a decode step (one query row per sequence): the custom split-K "
                                     "kernel is faster")
 
@@ -93,7 +94,7 @@ def test_a_decode_step_runs_custom_first(every_library_present, decode_kernel_fi
     dict(bias_shape=(8, 1, 1, 1024)),   # a bias
     dict(D=136),                        # past the largest head-dim bucket
     dict(Hq=64, Hkv=2),                 # 32 query heads a kv head: more than one mma tile's rows
-    dict(pages=100, page_size=64),      # a paged cache: custom does not read pages
+    dict(pages=100, page_size=16),      # pages smaller than a 64-key tile: custom does not read them
     dict(aligned=False),
     dict(dtype="fp32"),
 ], ids=str)
@@ -110,3 +111,8 @@ def test_a_decode_step_keeps_cudnn_first_where_the_kernel_does_not_fit_shared_me
     monkeypatch.setattr(attention_kernels, "blocks_by_shared_memory", lambda device_id, smem: 0)
     names, _ = resolved(decode_problem(D=128))
     assert names[0] == "cudnn"
+
+
+def test_unfused_never_takes_a_paged_problem(every_library_present, decode_kernel_fits):
+    names, passed_over = resolved(decode_problem(pages=100, page_size=64))
+    assert "unfused" not in names and "reads no pages" in passed_over["unfused"]

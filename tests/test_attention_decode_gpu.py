@@ -130,3 +130,56 @@ def test_one_bound_decode_repeats_bit_for_bit_with_each_length(rng):
                          == first.view(cupy.uint16)).all()) for _ in range(20))
         expected = reference(*(cupy.asnumpy(a) for a in (q, k, v)), np.array(lengths, np.int32))
         assert rel_error(cupy.asnumpy(first), expected) < dtypes.TOLERANCE["fp16"]
+
+
+# (B, Hq, Hkv, D, page_size, max_pages)
+PAGED = [(3, 32, 8, 64, 64, 9), (2, 8, 1, 128, 128, 5), (4, 12, 4, 80, 64, 3), (1, 16, 2, 32, 256, 2),
+         (5, 6, 6, 64, 64, 1)]
+
+
+def paged_inputs(rng, case, dtype):
+    """q, pools of pages (BSHD: (pages, page_size, Hkv, D)) with three spare pages, a shuffled table (no
+    sequence's pages in order) and lengths with an empty, a one-token and a full sequence."""
+    B, Hq, Hkv, D, P, max_pages = case
+    pages = B * max_pages + 3
+    q = random_normal(rng, (B, 1, Hq, D), dtype)
+    k, v = (random_normal(rng, (pages, P, Hkv, D), dtype) for _ in range(2))
+    table = rng.permutation(pages)[:B * max_pages].reshape(B, max_pages).astype(np.int32)
+    return q, k, v, table, lengths_for(rng, B, max_pages * P)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", PAGED, ids=lambda c: "B{}-Hq{}-Hkv{}-D{}-P{}x{}".format(*c))
+def test_paged_split_decoding_matches_the_reference(rng, case, dtype):
+    """attn3_decode reads each tile from the page the table names; auto runs it first, as for a dense cache."""
+    import cupy
+
+    from libnn.registry import get_op
+
+    q, k, v, table, lengths = paged_inputs(rng, case, dtype)
+    expected = attention(*(a.astype(np.float64) for a in (q, k, v)), layout="BSHD", seq_lens_kv=lengths,
+                         page_table=table, path="reference")
+    empty = lengths == 0
+    for path in ("custom", "auto"):
+        got = attention(*(cupy.asarray(a) for a in (q, k, v)), layout="BSHD", seq_lens_kv=cupy.asarray(lengths),
+                        page_table=cupy.asarray(table), path=path).get()
+        assert get_op("attention").last_decision.path == "custom"
+        assert np.all(got[empty] == 0), "a sequence with no key gives zeros"
+        assert rel_error(got[~empty], expected[~empty]) <= dtypes.TOLERANCE[dtype]
+
+
+def test_pages_smaller_than_a_tile_are_not_split_decoded_and_auto_runs_cudnn(rng):
+    import cupy
+
+    from libnn.registry import get_op
+
+    q, k, v, table, lengths = paged_inputs(rng, (2, 8, 2, 64, 16, 20), "fp16")
+    args = [cupy.asarray(a) for a in (q, k, v)]
+    with pytest.raises(Exception, match="pages of a power-of-two size >= 64"):
+        attention(*args, layout="BSHD", seq_lens_kv=cupy.asarray(lengths), page_table=cupy.asarray(table),
+                  path="custom")
+    got = attention(*args, layout="BSHD", seq_lens_kv=cupy.asarray(lengths), page_table=cupy.asarray(table)).get()
+    assert get_op("attention").last_decision.path == "cudnn"
+    expected = attention(*(a.astype(np.float64) for a in (q, k, v)), layout="BSHD", seq_lens_kv=lengths,
+                         page_table=table, path="reference")
+    assert rel_error(got[lengths > 0], expected[lengths > 0]) <= dtypes.TOLERANCE["fp16"]

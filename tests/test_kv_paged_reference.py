@@ -165,7 +165,9 @@ def test_paged_attention_refuses_bad_input_naming_the_argument(rng, changes, err
         attention_call(rng, **changes)()
 
 
-def test_the_custom_kernels_pass_paged_problems_to_cudnn_and_cudnn_needs_power_of_two_pages(rng):
+def test_the_custom_kernels_pass_paged_problems_of_small_pages_to_cudnn_which_needs_power_of_two_pages(rng):
+    """Pages under a 64-key tile: the split-K decoding kernel does not read them (tests/test_attention_auto_order.py
+    has the pages it reads), and the unfused path reads none."""
     op = libnn.get_op("attention")
     for page_size, cudnn_reason in ((16, None), (12, "power-of-two size, got page_size 12")):
         table = page_table(rng, 2, 3, 6)
@@ -173,8 +175,8 @@ def test_the_custom_kernels_pass_paged_problems_to_cudnn_and_cudnn_needs_power_o
         k = random_normal(rng, (6, page_size, 2, 64), "fp16")
         problem = attention_problem(q, k, k.copy(), None, None, False, "BSHD", False, True, page_table=table)
         assert (problem.pages, problem.page_size, problem.Skv) == (6, page_size, 3 * page_size)
-        assert "do not read pages" in op.paths["custom"].supports(problem)
-        assert "do not read pages" in op.paths["unfused"].supports(problem)
+        assert "pages of a power-of-two size >= 64" in op.paths["custom"].supports(problem)
+        assert "unfused reads no pages" in op.paths["unfused"].supports(problem)
         reason = op.paths["cudnn"].supports(problem)
         assert reason is None if cudnn_reason is None else cudnn_reason in reason
 

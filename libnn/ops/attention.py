@@ -49,8 +49,9 @@ entry must lie in [0, pages) (checked with one read-back per call, unless the ta
 CheckedPageTable(table)); entries past a sequence's length are never read as keys but must still name a
 page. No attn_bias. Paths: cudnn (its SDPA reading the pages itself through its paged-cache load, cuDNN
 9.5 or newer; page_size a power of two, and the padding mask always on, as cuDNN's paged attention
-requires) and reference (the pages gathered into a dense cache in NumPy). The custom kernels do not read
-pages.
+requires), custom for a decode step that its split-K kernel takes (one query row; pages of a power-of-two
+size >= 64; first under auto, as for a dense cache) and reference (the pages gathered into a dense cache
+in NumPy).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
 from libnn.config import config
 from libnn.ops import paging
-from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_unfused, bind_zero_empty_batches, decode_fits,
+from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_paged_decode, bind_unfused,
+                                        bind_zero_empty_batches, decode_fits, decode_page_size_fits,
                                         decode_shared_memory_fits, flash_fits, flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
@@ -703,10 +705,11 @@ def _cudnn_slower(problem: AttentionProblem) -> str | None:
 
 
 def _split_decoded(p: AttentionProblem) -> bool:
-    """Whether the custom path runs `p` on attn3_decode, which read a decode step's KV cache faster than
-    cuDNN's deterministic plans at every batch and length measured, and took less of the 1.1B LLaMA's
-    decode step (benchmarks/RESULTS.md, fifteenth session)."""
-    return (p.layout != "THD" and not p.pages and p.aligned
+    """Whether the custom path runs `p` on attn3_decode (dense, or paged in pages it reads), which read a
+    decode step's KV cache faster than cuDNN's deterministic plans at every batch and length measured, and
+    took less of the 1.1B LLaMA's decode step (benchmarks/RESULTS.md, fifteenth session)."""
+    return (p.layout != "THD" and (not p.pages or decode_page_size_fits(p.page_size)) and p.aligned
+            and p.device.startswith("gpu")
             and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal, batch=p.B,
                             Skv=p.Skv)
             and decode_shared_memory_fits(p.D, int(p.device.split(":")[1])))
@@ -816,12 +819,25 @@ def _bind_cudnn_paged(problem: AttentionProblem):
 
 
 # --- custom and unfused paths: kernels/attention.cu ------------------------------------------------
-def _custom_support(problem: AttentionProblem) -> str | None:
+def _kernels_support(problem: AttentionProblem) -> str | None:
+    """What the custom and unfused paths share: kernels/attention.cu's dtypes and head dims, no THD."""
     if problem.layout == "THD":
         return "layout THD (packed sequences) runs on cudnn and reference"
-    if problem.pages:
-        return "paged k and v (page_table) run on cudnn and reference: the custom kernels do not read pages"
     return _gpu_support(problem) or flash_supports(problem.dtype, problem.D)
+
+
+def _custom_support(problem: AttentionProblem) -> str | None:
+    if problem.pages and not _split_decoded(problem):
+        return ("paged k and v (page_table) run on the custom path only as a decode step the split-K kernel "
+                "takes (one query row, fp16/bf16, no bias, D a multiple of 8 up to 128, up to 16 query heads a "
+                "kv head, pages of a power-of-two size >= 64); cudnn and reference run the rest")
+    return _kernels_support(problem)
+
+
+def _unfused_support(problem: AttentionProblem) -> str | None:
+    if problem.pages:
+        return "paged k and v (page_table) run on cudnn, custom (a decode step) and reference: unfused reads no pages"
+    return _kernels_support(problem)
 
 
 def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[str, ...]:
@@ -877,12 +893,34 @@ def _bind_kernels(bind, problem: AttentionProblem, q, k, v, bias, *, views_per_c
     return run_views if views_per_call else run_padded if padded else run
 
 
+def _bind_paged_decode(problem: AttentionProblem, q, k, v):
+    """The custom path's runner of a paged decode step (attn3_decode reading the pages): each call checks
+    its lengths and its table (unless a CheckedPageTable) as the cudnn path does."""
+    import cupy
+
+    p = problem
+    new = allocator(_output_shape(p), dtypes.parse(p.dtype))
+    table_like = cupy.zeros((p.B, p.Skv // p.page_size), np.int32)  # only its shape is read
+    kernels = bind_paged_decode(*_kernel_views(p, q, k, v, new(), None)[:4], table_like, scale=p.scale)
+
+    def run(q, k, v, seq_lens_q, seq_lens_kv, page_table):
+        lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
+        table = cupy.ascontiguousarray(_page_table(p, page_table))  # rows max_pages apart, as bound
+        o = new()
+        kernels(q, k, v, o, None, lens_q, lens_kv, table)
+        return o
+    return run
+
+
 @op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)
-def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
-    return _bind_kernels(bind_flash, problem, q, k, v, bias, views_per_call=False)
+def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias_or_pages):
+    """bias_or_pages: the bias, or for a paged problem the page table."""
+    if problem.pages:
+        return _bind_paged_decode(problem, q, k, v)
+    return _bind_kernels(bind_flash, problem, q, k, v, bias_or_pages, views_per_call=False)
 
 
-@op.path("unfused", kind="custom", device="gpu", supports=_custom_support, binds=True)
+@op.path("unfused", kind="custom", device="gpu", supports=_unfused_support, binds=True)
 def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
     # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product; checked

@@ -131,11 +131,28 @@ def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int)
     return max(_DECODE_WARPS, -(-tiles // splits))
 
 
-def _bind_decode(q, k, v, o, scale: float):
-    """run(q, k, v, o, bias, lens_q, lens_kv): attn3_decode's splits into fp32 partials (from CuPy's pool
-    at each call), then attn3_combine into o; both launched programmatically where the GPU can."""
+def decode_page_size_fits(page_size: int) -> bool:
+    """Whether attn3_decode reads pages of this many keys: a power of two of at least a tile (64 keys), so
+    that no tile straddles two pages."""
+    return page_size >= _BN and page_size & (page_size - 1) == 0
+
+
+def bind_paged_decode(q, k, v, o, page_table, *, scale: float):
+    """run(q, k, v, o, bias, lens_q, lens_kv, page_table) -> None: attn3_decode over paged k and v, for
+    arrays of these shapes, strides and dtype: q and o (B, Hq, 1, D) views, k and v the pools' (pages, Hkv,
+    page_size, D) views, page_table (B, max_pages) int32 C-contiguous (bias is None: none is taken). The
+    caller checks that the problem fits (decode_fits, decode_page_size_fits, decode_shared_memory_fits)
+    and that every table entry lies in the pools."""
+    return _bind_decode(q, k, v, o, scale, page_table)
+
+
+def _bind_decode(q, k, v, o, scale: float, page_table=None):
+    """run(q, k, v, o, bias, lens_q, lens_kv, page_table=None): attn3_decode's splits into fp32 partials
+    (from CuPy's pool at each call), then attn3_combine into o; both launched programmatically where the
+    GPU can. With `page_table` (bind_paged_decode) k and v are pools of pages."""
     B, Hq, _, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Hkv, rows = k.shape[1], k.shape[2]   # paged: a page's keys
+    Skv = rows * page_table.shape[1] if page_table is not None else rows
     device = current_device_id()
     name, smem = decode_launch(D)
     split_tiles = decode_split_tiles(B, Hkv, Skv, multiprocessors(device), blocks_by_shared_memory(device, smem))
@@ -144,13 +161,15 @@ def _bind_decode(q, k, v, o, scale: float):
     (q_sb, q_sh), (k_sb, k_sh, k_ss), (v_sb, v_sh, v_ss) = (_kernel_strides(q)[:2], _kernel_strides(k)[:3],
                                                             _kernel_strides(v)[:3])
     o_sb, o_sh = _kernel_strides(o)[:2]
+    paging = dict(t_sb=page_table.shape[1], page_shift=rows.bit_length() - 1) if page_table is not None else \
+        dict(t_sb=0, page_shift=0)
     A = launch.ARRAY
     programmatic = launch.programmatic_supported(f"gpu:{device}")
     split = launch.bind(_FILE, f"{name}_{suffix}", (Hkv, splits, B), (DECODE_THREADS,),
                         _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
                                      D=D, split_tiles=split_tiles, splits=splits,
                                      scale_log2=scale * math.log2(math.e), q_sb=q_sb, q_sh=q_sh, k_sb=k_sb,
-                                     k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss),
+                                     k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss, page_table=A, **paging),
                         shared_mem=smem, programmatic=programmatic)
     combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (_COMBINE_THREADS,),
                           _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh),
@@ -158,9 +177,9 @@ def _bind_decode(q, k, v, o, scale: float):
 
     new_part_o, new_part_ml = allocator((B, Hq, splits, D), "float32"), allocator((B, Hq, splits, 2), "float32")
 
-    def run(q, k, v, o, bias, lens_q, lens_kv):
+    def run(q, k, v, o, bias, lens_q, lens_kv, page_table=None):
         part_o, part_ml = new_part_o(), new_part_ml()
-        split(q, k, v, part_o, part_ml, lens_q, lens_kv)
+        split(q, k, v, part_o, part_ml, lens_q, lens_kv, page_table)
         combine(part_o, part_ml, o)
     return run
 
