@@ -121,7 +121,7 @@ def test_cudnn_paged_attention_matches_the_reference(rng, dtype, page_size, max_
                              seq_lens_q=lens_q, seq_lens_kv=lens_kv, layout="BSHD", page_table=table)
         got = attention(cupy.asarray(q), gk, gv, causal=causal, layout="BSHD", page_table=cupy.asarray(table),
                         seq_lens_q=None if lens_q is None else cupy.asarray(lens_q, cupy.int32),
-                        seq_lens_kv=cupy.asarray(lens_kv, cupy.int32))
+                        seq_lens_kv=cupy.asarray(lens_kv, cupy.int32), path="cudnn")  # (auto: custom at Sq 1)
         assert libnn.get_op("attention").last_decision.path == "cudnn"
         assert rel_error(got, expected) <= dtypes.TOLERANCE[dtype], f"Sq={Sq}"
 
