@@ -694,12 +694,12 @@ def run(quick: bool = False, json_path: str | None = None, hf_compile: bool = Tr
     rows: list[dict[str, Any]] = []
     splits: list[dict[str, Any]] = []
     loads: list[dict[str, Any]] = []
-    for plan in plans:
+    for plan in plans:  # each model's table as soon as it is done: a run cut short keeps what finished
         plan_rows, plan_splits, plan_loads = _plan_rows(plan, ceilings, hf_compile, progress)
+        print(harness.format_table(plan_rows, COLUMNS), flush=True)
         rows += plan_rows
         splits += plan_splits
         loads += plan_loads
-    print(harness.format_table(rows, COLUMNS))
     if splits:
         print(f"kernel time per decode step of {' and '.join(SPLIT_PATHS)}, ms by category (torch.profiler, "
               f"{SPLIT_STEPS} steps):")
