@@ -63,21 +63,23 @@ attention):
    Split-K decoding ("flash-decoding", Dao et al., 2023) on tensor cores, for one query row per sequence
    (Sq = 1: a decoder's step reading its KV cache), no bias, no causal mask (one row sees every key below
    Lk). The g = Hq / Hkv query heads of a kv head are the rows of one 16-row A tile (GQA: each K and V
-   row is read once for all of them; rows g..15 are zeros), so a key tile's scores, online softmax and
-   P V are attn2's (tile_scores, tile_softmax, tile_pv) on mma.sync. The keys of each (b, kv head) are
-   cut into splits of split_tiles tiles of 64 keys, one block per (kv head, split, b), kv heads fastest
-   (the blocks running together read neighbouring slices of the same cache rows). A block's 2 warps take
-   its split's tiles in turn, each streaming its own: 3 stages of a K and a V tile in shared memory, 2
-   in flight (16-byte cp.async, zero-filled past Lk and past D), no block barrier in the key loop. Then
-   the warps' (m, l, o) are merged in warp order and written as the split's fp32 partials (o
-   unnormalised); attn3_combine merges a head's splits in split order (m = max, l and o rescaled by
-   exp2(m_s - m)) and writes o once, zeros where no key is allowed (Lk = 0, or Lq = 0). Deterministic:
-   the splits depend on the shapes only. With a page table, k and v are pools of pages (k_sb and v_sb
-   step pages) and key j is row j % page_size of page page_table[b * t_sb + j / page_size]; page_size =
-   2^page_shift >= 64, so that a tile lies in one page. Preconditions (the launcher checks them): fp16 or
-   bf16, D % 8 == 0 and D <= 128 (the bucket DB as attn2's), g <= ATTN3_MAX_G, q, k, v rows 16-byte
-   aligned; o any strides; the table's entries within the pools; the block's shared memory within the
-   device's (every bucket on the H100; to 96 on the A100).
+   row is read once for all of them; rows g..15 are zeros), so a key tile's scores, online softmax and P
+   V are attn2's (tile_scores, tile_softmax, tile_pv) on mma.sync. The keys of each (b, kv head) are cut
+   into `splits` splits of 64-key tiles (at least a block's warps' worth each, as far as the sequence's
+   own length Lk goes), one block per (kv head, split, b), kv heads fastest (the blocks running together
+   read neighbouring slices of the same cache rows). A block's 2 warps take its split's tiles in turn,
+   each streaming its own: 3 stages of a K and a V tile in shared memory, 2 in flight (16-byte cp.async,
+   zero-filled past Lk and past D), no block barrier in the key loop. Then the warps' (m, l, o) are
+   merged in warp order and written as the split's fp32 partials (o unnormalised); attn3_combine merges a
+   head's splits in split order (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros
+   where no key is allowed (Lk = 0, or Lq = 0). Deterministic run to run on one device for one shape and
+   one set of lengths (the splits follow the grid, sized by the launcher from the shapes and the device;
+   a sequence's bits may differ in another batch size). With a page table, k and v are pools of pages
+   (k_sb and v_sb step pages) and key j is row j % page_size of page page_table[b * t_sb + j /
+   page_size]; page_size = 2^page_shift >= 64, so that a tile lies in one page. Preconditions (the
+   launcher checks them): fp16 or bf16, D % 8 == 0 and D <= 128 (the bucket DB as attn2's), g <=
+   ATTN3_MAX_G, q, k, v rows 16-byte aligned; o any strides; the table's entries within the pools; the
+   block's shared memory within the device's (every bucket on the H100; to 96 on the A100).
    (The scalar split kernel this replaced reached 40% of copy at batch 64: benchmarks/RESULTS.md.)
 
 Unfused path, between two cuBLAS GEMMs (libnn/ops/attention_kernels.py):
@@ -116,11 +118,11 @@ this file)
     attn3_decode_dDB_*     (ATTN3_THREADS)   (Hkv, splits, B)        (16 + ATTN3_WARPS * ATTN3_STAGES * 2 * 64) * (DB + 8) * 2
         (ATTN3_PARAMS: const T* q, const T* k, const T* v, float* part_o, float* part_ml,
          const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D,
-         int split_tiles, int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
+         int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
          v_ss, const int* page_table_or_null, long long t_sb, int page_shift)
         part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
-        split_tiles >= 1 (any: a warp without a tile adds nothing), splits = ceil(Skv / (64 * split_tiles)),
-        splits < 65536; over 48 KB of shared memory: set the max dynamic smem attribute first
+        splits: 1 to 65535 (any: sequence b's ceil(Lk / 64) tiles go max(ATTN3_WARPS, ceil(tiles / splits))
+        a split, the splits past its end empty); over 48 KB of shared memory: set the max dynamic smem attribute first
     attn3_combine_*        (COMBINE_THREADS) B * Hq                  0
         (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
          long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
@@ -561,7 +563,7 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
                                            const u16* __restrict__ v, float* __restrict__ part_o,
                                            float* __restrict__ part_ml, const int* __restrict__ lens_q,
                                            const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
-                                           int split_tiles, int splits, float scale_log2, i64 q_sb, i64 q_sh,
+                                           int splits, float scale_log2, i64 q_sb, i64 q_sh,
                                            i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
                                            const int* __restrict__ page_table, i64 t_sb, int page_shift) {
     constexpr int BN = ATTN2_BN, LD = DB + 8, NO = DB / 8, W = ATTN3_WARPS, S = ATTN3_STAGES;
@@ -580,7 +582,10 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     pdl_wait();
     const int Lk = lens_kv ? lens_kv[b] : Skv;
     const bool live = lens_q ? lens_q[b] > 0 : true;
-    const int start = split * split_tiles * BN, end = live ? imin(Lk, start + split_tiles * BN) : 0;
+    // The sequence's tiles in `splits` parts of at least W tiles: the launcher sized the splits by the
+    // cache's length Skv, and a shorter sequence spreads over the splits as far as its own tiles go
+    const int tiles_b = live ? (Lk + BN - 1) / BN : 0, per = imax(W, (tiles_b + splits - 1) / splits);
+    const int start = split * per * BN, end = live ? imin(Lk, start + per * BN) : 0;
     float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head r at + r * splits * 2
     float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head r at + r * splits * D
     if (end <= start) {  // no key in this split: a part that weighs nothing in the merge
@@ -791,15 +796,15 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
 #define ATTN3_PARAMS                                                                                         \
     const at::u16* __restrict__ q, const at::u16* __restrict__ k, const at::u16* __restrict__ v,                \
         float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
-        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int split_tiles, int splits,          \
+        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int splits,                           \
         float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
         at::i64 v_sh, at::i64 v_ss, const int* __restrict__ page_table, at::i64 t_sb, int page_shift
 
-// 2 warps: 2 blocks per SM fit in shared memory at DB <= 64 (one at 96 and 128).
+// 2 warps: an H100 SM holds 3 blocks at DB = 32, 2 at 64, 1 at 96 and 128 (shared memory).
 #define ATTN3(NAME, DT, DB)                                                                                     \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) NAME(ATTN3_PARAMS) {                       \
-        at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, split_tiles,     \
-                                   splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,          \
+        at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, splits,          \
+                                   scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,          \
                                    page_table, t_sb, page_shift);                                             \
     }
 #define ATTN3_ALL(DB)                                  \

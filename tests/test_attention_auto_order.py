@@ -62,7 +62,7 @@ def test_other_attention_keeps_cudnn_first_or_never_runs_it(every_library_presen
 
 @pytest.fixture
 def decode_kernel_fits(monkeypatch):
-    """An H100's shared memory: two blocks of attn3_decode an SM at D <= 64, one at 96 and 128."""
+    """An H100's shared memory: 3 blocks of attn3_decode an SM at D <= 32, 2 at 64, 1 at 96 and 128."""
     from libnn.ops import attention_kernels
 
     monkeypatch.setattr(attention_kernels, "blocks_by_shared_memory", lambda device_id, smem: 233472 // (smem + 1024))

@@ -183,3 +183,15 @@ def test_pages_smaller_than_a_tile_are_not_split_decoded_and_auto_runs_cudnn(rng
     expected = attention(*(a.astype(np.float64) for a in (q, k, v)), layout="BSHD", seq_lens_kv=lengths,
                          page_table=table, path="reference")
     assert rel_error(got[lengths > 0], expected[lengths > 0]) <= dtypes.TOLERANCE["fp16"]
+
+
+def test_short_sequences_in_a_long_cache_spread_over_the_splits_and_match_the_reference(rng):
+    """The splits are sized by the cache's 4099 positions; each sequence's keys go over them as far as its own
+    length goes (1, 64, 65, 129, 700 keys: one tile, a tile boundary, a warp's second tile, several splits)."""
+    import cupy
+
+    q, k, v, _ = decode_inputs(rng, (5, 32, 8, 64, 4099), "fp16")
+    lengths = np.array([1, 64, 65, 129, 700], np.int32)
+    got = attention(*(cupy.asarray(a) for a in (q, k, v)), layout="BSHD",
+                    seq_lens_kv=CheckedLengths(cupy.asarray(lengths)), path="custom").get()
+    assert rel_error(got, reference(q, k, v, lengths)) <= dtypes.TOLERANCE["fp16"]

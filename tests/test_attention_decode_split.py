@@ -48,3 +48,13 @@ def test_shared_memory_follows_the_head_dim_bucket():
                      "attn3_decode_d96", "attn3_decode_d96", "attn3_decode_d128"]
     smem = [decode_launch(D)[1] for D in (32, 64, 96, 128)]
     assert smem == sorted(smem) and smem[1] == 112_896   # two blocks an H100 SM hold (228 KB, 1 KB each reserved)
+
+
+@pytest.mark.parametrize("changes", [dict(batch=0), dict(group=0), dict(head_dim=0), dict(head_dim=136),
+                                     dict(head_dim=20), dict(group=17), dict(Sq=2), dict(Skv=0),
+                                     dict(dtype="fp32"), dict(has_bias=True), dict(causal="top_left"),
+                                     dict(batch=65536)], ids=str)
+def test_what_split_decoding_does_not_take(changes):
+    args = dict(dtype="fp16", head_dim=64, Sq=1, group=4, has_bias=False, causal="bottom_right", batch=8, Skv=100)
+    assert ak.decode_fits(**args)
+    assert not ak.decode_fits(**{**args, **changes})

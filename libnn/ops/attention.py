@@ -706,8 +706,9 @@ def _cudnn_slower(problem: AttentionProblem) -> str | None:
 
 def _split_decoded(p: AttentionProblem) -> bool:
     """Whether the custom path runs `p` on attn3_decode (dense, or paged in pages it reads), which read a
-    decode step's KV cache faster than cuDNN's deterministic plans at every batch and length measured, and
-    took less of the 1.1B LLaMA's decode step (benchmarks/RESULTS.md, fifteenth session)."""
+    decode step's KV cache faster than cuDNN's deterministic plans at every decode shape measured but the
+    shortest (120 keys at batch 1: 8.1 against 6.8 us alone), and took less of the 1.1B LLaMA's decode
+    step at batch 1, 8 and 64 (benchmarks/RESULTS.md, fifteenth session)."""
     return (p.layout != "THD" and (not p.pages or decode_page_size_fits(p.page_size)) and p.aligned
             and p.device.startswith("gpu")
             and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal, batch=p.B,
@@ -843,7 +844,8 @@ def _unfused_support(problem: AttentionProblem) -> str | None:
 def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[str, ...]:
     """The numbered kernels of kernels/attention.cu that can run `problem`, baseline first (for tests and
     the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, attn2_flash
-    where it fits and attn3_decode where it fits. `aligned`: whether o's rows start on 16 bytes too (q's,
+    where it fits and attn3_decode where it fits (a paged problem: attn3_decode alone, where it fits).
+    `aligned`: whether o's rows start on 16 bytes too (q's,
     k's and v's are the problem's; a misaligned bias counts against attn2 here, though flash_attention
     would copy it)."""
     p = problem
@@ -851,6 +853,8 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
         return ()
     flash = aligned and p.aligned and flash_fits(p.dtype, p.D, p.bias_shape is not None, p.scale)
     decode = _split_decoded(p)
+    if p.pages:  # only attn3 reads pages
+        return ("attn3_decode",) if decode else ()
     return ("attn1_naive",) + (("attn2_flash",) if flash else ()) + (("attn3_decode",) if decode else ())
 
 

@@ -93,13 +93,14 @@ def decode_fits(dtype: str, head_dim: int, Sq: int, group: int, has_bias: bool, 
                 batch: int, Skv: int) -> bool:
     """Whether attn3_decode takes a problem, alignment aside (q's, k's and v's rows must start on 16
     bytes): fp16 or bf16, one query row, at least one key position (an empty cache has no split), no
-    bias, no top-left mask (with one row, bottom-right masks nothing), D <= 128 with D % 8 == 0 (attn2's
+    bias, no top-left mask (with one row, bottom-right masks nothing), no empty dimension, D <= 128 with
+    D % 8 == 0 (attn2's
     buckets), at most DECODE_MAX_GROUP query heads per kv head (the rows of one mma tile), and a batch
     within the grid's z limit (launch.MAX_GRID_YZ; kv heads go along x, the splits along y). The device
     must also give a block the kernel's shared memory (decode_shared_memory_fits)."""
     return (dtype in ("fp16", "bf16") and Sq == 1 and Skv >= 1 and not has_bias and causal != "top_left"
-            and group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and head_dim <= FLASH_BUCKETS[-1]
-            and batch <= launch.MAX_GRID_YZ)
+            and 1 <= group <= DECODE_MAX_GROUP and head_dim % 8 == 0 and 8 <= head_dim <= FLASH_BUCKETS[-1]
+            and 1 <= batch <= launch.MAX_GRID_YZ)
 
 
 def decode_shared_memory_fits(head_dim: int, device_id: int) -> bool:
@@ -121,11 +122,11 @@ def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None 
 
 
 def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int) -> int:
-    """attn3_decode's key tiles (of ATTN2_BN keys) per split: few enough that the blocks (Hkv x splits x B)
-    fill the GPU's resident blocks once (`sms` x `blocks_per_sm`) where the batch alone does not, with at
-    most DECODE_MAX_SPLITS splits, and never fewer tiles than a block's warps, which take a split's tiles
-    in turn. Sized by the cache's length Skv (the lengths are on the GPU): splits past a sequence's length
-    end at once."""
+    """attn3_decode's key tiles (of ATTN2_BN keys) per split of a full cache: few enough that the blocks
+    (Hkv x splits x B) fill the GPU's resident blocks once (`sms` x `blocks_per_sm`) where the batch alone
+    does not, with at most DECODE_MAX_SPLITS splits, and never fewer tiles than a block's warps, which take
+    a split's tiles in turn. The launch's splits are ceil(Skv / (64 x this)); the kernel spreads a shorter
+    sequence (its length is on the GPU) over them as its own tiles allow."""
     tiles = -(-Skv // _BN)
     splits = min(DECODE_MAX_SPLITS, -(-sms * max(1, blocks_per_sm) // (B * Hkv)))
     return max(_DECODE_WARPS, -(-tiles // splits))
@@ -167,7 +168,7 @@ def _bind_decode(q, k, v, o, scale: float, page_table=None):
     programmatic = launch.programmatic_supported(f"gpu:{device}")
     split = launch.bind(_FILE, f"{name}_{suffix}", (Hkv, splits, B), (DECODE_THREADS,),
                         _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
-                                     D=D, split_tiles=split_tiles, splits=splits,
+                                     D=D, splits=splits,
                                      scale_log2=scale * math.log2(math.e), q_sb=q_sb, q_sh=q_sh, k_sb=k_sb,
                                      k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss, page_table=A, **paging),
                         shared_mem=smem, programmatic=programmatic)
