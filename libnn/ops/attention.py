@@ -68,13 +68,13 @@ from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
 from libnn.config import config
 from libnn.ops import paging
-from libnn.ops.attention_kernels import (_pointer, bind_flash, bind_paged_decode, bind_unfused,
+from libnn.ops.attention_kernels import (bind_flash, bind_paged_decode, bind_unfused,
                                         bind_zero_empty_batches, decode_fits, decode_page_size_fits,
                                         decode_shared_memory_fits, flash_fits, flash_supports)
 from libnn.registry import Op, option_key
 from libnn.runtime import memory
-from libnn.runtime.arrays import (allocator, array_module, as_array, device_constant, device_of, is_cupy, min_max,
-                                  signature, stream_key)
+from libnn.runtime.arrays import (allocator, array_module, as_array, data_pointer, device_constant, device_of, is_cupy,
+                                  min_max, signature, stream_key)
 
 LAYOUTS = ("BHSD", "BSHD", "THD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -319,7 +319,7 @@ def attention_problem(q, k, v, bias, scale, causal, layout, has_lens_q, has_lens
     _check_scale(scale)
     device = device_of({"q": q, "k": k, "v": v, "bias": bias, "page_table": page_table}, "attention")
     arrays = [a for a in (qv, kv, vv, bias) if a is not None]
-    aligned = all(_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _problem_strides(a)[:-1])
+    aligned = all(data_pointer(a) % 16 == 0 and all((s * a.itemsize) % 16 == 0 for s in _problem_strides(a)[:-1])
                   for a in arrays)
     problem = AttentionProblem(B, Hq, Hkv, Sq, Skv, D, dtypes.short_name(q.dtype), layout,
                                _problem_strides(qv), _problem_strides(kv), _problem_strides(vv),

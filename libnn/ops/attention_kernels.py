@@ -24,7 +24,7 @@ import math
 
 from libnn import dtypes
 from libnn.runtime import contracts, launch
-from libnn.runtime.arrays import allocator, is_cupy
+from libnn.runtime.arrays import allocator, data_pointer
 from libnn.runtime.device import blocks_by_shared_memory, current_device_id, multiprocessors
 
 _FILE = "attention.cu"
@@ -64,14 +64,9 @@ def _kernel_strides(a) -> tuple[int, ...]:
     return tuple(0 if n == 1 else s // a.itemsize for n, s in zip(a.shape, a.strides))
 
 
-def _pointer(a) -> int:
-    """The address of a CuPy or NumPy array's first element (NumPy: the binds' tests on the CPU)."""
-    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
-
-
 def _rows_aligned(a) -> bool:
     """Every row of `a` starts on 16 bytes: the pointer and all strides but the last's."""
-    return _pointer(a) % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
+    return data_pointer(a) % 16 == 0 and all(s % (16 // a.itemsize) == 0 for s in _kernel_strides(a)[:-1])
 
 
 def flash_fits(dtype: str, head_dim: int, has_bias: bool, scale: float) -> bool:

@@ -50,7 +50,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.arrays import allocator, as_array, device_of, is_cupy, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, data_pointer, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 STYLES = ("half", "interleaved")
@@ -267,10 +267,6 @@ def _span(a) -> tuple[int, int] | None:
     return lo, sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0) + a.itemsize
 
 
-def _pointer(a) -> int:
-    return a.data.ptr if is_cupy(a) else a.ctypes.data
-
-
 def overlap_check(x, out):
     """check(x_pointer, out_pointer) for arrays of these shapes and strides: raises unless out is x
     itself (same pointer and strides: in place) or shares no byte with it. None where nothing can
@@ -410,7 +406,7 @@ def pair_slices(style: str, rotary_dim: int) -> tuple[slice, slice]:
 @op.path("reference", kind="reference", device="cpu")
 def _reference(problem: RopeProblem, x, positions, inv_freq, out):
     if (check := overlap_check(x, out)) is not None:
-        check(_pointer(x), _pointer(out))
+        check(data_pointer(x), data_pointer(out))
     memory.require(REFERENCE_COPIES * x.size * 8, "cpu", "rope",
                    f"x of shape {problem.shape} in float64 (a copy and {REFERENCE_COPIES - 1} temporaries of its size)")
     angle = positions.astype(np.float32)[..., None] * inv_freq  # the fp32 product, rounded once

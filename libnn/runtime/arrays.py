@@ -29,6 +29,11 @@ def is_cupy(a: Any) -> bool:
     return False
 
 
+def data_pointer(a: Any) -> int:
+    """The address of a CuPy or NumPy array's first element (NumPy: the kernel binds' tests on the CPU)."""
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
 def _dlpack_on_cuda(a: Any) -> bool | None:
     """True/False if `a` reports its DLPack device, None if it speaks no DLPack."""
     device = getattr(a, "__dlpack_device__", None)
