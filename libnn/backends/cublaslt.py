@@ -32,7 +32,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.config import config
 from libnn.errors import LibraryError
-from libnn.runtime.arrays import allocator
+from libnn.runtime.arrays import allocator, refuse_misaligned
 from libnn.runtime.cache import PlanCache
 from libnn.runtime.device import current_device_id
 from libnn.runtime.handles import cublaslt_handle, workspace
@@ -428,11 +428,8 @@ def bind_linear_fp8(problem, xq, w, w_scale, x_scale, b, r=None):
     device buffer (M values with per_channel, else 1) that every call reads, b (N,) and r (M, N) in the
     output's dtype (fp16, bf16) or None. LibraryError where cuBLASLt declines, or an operand is not
     16-byte aligned (FP8 GEMMs need it)."""
-    misaligned = [name for name, a in (("w", w), ("w_scale", w_scale), ("b", b), ("residual", r))
-                  if a is not None and a.data.ptr % 16]
-    if misaligned:
-        raise LibraryError(f"cuBLASLt's FP8 GEMMs need 16-byte aligned buffers; {', '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    refuse_misaligned("cuBLASLt's FP8 GEMMs need 16-byte aligned buffers",
+                      {"w": w, "w_scale": w_scale, "b": b, "residual": r})
     shape, dtype = (problem.M, problem.N), dtypes.parse(problem.dtype)
     new = allocator(shape, dtype)
     stream_ptr = current_stream().ptr

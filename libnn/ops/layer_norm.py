@@ -38,12 +38,11 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
-from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (allocator, as_array, contiguous_arrays, copying_strided, device_constant, device_of,
-                                  signature, stream_key)
+                                  refuse_misaligned, signature, stream_key)
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -178,11 +177,8 @@ def _cudnn(problem: LayerNormProblem, x, weight, bias, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
     arrays = contiguous_arrays(x, weight, bias, residual)
-    misaligned = [name for name, a in zip(("x", "weight", "bias", "residual"), arrays)
-                  if a is not None and a.data.ptr % 16]
-    if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
-        raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    # the frontend declares every tensor 16-byte aligned to cuDNN
+    refuse_misaligned("cuDNN needs 16-byte aligned buffers", dict(zip(("x", "weight", "bias", "residual"), arrays)))
     execute = cudnn_backend.graph_for(graph_key(problem), _graph_builder(problem), problem.describe).executor(
         _uids(problem))
     # cuDNN's node requires both: the identity's ones and zeros, made once

@@ -50,12 +50,12 @@ from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.backends import cudnn as cudnn_backend
 from libnn.backends import cutlass
-from libnn.errors import LibraryError
 from libnn.ops import activations
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
 from libnn.runtime import device as device_info
-from libnn.runtime.arrays import allocator, array_module, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import (allocator, array_module, as_array, contiguous, device_of, refuse_misaligned,
+                                  signature, stream_key)
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute (auto's first path)
@@ -225,15 +225,6 @@ def epilogue_pass_kernel(dtype: str, activation: str | None) -> str:
     return f"bias_act_rows_{activation or 'none'}_{dtypes.KERNEL_SUFFIX[dtype]}"
 
 
-def _refuse_misaligned(who_needs: str, x, w, b, r) -> None:
-    """LibraryError naming the arrays not 16-byte aligned, for a library whose descriptors declare them so."""
-    misaligned = [name for name, a in (("x", x), ("w", w), ("b", b), ("residual", r))
-                  if a is not None and a.data.ptr % 16]
-    if misaligned:
-        raise LibraryError(f"{who_needs} 16-byte aligned buffers; {', '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
-
-
 # --- cutlass path: kernels/nvcc/gemm_cutlass.cu ------------------------------------------------------
 CUTLASS_DTYPES = ("fp16", "bf16")
 
@@ -252,7 +243,7 @@ def _cutlass_support(problem: LinearProblem) -> str | None:
 def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
     """The runner of the CUTLASS GEMM for C-contiguous (M, K), (N, K), (N,) and (M, N) CuPy arrays (b and
     r None where the problem has none). LibraryError if an array is not 16-byte aligned (TMA's boxes)."""
-    _refuse_misaligned("CUTLASS's TMA loads need", x, w, b, r)
+    refuse_misaligned("CUTLASS's TMA loads need 16-byte aligned buffers", {"x": x, "w": w, "b": b, "residual": r})
     gemm = cutlass.bind_gemm_gelu_erf(problem.dtype, problem.M, problem.N, problem.K, _cutlass_tile(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
     new = allocator(shape, dtype)
@@ -388,7 +379,7 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
     arrays of this signature (b and r None where the problem has none). LibraryError where cuDNN
     declines the graph (no engine for the shape or the fusion; remembered, so a later bind fails fast)
     or an array is not 16-byte aligned (the frontend declares every tensor so)."""
-    _refuse_misaligned("cuDNN needs", x, w, b, r)
+    refuse_misaligned("cuDNN needs 16-byte aligned buffers", {"x": x, "w": w, "b": b, "residual": r})
     execute = cudnn_backend.graph_for(cudnn_graph_key(problem), linear_graph_builder(problem),
                                       problem.describe).executor(_cudnn_uids(problem))
     shape, dtype = (problem.M, problem.N), x.dtype
@@ -462,10 +453,7 @@ def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bo
 def refuse_unaligned_gemv(x, w) -> None:
     """LibraryError unless x and w are 16-byte aligned, as kernels/gemv.cu's 16-byte loads need (None: an
     array the runner copies, aligned, at every call)."""
-    misaligned = [name for name, a in (("x", x), ("w", w)) if a is not None and a.data.ptr % 16]
-    if misaligned:
-        raise LibraryError(f"kernels/gemv.cu needs x and w 16-byte aligned; {' and '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    refuse_misaligned("kernels/gemv.cu needs x and w 16-byte aligned", {"x": x, "w": w})
 
 
 def _gemv_support(problem: LinearProblem) -> str | None:

@@ -38,12 +38,11 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.backends import cudnn as cudnn_backend
-from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.registry import Op, option_key
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import (allocator, as_array, contiguous_arrays, copying_strided, device_constant, device_of,
-                                  signature, stream_key)
+                                  refuse_misaligned, signature, stream_key)
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 
@@ -223,11 +222,8 @@ def _cudnn(problem: RMSNormProblem, x, weight, residual):
     if problem.M == 0 or problem.N == 0:
         return functools.partial(row_kernels.empty_result, problem)
     packed = contiguous_arrays(x, weight, residual)  # what the graph will read: their alignment is checked
-    misaligned = [name for name, a in zip(("x", "weight", "residual"), packed)
-                  if a is not None and a.data.ptr % 16]
-    if misaligned:  # the frontend declares every tensor 16-byte aligned to cuDNN
-        raise LibraryError(f"cuDNN needs 16-byte aligned buffers; {', '.join(misaligned)} "
-                           f"{'is' if len(misaligned) == 1 else 'are'} not")
+    # the frontend declares every tensor 16-byte aligned to cuDNN
+    refuse_misaligned("cuDNN needs 16-byte aligned buffers", dict(zip(("x", "weight", "residual"), packed)))
     execute = cudnn_backend.graph_for(graph_key(problem), rms_norm_graph_builder(problem),
                                       problem.describe).executor(_uids(problem))
     ones = device_constant(problem.N, 1, x.dtype)  # cuDNN's node requires a scale: the identity's, made once

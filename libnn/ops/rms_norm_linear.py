@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.errors import LibraryError
 from libnn.ops import row_kernels
 from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
 from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_gemv3_kernel, gemv3_support, linear_fp8
@@ -45,7 +44,8 @@ from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
 from libnn.registry import Op
 from libnn.runtime import memory
-from libnn.runtime.arrays import allocator, as_array, copying_strided, device_of, signature, stream_key
+from libnn.runtime.arrays import (allocator, as_array, copying_strided, device_of, refuse_misaligned, signature,
+                                  stream_key)
 
 GLUS = (None, "swiglu")
 DTYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -158,8 +158,8 @@ def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
     else:
         # a strided array is copied (256-byte aligned) at every call: only the others' pointers matter
         refuse_unaligned_gemv(*(a if a.flags.c_contiguous else None for a in (x, w)))
-        if g.flags.c_contiguous and g.data.ptr % 16:
-            raise LibraryError("kernels/gemv.cu needs norm_weight 16-byte aligned; it is not")
+        refuse_misaligned("kernels/gemv.cu needs norm_weight 16-byte aligned",
+                          {"norm_weight": g if g.flags.c_contiguous else None})
         gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps)
 
         def kernel(x, w, s, b, r, g, y):

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from libnn.errors import LibnnError
+from libnn.errors import LibnnError, LibraryError
 from libnn.runtime.cache import PlanCache
 from libnn.runtime.device import gpu_missing
 from libnn.runtime.stream import capturing
@@ -32,6 +32,14 @@ def is_cupy(a: Any) -> bool:
 def data_pointer(a: Any) -> int:
     """The address of a CuPy or NumPy array's first element (NumPy: the kernel binds' tests on the CPU)."""
     return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
+def refuse_misaligned(needs: str, arrays: dict[str, Any]) -> None:
+    """LibraryError "<needs>; <names> is (are) not" unless every array given (None: skipped) starts on 16
+    bytes, for a library or kernel whose 16-byte loads or descriptors need it."""
+    misaligned = [name for name, a in arrays.items() if a is not None and data_pointer(a) % 16]
+    if misaligned:
+        raise LibraryError(f"{needs}; {', '.join(misaligned)} {'is' if len(misaligned) == 1 else 'are'} not")
 
 
 def _dlpack_on_cuda(a: Any) -> bool | None:
