@@ -34,7 +34,7 @@ from libnn.config import config
 from libnn.errors import LibraryError
 from libnn.runtime.arrays import allocator, refuse_misaligned
 from libnn.runtime.cache import PlanCache
-from libnn.runtime.device import current_device_id
+from libnn.runtime.device import current_device_id, gpu_index
 from libnn.runtime.handles import cublaslt_handle, workspace
 from libnn.runtime.stream import current_stream
 from libnn.runtime.timing import time_gpu
@@ -171,7 +171,7 @@ class GemmPlan(_LtPlan):
         # host pointers the matmul call needs, read once: numpy's .ctypes costs microseconds per access
         self._alpha, self._beta = self.matmul.alpha.ctypes.data, self.matmul.beta.ctypes.data
         self._workspace_bytes = self.matmul.workspace.size
-        self._device_id = int(self.problem.device.split(":")[1])
+        self._device_id = gpu_index(self.problem.device)
         self._bias_ptr = None
         self.choose(self.chosen)
 
@@ -294,7 +294,7 @@ class Fp8GemmPlan(_LtPlan):
         start = time.perf_counter()
         self.problem = problem
         self.handle = cublaslt_handle()
-        self._device_id = int(problem.device.split(":")[1])
+        self._device_id = gpu_index(problem.device)
         M, N, K = problem.M, problem.N, problem.K
         fp8, out = CudaDataType.CUDA_R_8F_E4M3, getattr(CudaDataType, _FP8_OUTPUT_TYPES[problem.dtype])
         self.desc = cublasLt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, CudaDataType.CUDA_R_32F)

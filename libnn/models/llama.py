@@ -25,9 +25,10 @@ What runs, per decoder layer (pre-norm; ops in libnn.ops, each on its `auto` pat
     x' = linear(a, W_down, residual=h)
 then rms_norm_linear(model.norm, lm_head) on each sequence's last position only. rms_norm_linear is one
 kernel at batch 1 (kernels/gemv.cu: the norm staged in front of the GEMV, SwiGLU in its epilogue; FP8
-weights: kernels/linear_fp8.cu's GEMV with the same fusions) and rms_norm, linear (linear_fp8) and swiglu in turn otherwise, or where the model's path
-forces one of them (models.decoder.norm_then_dense). Both residual adds sit in GEMM epilogues, so rms_norm runs
-plain (its residual/return_sum fusion would move the add out of the GEMM into the norm, the same traffic).
+weights: kernels/linear_fp8.cu's GEMV with the same fusions) and rms_norm, linear (linear_fp8) and swiglu
+in turn otherwise, or where the model's path forces one of them (models.decoder.norm_then_dense). Both
+residual adds sit in GEMM epilogues, so rms_norm runs plain (its residual/return_sum fusion would move the
+add out of the GEMM into the norm, the same traffic).
 """
 
 from __future__ import annotations

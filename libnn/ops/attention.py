@@ -75,6 +75,7 @@ from libnn.registry import Op, option_key
 from libnn.runtime import memory
 from libnn.runtime.arrays import (allocator, array_module, as_array, data_pointer, device_constant, device_of, is_cupy,
                                   min_max, signature, stream_key)
+from libnn.runtime.device import gpu_index
 
 LAYOUTS = ("BHSD", "BSHD", "THD")
 CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left", "bottom_right": "bottom_right"}
@@ -713,7 +714,7 @@ def _split_decoded(p: AttentionProblem) -> bool:
             and p.device.startswith("gpu")
             and decode_fits(p.dtype, p.D, p.Sq, p.Hq // p.Hkv, p.bias_shape is not None, p.causal, batch=p.B,
                             Skv=p.Skv)
-            and decode_shared_memory_fits(p.D, int(p.device.split(":")[1])))
+            and decode_shared_memory_fits(p.D, gpu_index(p.device)))
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, slower=_cudnn_slower,
@@ -845,9 +846,8 @@ def custom_versions(problem: AttentionProblem, aligned: bool = True) -> tuple[st
     """The numbered kernels of kernels/attention.cu that can run `problem`, baseline first (for tests and
     the sanitize driver; attention_kernels.flash_attention(version=...) takes one): attn1_naive, attn2_flash
     where it fits and attn3_decode where it fits (a paged problem: attn3_decode alone, where it fits).
-    `aligned`: whether o's rows start on 16 bytes too (q's,
-    k's and v's are the problem's; a misaligned bias counts against attn2 here, though flash_attention
-    would copy it)."""
+    `aligned`: whether o's rows start on 16 bytes too (q's, k's and v's are the problem's; a misaligned
+    bias counts against attn2 here, though flash_attention would copy it)."""
     p = problem
     if flash_supports(p.dtype, p.D):
         return ()
@@ -904,8 +904,7 @@ def _bind_paged_decode(problem: AttentionProblem, q, k, v):
 
     p = problem
     new = allocator(_output_shape(p), dtypes.parse(p.dtype))
-    table_like = cupy.zeros((p.B, p.Skv // p.page_size), np.int32)  # only its shape is read
-    kernels = bind_paged_decode(*_kernel_views(p, q, k, v, new(), None)[:4], table_like, scale=p.scale)
+    kernels = bind_paged_decode(*_kernel_views(p, q, k, v, new(), None)[:4], p.Skv // p.page_size, scale=p.scale)
 
     def run(q, k, v, seq_lens_q, seq_lens_kv, page_table):
         lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)

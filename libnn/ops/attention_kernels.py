@@ -133,22 +133,23 @@ def decode_page_size_fits(page_size: int) -> bool:
     return page_size >= _BN and page_size & (page_size - 1) == 0
 
 
-def bind_paged_decode(q, k, v, o, page_table, *, scale: float):
+def bind_paged_decode(q, k, v, o, max_pages: int, *, scale: float):
     """run(q, k, v, o, bias, lens_q, lens_kv, page_table) -> None: attn3_decode over paged k and v, for
     arrays of these shapes, strides and dtype: q and o (B, Hq, 1, D) views, k and v the pools' (pages, Hkv,
-    page_size, D) views, page_table (B, max_pages) int32 C-contiguous (bias is None: none is taken). The
-    caller checks that the problem fits (decode_fits, decode_page_size_fits, decode_shared_memory_fits)
-    and that every table entry lies in the pools."""
-    return _bind_decode(q, k, v, o, scale, page_table)
+    page_size, D) views, each call's page_table (B, max_pages) int32 C-contiguous (bias is None: none is
+    taken). The caller checks that the problem fits (decode_fits, decode_page_size_fits,
+    decode_shared_memory_fits) and that every table entry lies in the pools."""
+    return _bind_decode(q, k, v, o, scale, max_pages)
 
 
-def _bind_decode(q, k, v, o, scale: float, page_table=None):
+def _bind_decode(q, k, v, o, scale: float, max_pages: int | None = None):
     """run(q, k, v, o, bias, lens_q, lens_kv, page_table=None): attn3_decode's splits into fp32 partials
     (from CuPy's pool at each call), then attn3_combine into o; both launched programmatically where the
-    GPU can. With `page_table` (bind_paged_decode) k and v are pools of pages."""
+    GPU can. With `max_pages` (bind_paged_decode) k and v are pools of pages and each call passes a table
+    of that many pages a sequence."""
     B, Hq, _, D = q.shape
     Hkv, rows = k.shape[1], k.shape[2]   # paged: a page's keys
-    Skv = rows * page_table.shape[1] if page_table is not None else rows
+    Skv = rows * max_pages if max_pages is not None else rows
     device = current_device_id()
     name, smem = decode_launch(D)
     split_tiles = decode_split_tiles(B, Hkv, Skv, multiprocessors(device), blocks_by_shared_memory(device, smem))
@@ -157,7 +158,7 @@ def _bind_decode(q, k, v, o, scale: float, page_table=None):
     (q_sb, q_sh), (k_sb, k_sh, k_ss), (v_sb, v_sh, v_ss) = (_kernel_strides(q)[:2], _kernel_strides(k)[:3],
                                                             _kernel_strides(v)[:3])
     o_sb, o_sh = _kernel_strides(o)[:2]
-    paging = dict(t_sb=page_table.shape[1], page_shift=rows.bit_length() - 1) if page_table is not None else \
+    paging = dict(t_sb=max_pages, page_shift=rows.bit_length() - 1) if max_pages is not None else \
         dict(t_sb=0, page_shift=0)
     A = launch.ARRAY
     programmatic = launch.programmatic_supported(f"gpu:{device}")

@@ -10,9 +10,9 @@ that cuBLASLt's epilogue computes, and "gelu_erf", the exact GELU of PyTorch's n
 Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 - gemv:      one row of x (M = 1: a batch-1 decode step), fp16/bf16, K a multiple of 8 to 24576, x and
              w 16-byte aligned, w a weight (no kernel in flight writes it: the kernel reads w before it
-             waits for the kernel ahead, see kernels/gemv.cu): kernels/gemv.cu, a bandwidth kernel that streams w once (each warp whole
-             rows, fp32 FFMA, a fixed summation order) with bias, residual and every activation in its
-             epilogue. At a decode step's shapes it matches or beats cuBLASLt, and a chain of them with the
+             waits for the kernel ahead, see kernels/gemv.cu): kernels/gemv.cu, a bandwidth kernel that
+             streams w once (each warp whole rows, fp32 FFMA, a fixed summation order) with bias,
+             residual and every activation in its epilogue. At a decode step's shapes it matches or beats cuBLASLt, and a chain of them with the
              norms and SwiGLU fused (ops/rms_norm_linear.py) beats cuBLASLt's chain (benchmarks/RESULTS.md).
 - cutlass:   "gelu_erf" alone, on Hopper: CUTLASS 3's sm90 TMA + wgmma GEMM with bias, residual and the
              exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu, built by nvcc at first use; needs
@@ -237,7 +237,7 @@ def _cutlass_support(problem: LinearProblem) -> str | None:
     if problem.N % 8 or problem.K % 8:
         return (f"N and K must be multiples of 8 (TMA's 16-byte rows of {problem.dtype}), got N={problem.N} "
                 f"K={problem.K}")
-    return cutlass.missing(int(problem.device.split(":")[1]))
+    return cutlass.missing(device_info.gpu_index(problem.device))
 
 
 def bind_cutlass(problem: LinearProblem, x, w, b, r=None):
@@ -260,7 +260,7 @@ def _cutlass_tile(problem: LinearProblem) -> cutlass.Tile:
 
 
 def _multiprocessors(problem: LinearProblem) -> int:
-    return device_info.multiprocessors(int(problem.device.split(":")[1]))
+    return device_info.multiprocessors(device_info.gpu_index(problem.device))
 
 
 def _cutlass_slower(problem: LinearProblem) -> str | None:
@@ -441,7 +441,7 @@ def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bo
     pointer or None; gamma (K,) RMS-normalises x with `eps` first. Programmatic on sm_90 and newer."""
     rows = N // 2 if glu else N
     blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
-                 _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(int(device.split(":")[1])))
+                 _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(device_info.gpu_index(device)))
     kernel = f"gemv{'_glu' if glu else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
     return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],),
                        _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,

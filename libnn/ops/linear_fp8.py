@@ -50,7 +50,7 @@ from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
-from libnn.runtime.device import multiprocessors
+from libnn.runtime.device import gpu_index, multiprocessors
 from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
@@ -90,7 +90,7 @@ class LinearFp8Problem:
 
     @property
     def device_id(self) -> int:
-        return int(self.device.split(":")[1])
+        return gpu_index(self.device)
 
 
 def linear_fp8_problem(x: Any, w: Any, w_scale: Any, b: Any, activation: str | None,
@@ -278,7 +278,7 @@ def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, act
     if glu and (activation is not None or N % 2):
         raise ValueError(f"linear_fp8: the GEMV's SwiGLU epilogue takes no activation and an even N, got "
                          f"{activation!r} and N={N}")
-    sms = multiprocessors(int(device.split(":")[1]))
+    sms = multiprocessors(gpu_index(device))
     return launch.bind("linear_fp8.cu", f"fp8_gemv3_{dtypes.KERNEL_SUFFIX[dtype]}",
                        (min(-(-N // _G["FP8_GEMV3_ROWS"]), _G["FP8_GEMV3_BLOCKS_PER_SM"] * sms),),
                        (_G["FP8_GEMV3_THREADS"],),

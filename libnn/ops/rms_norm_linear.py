@@ -46,6 +46,7 @@ from libnn.registry import Op
 from libnn.runtime import memory
 from libnn.runtime.arrays import (allocator, as_array, copying_strided, device_of, refuse_misaligned, signature,
                                   stream_key)
+from libnn.runtime.device import gpu_index
 
 GLUS = (None, "swiglu")
 DTYPES = ("fp16", "bf16", "fp32", "fp64")
@@ -145,7 +146,7 @@ def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
     if problem.M != 1:
         return (f"M={problem.M}: with E4M3 weights the fused GEMV takes one row; from 2 rows every block's "
                 f"normalising x costs more than rms_norm's own kernel (benchmarks/RESULTS.md)")
-    return fp8_gpu_missing(int(problem.device.split(":")[1])) or gemv3_support(problem.M, problem.N, problem.K)
+    return fp8_gpu_missing(gpu_index(problem.device)) or gemv3_support(problem.M, problem.N, problem.K)
 
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)

@@ -179,6 +179,11 @@ def info() -> Info:
                 gpus=[] if missing else _gpus(), libraries=_library_versions())
 
 
+def gpu_index(device: str) -> int:
+    """N of a GPU device name "gpu:N" (a problem's or an array's `device`)."""
+    return int(device.split(":")[1])
+
+
 def current_device_id() -> int:
     import cupy
     return cupy.cuda.runtime.getDevice()

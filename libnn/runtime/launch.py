@@ -29,7 +29,7 @@ import numpy as np
 
 from libnn.errors import LibraryError
 from libnn.runtime import kernels
-from libnn.runtime.device import compute_capability
+from libnn.runtime.device import compute_capability, gpu_index
 from libnn.runtime.stream import current_stream
 
 MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents (x's is 2**31 - 1)
@@ -144,7 +144,7 @@ def bind(file: str, kernel: str, grid: Sequence[int], block: Sequence[int], args
 def programmatic_supported(device: str) -> bool:
     """Whether kernels on `device` ("gpu:N") may be launched with programmatic stream serialization (sm_90
     and newer; griddepcontrol is a no-op below, where a launch with the attribute would be refused)."""
-    return compute_capability(int(device.split(":")[1])) >= (9, 0)
+    return compute_capability(gpu_index(device)) >= (9, 0)
 
 
 def _launch_config(grid: Sequence[int], block: Sequence[int], shared_mem: int, stream_ptr: int,
