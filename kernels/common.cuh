@@ -251,4 +251,28 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// L2 prefetch of what the next kernel reads first (runtime/l2_prefetch.py; sm_90 and newer, nothing below): a
+// decode GEMV, which streams its weight once, also brings the first bytes of the next projection's weight into
+// L2, so that DRAM stays busy while this kernel drains and the next one starts. Caller `part` of `parts`
+// prefetches its share of [p, p + bytes), narrowed to whole 16-byte units (the bulk prefetch's), with bulk
+// prefetches of at most L2_PREFETCH_PIECE bytes (null or 0 bytes: nothing). p must be what no kernel in flight
+// writes (a weight).
+constexpr int L2_PREFETCH_BYTES = 8388608;  // the budget a kernel prefetches for the next one (8 MiB, measured)
+constexpr int L2_PREFETCH_PIECE = 65536;    // bytes per cp.async.bulk.prefetch
+__device__ __forceinline__ void l2_prefetch_share(const void* p, i64 bytes, int part, int parts) {
+#if __CUDA_ARCH__ >= 900
+    if (!p) return;
+    const u64 lead = (16 - ((u64)p & 15)) & 15;
+    if (bytes <= (i64)lead) return;
+    p = (const char*)p + lead;
+    bytes = (bytes - (i64)lead) & ~(i64)15;
+    const i64 share = ((bytes + parts - 1) / parts + 15) / 16 * 16, begin = (i64)part * share;
+    const i64 end = begin + share < bytes ? begin + share : bytes;
+    for (i64 o = begin; o < end; o += L2_PREFETCH_PIECE) {
+        const u32 n = (u32)(end - o < L2_PREFETCH_PIECE ? end - o : L2_PREFETCH_PIECE);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"((const char*)p + o), "r"(n) : "memory");
+    }
+#endif
+}
+
 }  // namespace libnn

@@ -1,7 +1,8 @@
 /*
 linear's and rms_norm_linear's GEMV path: a decode step's matrix-vector products at batch 1, streaming w once
-at close to the copy rate, with the fusions a decoder layer wants around its GEMMs (version 1; the
-figures are in benchmarks/RESULTS.md, fourteenth session):
+at close to the copy rate, with the fusions a decoder layer wants around its GEMMs (version 2: version 1
+plus the L2 prefetch of the next kernel's weight; the figures are in benchmarks/RESULTS.md, fourteenth and
+sixteenth sessions):
 
     x         (K,) one row; with `gamma`, RMS-normalised first (below)
     w         (N, K) row-major, contiguous (nn.Linear's weight; a stacked QKV or gate_up weight)
@@ -26,7 +27,8 @@ T: fp16 or bf16 (raw 16-bit words converted with PTX; no CUDA toolkit header); s
 
 LAUNCH (every kernel takes the same parameters)
     (const T* x, const T* w, const T* bias, const T* residual, const T* gamma, T* y, int N, int K,
-     float eps, int act)
+     float eps, int act, const void* prefetch0, long long prefetch0_bytes, const void* prefetch1,
+     long long prefetch1_bytes)
     block (GEMV_THREADS, 1, 1), grid (min(ceil(R / GEMV_WARPS), GEMV_BLOCKS_PER_SM x SMs), 1, 1), R = N rows
     (N / 2 row pairs with GLU); dynamic shared memory 4 * K bytes (above 48 KB the launcher opts in).
     Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0; x, w and gamma 16-byte
@@ -35,6 +37,9 @@ LAUNCH (every kernel takes the same parameters)
     first two batches of w, then waits (pdl_wait) for the kernel ahead, whose output x is, and lets the
     kernel after it start once every block has staged x'. So w must be what no kernel in flight writes
     (a weight), as for linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
+    Behind its first loads, on sm_90 and newer, the grid's warps prefetch into L2 the byte ranges
+    [prefetch0, + prefetch0_bytes) and [prefetch1, + prefetch1_bytes) (common.cuh l2_prefetch_share: null
+    or 0 bytes, nothing): what the next GEMV reads first, which no kernel in flight may write either.
 */
 #include "common.cuh"
 
@@ -137,7 +142,8 @@ template <class DT, bool GLU>
 __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
                                      const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ residual,
                                      const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
-                                     int N, int K, float eps, int act) {
+                                     int N, int K, float eps, int act, const void* prefetch0, i64 prefetch0_bytes,
+                                     const void* prefetch1, i64 prefetch1_bytes) {
     constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW;
     extern __shared__ __align__(16) float xs[];
     const int lane = threadIdx.x & 31, warps = gridDim.x * GEMV_WARPS;
@@ -153,6 +159,10 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     u32x4 buf0[RW * B], buf1[RW * B];
     load(buf0, 0);
     load(buf1, 1);
+    if (lane == 0) {   // behind this kernel's first loads: DRAM serves them first
+        l2_prefetch_share(prefetch0, prefetch0_bytes, gw, warps);
+        l2_prefetch_share(prefetch1, prefetch1_bytes, gw, warps);
+    }
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
     stage_x<DT>(x, gamma, xs, K, eps);
     pdl_launch_dependents();
@@ -185,11 +195,13 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
 }  // namespace gemvk
 
 #define GEMV_PARAMS(T) const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,          \
-    const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act
+    const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act, \
+    const void* prefetch0, long long prefetch0_bytes, const void* prefetch1, long long prefetch1_bytes
 
 #define GEMV(NAME, DT, GLU)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM) NAME(GEMV_PARAMS(libnn::DT::T)) { \
-        gemvk::gemv<libnn::DT, GLU>(x, w, bias, residual, gamma, y, N, K, eps, act);                      \
+        gemvk::gemv<libnn::DT, GLU>(x, w, bias, residual, gamma, y, N, K, eps, act, prefetch0, prefetch0_bytes,  \
+                                    prefetch1, prefetch1_bytes);                                          \
     }
 
 GEMV(gemv_f16, dt_f16, false)

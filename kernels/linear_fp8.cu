@@ -54,7 +54,8 @@ LAUNCH (version 1)
 
 LAUNCH (version 3)
     (const T* x, const unsigned char* wq, const float* w_scale, const T* bias, const T* residual, const T* gamma,
-     T* y, int M, int N, int K, int per_channel, int act, float eps, int glu)
+     T* y, int M, int N, int K, int per_channel, int act, float eps, int glu, const void* prefetch0,
+     long long prefetch0_bytes, const void* prefetch1, long long prefetch1_bytes)
     block (FP8_GEMV3_THREADS, 1, 1), grid (min(ceil(N / FP8_GEMV3_ROWS), FP8_GEMV3_BLOCKS_PER_SM x SMs), 1, 1),
     dynamic shared memory M * gemv3_x_stride(K) bytes (gemv3_x_stride: K rounded up to FP8_GEMV3_CHUNK, then
     to 128, plus 64), at most FP8_GEMV3_XS_BYTES (with the static 8 KB, within 48 KB: no opt-in).
@@ -64,6 +65,8 @@ LAUNCH (version 3)
     ahead, whose output x is, before it reads x; rms_norm, layer_norm, swiglu and attention's zeroing
     kernel let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
     has quantised x (rms_norm, rope, kv_append and swiglu are launched programmatically and wait first).
+    Behind its first loads it prefetches into L2 what the next GEMV reads first, as kernels/gemv.cu does
+    (the prefetch ranges: common.cuh l2_prefetch_share).
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -360,7 +363,9 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
                                       const float* __restrict__ w_scale, const typename DT::T* __restrict__ bias,
                                       const typename DT::T* __restrict__ residual,
                                       const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
-                                      int M, int N, int K, int per_channel, int act, float eps, int glu) {
+                                      int M, int N, int K, int per_channel, int act, float eps, int glu,
+                                      const void* prefetch0, i64 prefetch0_bytes, const void* prefetch1,
+                                      i64 prefetch1_bytes) {
     constexpr int WARPS = FP8_GEMV3_THREADS / 32;
     extern __shared__ __align__(16) unsigned char xcodes[];   // x's codes, M rows of S bytes
     __shared__ float part[2][WARPS][4][32];   // each warp's sums of a tile (two tiles: one barrier per tile)
@@ -384,6 +389,11 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     u32x4 a0[U], b0[U], a1[U], b1[U];
     load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec, glu);
     load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec, glu);
+    if (lane == 0) {   // behind this kernel's first loads: DRAM serves them first
+        const int part = blockIdx.x * WARPS + warp, parts = gridDim.x * WARPS;
+        l2_prefetch_share(prefetch0, prefetch0_bytes, part, parts);
+        l2_prefetch_share(prefetch1, prefetch1_bytes, part, parts);
+    }
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
     const float sx = quantize_x<DT>(x, gamma, eps, xcodes, M, K, S, red);
     pdl_launch_dependents();   // every block is past its wait: the next kernel (a norm, rope, swiglu) may start
@@ -448,13 +458,15 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
 
 #define FP8_GEMV_PARAMS(T) const T* __restrict__ x, const unsigned char* __restrict__ wq,                   \
     const float* __restrict__ w_scale, const T* __restrict__ bias, const T* __restrict__ residual,        \
-    const T* __restrict__ gamma, T* __restrict__ y, int M, int N, int K, int per_channel, int act, float eps, int glu
+    const T* __restrict__ gamma, T* __restrict__ y, int M, int N, int K, int per_channel, int act, float eps, int glu, \
+    const void* prefetch0, long long prefetch0_bytes, const void* prefetch1, long long prefetch1_bytes
 
 #define FP8_GEMV3(SUFFIX, DT)                                                                            \
     extern "C" __global__ void __launch_bounds__(FP8_GEMV3_THREADS, FP8_GEMV3_BLOCKS_PER_SM)             \
         fp8_gemv3_##SUFFIX(FP8_GEMV_PARAMS(libnn::DT::T)) {                                              \
         fp8g::gemv3<libnn::DT, FP8_GEMV3_UNROLL>(x, wq, w_scale, bias, residual, gamma, y, M, N, K, per_channel, \
-                                                  act, eps, glu);                                                  \
+                                                  act, eps, glu, prefetch0, prefetch0_bytes, prefetch1,          \
+                                                  prefetch1_bytes);                                              \
     }
 
 FP8_GEMM1(f16, dt_f16)

@@ -276,9 +276,10 @@ class LlamaMLP(Module):
         return _stacked(self, *self.stacks()[0])
 
 
-def _normed(x: Any, norm: RMSNorm, stacked: StackedLinear, path: Any, glu: str | None = None) -> Any:
+def _normed(x: Any, norm: RMSNorm, stacked: StackedLinear, path: Any, glu: str | None = None,
+            prefetch: Any = None) -> Any:
     """The stacked GEMM of norm(x), then glu: rms_norm_linear where it may run (norm_then_dense)."""
-    return norm_then_dense(x, norm, stacked.weight, stacked.bias, stacked.weight_scale, path, glu)
+    return norm_then_dense(x, norm, stacked.weight, stacked.bias, stacked.weight_scale, path, glu, prefetch)
 
 
 class LlamaDecoderLayer(Module):
@@ -292,19 +293,24 @@ class LlamaDecoderLayer(Module):
         self.mlp = LlamaMLP(c, dtype, device, path)
         self.config, self.path = c, path
 
-    def forward(self, x: Any, step: Step, index: int) -> Any:
+    def forward(self, x: Any, step: Step, index: int, after: Any = None) -> Any:
         """x (B, S, H) → the next layer's input; `step` holds the positions, the cache and the lengths
-        of a prefill (S tokens per sequence) or a decode step (S = 1)."""
+        of a prefill (S tokens per sequence) or a decode step (S = 1). `after`: what the GEMM after this
+        layer's reads first, where the GEMMs give L2 prefetch hints (each for the next), else None."""
         c, path = self.config, self.path
         B, S, _ = x.shape
         Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
-        qkv = _normed(x, self.input_layernorm, self.self_attn.packed(), path)
+        attn, mlp, hinted = self.self_attn, self.mlp, after is not None
+        qkv = _normed(x, self.input_layernorm, attn.packed(), path, prefetch=attn.o_proj.weight if hinted else None)
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         o = step.attend(index, q, k, v, path)   # q and k rotated there, by kv_append's one kernel
-        h = self.self_attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
-        a = _normed(h, self.post_attention_layernorm, self.mlp.packed(), path, glu="swiglu")
-        return self.mlp.down_proj(a, residual=h)
+        # the gate_up GEMM reads rows f and I + f together: its halves, gate_proj's and up_proj's views
+        h = attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x,
+                        prefetch=(mlp.gate_proj.weight, mlp.up_proj.weight) if hinted else None)
+        a = _normed(h, self.post_attention_layernorm, mlp.packed(), path, glu="swiglu",
+                    prefetch=mlp.down_proj.weight if hinted else None)
+        return mlp.down_proj(a, residual=h, prefetch=after)
 
 
 class LlamaModel(DecoderModel):
@@ -320,11 +326,19 @@ class LlamaModel(DecoderModel):
         self.config, self.path = c, path
 
     def forward(self, ids: Any, step: Step) -> Any:
-        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S)."""
+        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S); with step.head_weight,
+        each layer's last GEMM hints the next layer's stacked QKV weight (the last layer's, the head's)."""
         x = embedding(ids, self.embed_tokens.weight, path=path_for(self.path, "embedding"))
-        for index, layer in enumerate(self.layers):
-            x = layer(x, step, index)
+        layers = list(self.layers)
+        for index, layer in enumerate(layers):
+            after = step.head_weight
+            if after is not None and index + 1 < len(layers):
+                after = layers[index + 1].self_attn.packed().weight
+            x = layer(x, step, index, after)
         return x
+
+    def first_weight(self) -> Any:
+        return next(iter(self.layers)).self_attn.packed().weight
 
     def final_norm(self, rows: Any) -> Any:
         return self.norm(rows)

@@ -45,14 +45,15 @@ def fp8_path(path: str) -> str:
 
 
 def dense(x: Any, w: Any, b: Any = None, activation: str | None = None, *, w_scale: Any = None,
-          residual: Any = None, path: str = "auto") -> Any:
+          residual: Any = None, prefetch: Any = None, path: str = "auto") -> Any:
     """act(x @ W.T + b + residual) for a Linear's weight in either form: W = w through libnn.ops.linear,
     or with `w_scale` W = w_scale · e4m3(w), `w` then E4M3 codes, through linear_fp8 (on fp8_path(path)).
     For layers that run a Linear's weight in another shape (stacked with others, its columns
-    permuted), quantised or not, with one call."""
+    permuted), quantised or not, with one call. `prefetch`: the ops' L2 prefetch hint (what the next
+    kernel reads first; runtime/l2_prefetch.py)."""
     if w_scale is None:
-        return linear(x, w, b, activation, residual=residual, path=path)
-    return linear_fp8(x, w, w_scale, b, activation, residual=residual, path=fp8_path(path))
+        return linear(x, w, b, activation, residual=residual, prefetch=prefetch, path=path)
+    return linear_fp8(x, w, w_scale, b, activation, residual=residual, prefetch=prefetch, path=fp8_path(path))
 
 
 def on_device_of(a: Any, like: Any, where: str, name: str) -> Any:

@@ -60,12 +60,13 @@ class Linear(Module):
         if quantized:
             self.quantize(dtype)
 
-    def forward(self, x: Any, residual: Any = None, activation: str | None = None) -> Any:
+    def forward(self, x: Any, residual: Any = None, activation: str | None = None, prefetch: Any = None) -> Any:
         """activation(x @ weight.T + bias + residual): a residual (the output's shape) is added in the
         GEMM's epilogue, not by a pass of its own. `activation` overrides the layer's (as Conv2d.forward's
-        does): Sequential fuses a following activation layer through it."""
+        does): Sequential fuses a following activation layer through it. `prefetch`: the ops' L2 prefetch
+        hint, what the next kernel reads first (runtime/l2_prefetch.py)."""
         return dense(x, self.weight, self.bias, activation or self.activation, w_scale=self.weight_scale,
-                     residual=residual, path=self.path)
+                     residual=residual, prefetch=prefetch, path=self.path)
 
     def quantize(self, dtype: str = "fp8", *, per_channel: bool = True) -> "Linear":
         """The weight as E4M3 codes (`weight`, uint8) and float32 scales (`weight_scale`: per output

@@ -12,8 +12,9 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
              w 16-byte aligned, w a weight (no kernel in flight writes it: the kernel reads w before it
              waits for the kernel ahead, see kernels/gemv.cu): kernels/gemv.cu, a bandwidth kernel that
              streams w once (each warp whole rows, fp32 FFMA, a fixed summation order) with bias,
-             residual and every activation in its epilogue. At a decode step's shapes it matches or beats cuBLASLt, and a chain of them with the
-             norms and SwiGLU fused (ops/rms_norm_linear.py) beats cuBLASLt's chain (benchmarks/RESULTS.md).
+             residual and every activation in its epilogue. At a decode step's shapes it matches or beats
+             cuBLASLt, and a chain of them with the norms and SwiGLU fused (ops/rms_norm_linear.py) beats
+             cuBLASLt's chain (benchmarks/RESULTS.md). It alone acts on `prefetch` (below).
 - cutlass:   "gelu_erf" alone, on Hopper: CUTLASS 3's sm90 TMA + wgmma GEMM with bias, residual and the
              exact GELU in its epilogue (kernels/nvcc/gemm_cutlass.cu, built by nvcc at first use; needs
              the nvidia-cutlass headers and nvcc). One kernel where cuBLASLt needs a second pass.
@@ -36,6 +37,10 @@ Paths, in `auto` order (fastest first on the H100, see `libnn bench linear`):
 
 fp16/bf16 accumulate in fp32 on the GPU paths. fp32 is exact fp32 unless `allow_tf32=True`, which
 lets cuBLASLt use TF32 tensor cores (about 1e-3 relative error instead of 1e-6).
+
+`prefetch` is a hint for a chain of decode GEMVs: the array (or up to two arrays) the next kernel reads
+first, a weight, which the gemv path prefetches into L2 behind its own first loads (runtime/l2_prefetch.py
+says what it takes). It changes no result, and the other paths ignore it.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from libnn.backends import cudnn as cudnn_backend
 from libnn.backends import cutlass
 from libnn.ops import activations
 from libnn.registry import Op
-from libnn.runtime import contracts, launch, memory
+from libnn.runtime import contracts, l2_prefetch, launch, memory
 from libnn.runtime import device as device_info
 from libnn.runtime.arrays import (allocator, array_module, as_array, contiguous, device_of, refuse_misaligned,
                                   signature, stream_key)
@@ -76,6 +81,7 @@ class LinearProblem:
     allow_tf32: bool
     device: str           # "cpu" or "gpu:N"
     has_residual: bool = False
+    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
 
     def describe(self) -> str:
         epilogue = "+".join(filter(None, ["bias" if self.has_bias else None,
@@ -91,9 +97,10 @@ class LinearProblem:
         return memory.array_bytes((self.M, self.N), dtypes.parse(self.dtype))
 
 
-def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None) -> LinearProblem:
-    """The LinearProblem linear(x, w, b, activation=, allow_tf32=, residual=) solves, after checking every
-    argument as linear does (arrays already); for tools that run one kernel version themselves."""
+def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None, prefetch: tuple = ()) -> LinearProblem:
+    """The LinearProblem linear(x, w, b, activation=, allow_tf32=, residual=, prefetch=) solves, after checking
+    every argument as linear does (arrays already, the prefetch hint a tuple of them); for tools that run
+    one kernel version themselves."""
     if w.ndim != 2:
         raise ValueError(f"linear: w must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
     if x.ndim < 1:
@@ -120,20 +127,26 @@ def linear_problem(x, w, b, activation, allow_tf32: bool, residual=None) -> Line
     device = device_of({"x": x, "w": w, "b": b, "residual": residual}, "linear")
     return LinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                          has_bias=b is not None, activation=activation, allow_tf32=bool(allow_tf32),
-                         device=device, has_residual=residual is not None)
+                         device=device, has_residual=residual is not None,
+                         prefetch=l2_prefetch.prefetch_bytes("linear", prefetch, device))
 
 
 def linear(x: Any, w: Any, b: Any = None, activation: str | None = None, *, residual: Any = None,
-           allow_tf32: bool = False, path: str = "auto") -> Any:
+           allow_tf32: bool = False, prefetch: Any = None, path: str = "auto") -> Any:
     """act(x @ w.T + b + residual) for x (..., K), w (N, K), b (N,) or None, residual (..., N) or None;
     returns a new (..., N) array in x's dtype, on x's device (the residual is read, never written).
-    `path` is "auto" or one of `libnn.paths("linear")`."""
+    `prefetch`: None, or what the next kernel reads first (the module docstring). `path` is "auto" or one
+    of `libnn.paths("linear")`."""
     x, w = as_array(x, "linear", "x"), as_array(w, "linear", "w")
     b = None if b is None else as_array(b, "linear", "b")
     r = None if residual is None else as_array(residual, "linear", "residual")
     key = (signature(x), signature(w), None if b is None else signature(b), None if r is None else signature(r),
            activation, allow_tf32, path, stream_key())
-    return op.call(key, linear_problem, path, x, w, b, r, checks=(x, w, b, activation, allow_tf32, r))
+    if prefetch is None:
+        return op.call(key, linear_problem, path, x, w, b, r, checks=(x, w, b, activation, allow_tf32, r))
+    pf = l2_prefetch.hinted_arrays("linear", prefetch)
+    return op.call((*key, *map(signature, pf)), linear_problem, path, x, w, b, r, pf,
+                   checks=(x, w, b, activation, allow_tf32, r, pf))
 
 
 def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
@@ -145,9 +158,9 @@ def _as_matrices(gemm, problem: LinearProblem, x, w, b, r):
         return gemm
     lead = x.shape[:-1]
 
-    def run(x, w, b, r):
+    def run(x, w, b, r, *pf):
         y = gemm(contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b),
-                 None if r is None else contiguous(r).reshape(problem.M, problem.N))
+                 None if r is None else contiguous(r).reshape(problem.M, problem.N), *pf)
         return y.reshape(*lead, problem.N)
     return run
 
@@ -180,21 +193,27 @@ def _gpu_support(problem: LinearProblem) -> str | None:
 # activation. (test_linear_gpu's residual tests check this against the reference on the device.)
 @op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_gpu_support,
          binds=True)
-def _cublaslt(problem: LinearProblem, x, w, b, r):
+def _cublaslt(problem: LinearProblem, x, w, b, r, pf=()):
     return _bind_gpu(cublaslt.bind_linear, problem.activation in FUSED_ACTIVATIONS, problem, x, w, b, r)
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
-def _custom(problem: LinearProblem, x, w, b, r):
+def _custom(problem: LinearProblem, x, w, b, r, pf=()):
     return _bind_gpu(bind_custom, _custom_fuses(problem), problem, x, w, b, r)
 
 
-def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):
+def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r, prefetches: bool = False):
     """The runner of a GPU path: `bind_gemm(problem, x, w, b, r)` binds the GEMM, with bias, residual and
     activation in its epilogue when `fused`; otherwise the GEMM adds the residual alone and one pass of
-    kernels/epilogue.cu adds the bias and applies the activation. Empty problems need no GEMM."""
+    kernels/epilogue.cu adds the bias and applies the activation. Empty problems need no GEMM. With a
+    prefetch hint the runner takes it last, and passes it on to the GEMM's runner where it `prefetches`."""
+    runner = _gpu_runner(bind_gemm, fused, problem, x, w, b, r)
+    return runner if prefetches or not problem.prefetch else l2_prefetch.dropping_hint(runner)
+
+
+def _gpu_runner(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
-        return lambda x, w, b, r: degenerate_result(problem, x, b, r)
+        return lambda x, w, b, r, *pf: degenerate_result(problem, x, b, r)
     matrices = (contiguous(x).reshape(problem.M, problem.K), contiguous(w), None if b is None else contiguous(b),
                 None if r is None else contiguous(r).reshape(problem.M, problem.N))
     if fused:
@@ -277,7 +296,7 @@ def _cutlass_slower(problem: LinearProblem) -> str | None:
 
 @op.path("cutlass", kind="library", device="gpu", requires=("cutlass_library",), supports=_cutlass_support,
          slower=_cutlass_slower, binds=True)
-def _cutlass(problem: LinearProblem, x, w, b, r):
+def _cutlass(problem: LinearProblem, x, w, b, r, pf=()):
     return _bind_gpu(bind_cutlass, True, problem, x, w, b, r)
 
 
@@ -395,12 +414,12 @@ def bind_cudnn(problem: LinearProblem, x, w, b, r=None):
 
 
 @op.path("cudnn", kind="library", device="gpu", requires=("cudnn",), supports=_cudnn_support, binds=True)
-def _cudnn(problem: LinearProblem, x, w, b, r):
+def _cudnn(problem: LinearProblem, x, w, b, r, pf=()):
     return _bind_gpu(bind_cudnn, True, problem, x, w, b, r)
 
 
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: LinearProblem, x, w, b, r):
+def _reference(problem: LinearProblem, x, w, b, r, pf=()):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
         return degenerate_result(problem, x, b, r)
     M, N, K = problem.M, problem.N, problem.K
@@ -435,10 +454,12 @@ def gemv_support(M: int, N: int, K: int, dtype: str) -> str | None:
     return None
 
 
-def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0):
+def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0,
+                     prefetch: tuple[int, ...] = ()):
     """kernels/gemv.cu's launch for y (R,) = act(x' @ w.T + bias + residual), or with `glu` SwiGLU of the
-    (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y), each a
-    pointer or None; gamma (K,) RMS-normalises x with `eps` first. Programmatic on sm_90 and newer."""
+    (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y, *hint), each
+    a pointer or None; gamma (K,) RMS-normalises x with `eps` first; `prefetch` the bytes of each array of
+    the hint (runtime/l2_prefetch.py), which the launch takes last. Programmatic on sm_90 and newer."""
     rows = N // 2 if glu else N
     blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
                  _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(device_info.gpu_index(device)))
@@ -446,7 +467,7 @@ def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bo
     return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],),
                        _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,
                                   gamma=launch.ARRAY, y=launch.ARRAY, N=N, K=K, eps=eps,
-                                  act=activations.KERNEL_CODES[activation]),
+                                  act=activations.KERNEL_CODES[activation], **l2_prefetch.kernel_parameters(prefetch)),
                        shared_mem=4 * K, programmatic=launch.programmatic_supported(device))
 
 
@@ -461,19 +482,21 @@ def _gemv_support(problem: LinearProblem) -> str | None:
 
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
-def _gemv(problem: LinearProblem, x, w, b, r):
-    return _bind_gpu(bind_gemv, True, problem, x, w, b, r)
+def _gemv(problem: LinearProblem, x, w, b, r, pf=()):
+    return _bind_gpu(bind_gemv, True, problem, x, w, b, r, prefetches=True)
 
 
 def bind_gemv(problem: LinearProblem, x, w, b, r=None):
-    """The runner of kernels/gemv.cu for C-contiguous (1, K), (N, K), (N,) and (1, N) CuPy arrays."""
+    """The runner of kernels/gemv.cu for C-contiguous (1, K), (N, K), (N,) and (1, N) CuPy arrays, and the
+    problem's prefetch hint last where it has one."""
     refuse_unaligned_gemv(x, w)
-    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device)
+    kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device,
+                              prefetch=problem.prefetch)
     new = allocator((problem.M, problem.N), x.dtype)
 
-    def run(x, w, b, r):
+    def run(x, w, b, r, pf=()):
         y = new()
-        kernel(x, w, b, r, None, y)
+        kernel(x, w, b, r, None, y, *pf)
         return y
     return run
 

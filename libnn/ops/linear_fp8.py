@@ -33,6 +33,9 @@ Paths, in `auto` order:
 The GPU paths take x in fp16 or bf16 and need compute capability 8.9 or newer: on an older GPU they
 refuse with that reason (NoPathError under `auto`), so FP8 never runs there by accident; the reference
 takes any floating-point x.
+
+`prefetch` is linear's hint (libnn/ops/linear.py, runtime/l2_prefetch.py): custom's version 3 prefetches
+into L2 what the next kernel reads first; the other paths ignore it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from libnn.ops import activations
 from libnn.ops.linear import bind_epilogue_pass, degenerate_result
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
-from libnn.runtime import contracts, launch, memory
+from libnn.runtime import contracts, l2_prefetch, launch, memory
 from libnn.runtime.device import gpu_index, multiprocessors
 from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
 
@@ -73,6 +76,7 @@ class LinearFp8Problem:
     activation: str | None
     device: str           # "cpu" or "gpu:N"
     has_residual: bool = False
+    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
 
     def describe(self) -> str:
         epilogue = "+".join(filter(None, ["bias" if self.has_bias else None,
@@ -94,9 +98,10 @@ class LinearFp8Problem:
 
 
 def linear_fp8_problem(x: Any, w: Any, w_scale: Any, b: Any, activation: str | None,
-                       residual: Any = None) -> LinearFp8Problem:
-    """The LinearFp8Problem linear_fp8(x, w, w_scale, b, activation, residual=) solves, after checking
-    every argument as linear_fp8 does (arrays already); for tools that run one path themselves."""
+                       residual: Any = None, prefetch: tuple = ()) -> LinearFp8Problem:
+    """The LinearFp8Problem linear_fp8(x, w, w_scale, b, activation, residual=, prefetch=) solves, after
+    checking every argument as linear_fp8 does (arrays already, the hint a tuple of them); for tools that
+    run one path themselves."""
     if w.ndim != 2 or w.dtype != np.uint8:
         raise TypeError(f"linear_fp8: w must be a 2-D uint8 array of E4M3 codes (out_features, in_features), what "
                         f"quantize_weight returns; got dtype {w.dtype} and shape {tuple(w.shape)}")
@@ -126,21 +131,26 @@ def linear_fp8_problem(x: Any, w: Any, w_scale: Any, b: Any, activation: str | N
     device = device_of({"x": x, "w": w, "w_scale": w_scale, "b": b, "residual": residual}, "linear_fp8")
     return LinearFp8Problem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                             per_channel=w_scale.shape[0] > 1, has_bias=b is not None, activation=activation,
-                            device=device, has_residual=residual is not None)
+                            device=device, has_residual=residual is not None,
+                            prefetch=l2_prefetch.prefetch_bytes("linear_fp8", prefetch, device))
 
 
 def linear_fp8(x: Any, w: Any, w_scale: Any, b: Any = None, activation: str | None = None, *,
-               residual: Any = None, path: str = "auto") -> Any:
+               residual: Any = None, prefetch: Any = None, path: str = "auto") -> Any:
     """act(x @ (w_scale · e4m3(w)).T + b + residual) with x quantised to E4M3 per call, for x (..., K), w
     (N, K) uint8 E4M3 codes, w_scale float32 (1,) or (N,), b (N,) or None, residual (..., N) or None;
-    returns a new (..., N) array in x's dtype, on x's device. `path` is "auto" or one of
-    `libnn.paths("linear_fp8")`."""
+    returns a new (..., N) array in x's dtype, on x's device. `prefetch`: None, or what the next kernel
+    reads first (the module docstring). `path` is "auto" or one of `libnn.paths("linear_fp8")`."""
     x, w = as_array(x, "linear_fp8", "x"), as_array(w, "linear_fp8", "w")
     w_scale = as_array(w_scale, "linear_fp8", "w_scale")
     b = None if b is None else as_array(b, "linear_fp8", "b")
     r = None if residual is None else as_array(residual, "linear_fp8", "residual")
     key = (signature(x), signature(w), signature(w_scale), signature(b), signature(r), activation, path, stream_key())
-    return op.call(key, lambda: linear_fp8_problem(x, w, w_scale, b, activation, r), path, x, w, w_scale, b, r)
+    if prefetch is None:
+        return op.call(key, lambda: linear_fp8_problem(x, w, w_scale, b, activation, r), path, x, w, w_scale, b, r)
+    pf = l2_prefetch.hinted_arrays("linear_fp8", prefetch)
+    return op.call((*key, *map(signature, pf)), lambda: linear_fp8_problem(x, w, w_scale, b, activation, r, pf),
+                   path, x, w, w_scale, b, r, pf)
 
 
 def _gpu_support(problem: LinearFp8Problem) -> str | None:
@@ -210,11 +220,16 @@ def _cublaslt_slower(problem: LinearFp8Problem) -> str | None:
 
 @op.path("cublaslt", kind="library", device="gpu", requires=("nvmath",), supports=_cublaslt_support,
          slower=_cublaslt_slower, binds=True)
-def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r):
+def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r, pf=()):
     # outer-vector scaling takes one activation scale per row of x: the quantiser writes its scale M times
     scale_count = problem.M if problem.per_channel else 1
-    return _bind_gpu(cublaslt.bind_linear_fp8, scale_count, problem.activation in FUSED_ACTIVATIONS, problem,
-                     x, w, w_scale, b, r)
+    return _ignoring_hint(problem, _bind_gpu(cublaslt.bind_linear_fp8, scale_count,
+                                             problem.activation in FUSED_ACTIVATIONS, problem, x, w, w_scale, b, r))
+
+
+def _ignoring_hint(problem: LinearFp8Problem, runner: Callable[..., Any]) -> Callable[..., Any]:
+    """The runner of a path without the prefetch, taking the call's hint (if any) last and dropping it."""
+    return l2_prefetch.dropping_hint(runner) if problem.prefetch else runner
 
 
 # --- custom path: kernels/linear_fp8.cu --------------------------------------------------------------------
@@ -270,11 +285,12 @@ def gemv_fits(problem: LinearFp8Problem) -> bool:
 
 
 def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, activation: str | None, device: str,
-                      glu: bool = False, eps: float = 0.0):
+                      glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = ()):
     """kernels/linear_fp8.cu version 3's launch by its LAUNCH table: run(x, wq, w_scale, bias, residual, gamma,
-    y), each a pointer or None; gamma (K,) RMS-normalises x with `eps` before it is quantised, and `glu`
+    y, *hint), each a pointer or None; gamma (K,) RMS-normalises x with `eps` before it is quantised, and `glu`
     writes y (M, N / 2) = silu(gate) * up of the gate and up halves of w's rows (no activation then, and
-    run with a null residual)."""
+    run with a null residual); `prefetch` the bytes of each array of the hint (runtime/l2_prefetch.py),
+    which the launch takes last."""
     if glu and (activation is not None or N % 2):
         raise ValueError(f"linear_fp8: the GEMV's SwiGLU epilogue takes no activation and an even N, got "
                          f"{activation!r} and N={N}")
@@ -285,33 +301,35 @@ def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, act
                        _GEMV.pack(x=launch.ARRAY, wq=launch.ARRAY, w_scale=launch.ARRAY, bias=launch.ARRAY,
                                   residual=launch.ARRAY, gamma=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
                                   per_channel=int(per_channel), act=activations.KERNEL_CODES[activation], eps=eps,
-                                  glu=int(glu)),
+                                  glu=int(glu), **l2_prefetch.kernel_parameters(prefetch)),
                        shared_mem=M * _gemv_x_stride(K), programmatic=launch.programmatic_supported(device))
 
 
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
               r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
-    """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r) -> y: one launch that
+    """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r, pf=()) -> y: one launch that
     quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
-    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise."""
+    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise; pf
+    the problem's prefetch hint, where it has one."""
     M, N, K = problem.M, problem.N, problem.K
-    kernel = bind_gemv3_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation, problem.device)
+    kernel = bind_gemv3_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation, problem.device,
+                               prefetch=problem.prefetch)
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 
-    def run(x, w, w_scale, b, r):
+    def run(x, w, w_scale, b, r, pf=()):
         y = new()
         kernel(_matrix(x, M, K), contiguous(w), contiguous(w_scale), None if b is None else contiguous(b),
-               None if r is None else _matrix(r, M, N), None, y)
+               None if r is None else _matrix(r, M, N), None, y, *pf)
         return y
     return run
 
 
 @op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)
-def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r):
+def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r, pf=()):
     if gemv_fits(problem):
         return bind_gemv(problem, x, w, w_scale, b, r)
-    return _bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r)
+    return _ignoring_hint(problem, _bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r))
 
 
 # --- reference: NumPy, float64, from the dequantised values ------------------------------------------------
@@ -322,7 +340,7 @@ def dequantized(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 @op.path("reference", kind="reference", device="cpu")
-def _reference(problem: LinearFp8Problem, x, w, w_scale, b, r):
+def _reference(problem: LinearFp8Problem, x, w, w_scale, b, r, pf=()):
     if problem.M == 0 or problem.N == 0 or problem.K == 0:
         return degenerate_result(problem, x, b, r)
     M, N, K = problem.M, problem.N, problem.K

@@ -25,6 +25,9 @@ Paths, in `auto` order:
 - unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
 - reference: the ops' reference paths (NumPy in float64, each rounded to x's dtype as the unfused ops
              round).
+
+`prefetch` is linear's hint (libnn/ops/linear.py, runtime/l2_prefetch.py): what the next kernel reads
+first, which the gemv path prefetches into L2 and the unfused path passes to its linear (or linear_fp8).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from libnn.ops.quantize_fp8 import fp8_gpu_missing
 from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
 from libnn.registry import Op
-from libnn.runtime import memory
+from libnn.runtime import l2_prefetch, memory
 from libnn.runtime.arrays import (allocator, as_array, copying_strided, device_of, refuse_misaligned, signature,
                                   stream_key)
 from libnn.runtime.device import gpu_index
@@ -67,6 +70,7 @@ class RMSNormLinearProblem:
     device: str           # "cpu" or "gpu:N"
     e4m3: bool = False    # w holds E4M3 codes scaled by w_scale
     per_channel: bool = False  # with e4m3: w_scale (N,) with N > 1; else one scale
+    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
 
     @property
     def out_features(self) -> int:
@@ -82,7 +86,7 @@ class RMSNormLinearProblem:
         return memory.array_bytes((self.M, self.out_features), dtypes.parse(self.dtype))
 
 
-def rms_norm_linear_problem(x, norm_weight, w, b, w_scale, eps, glu) -> RMSNormLinearProblem:
+def rms_norm_linear_problem(x, norm_weight, w, b, w_scale, eps, glu, prefetch: tuple = ()) -> RMSNormLinearProblem:
     """The checked problem of an rms_norm_linear call (errors name the op and the argument)."""
     where = "rms_norm_linear"
     if x.ndim < 1:
@@ -118,22 +122,28 @@ def rms_norm_linear_problem(x, norm_weight, w, b, w_scale, eps, glu) -> RMSNormL
     device = device_of({"x": x, "norm_weight": norm_weight, "w": w, "b": b, "w_scale": w_scale}, where)
     return RMSNormLinearProblem(M=math.prod(x.shape[:-1]), N=N, K=K, dtype=dtypes.short_name(x.dtype),
                                 has_bias=b is not None, glu=glu, eps=float(eps), device=device,
-                                e4m3=w_scale is not None, per_channel=w_scale is not None and w_scale.shape[0] > 1)
+                                e4m3=w_scale is not None, per_channel=w_scale is not None and w_scale.shape[0] > 1,
+                                prefetch=l2_prefetch.prefetch_bytes(where, prefetch, device))
 
 
 def rms_norm_linear(x: Any, norm_weight: Any, w: Any, b: Any = None, *, w_scale: Any = None, eps: float = 1e-6,
-                    glu: str | None = None, path: str = "auto") -> Any:
+                    glu: str | None = None, prefetch: Any = None, path: str = "auto") -> Any:
     """linear(rms_norm(x, norm_weight, eps=eps), w, b), or with w_scale linear_fp8(..., w, w_scale, b) for w
     in E4M3 codes, then swiglu where glu="swiglu", for x (..., K), norm_weight (K,), w (N, K), b (N,) or
-    None; returns a new (..., N) array, (..., N / 2) with glu, in x's dtype, on x's device. `path` is
-    "auto" or one of `libnn.paths("rms_norm_linear")`."""
+    None; returns a new (..., N) array, (..., N / 2) with glu, in x's dtype, on x's device. `prefetch`:
+    None, or what the next kernel reads first (the module docstring). `path` is "auto" or one of
+    `libnn.paths("rms_norm_linear")`."""
     where = "rms_norm_linear"
     x, g, w = as_array(x, where, "x"), as_array(norm_weight, where, "norm_weight"), as_array(w, where, "w")
     b = None if b is None else as_array(b, where, "b")
     s = None if w_scale is None else as_array(w_scale, where, "w_scale")
     key = (signature(x), signature(g), signature(w), None if b is None else signature(b),
            None if s is None else signature(s), eps, glu, path, stream_key())
-    return op.call(key, rms_norm_linear_problem, path, x, g, w, b, s, checks=(x, g, w, b, s, eps, glu))
+    if prefetch is None:
+        return op.call(key, rms_norm_linear_problem, path, x, g, w, b, s, checks=(x, g, w, b, s, eps, glu))
+    pf = l2_prefetch.hinted_arrays(where, prefetch)
+    return op.call((*key, *map(signature, pf)), rms_norm_linear_problem, path, x, g, w, b, s, pf,
+                   checks=(x, g, w, b, s, eps, glu, pf))
 
 
 # --- gemv path: kernels/gemv.cu, or for E4M3 codes kernels/linear_fp8.cu's version 3 ---------------------------
@@ -150,26 +160,27 @@ def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
 
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
-def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
+def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s, pf=()):
     """One launch for x of any leading shape; strided arrays are copied first."""
     glu = problem.glu is not None
     if problem.e4m3:
         kernel = bind_gemv3_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
-                                   problem.device, glu, problem.eps)
+                                   problem.device, glu, problem.eps, problem.prefetch)
     else:
         # a strided array is copied (256-byte aligned) at every call: only the others' pointers matter
         refuse_unaligned_gemv(*(a if a.flags.c_contiguous else None for a in (x, w)))
         refuse_misaligned("kernels/gemv.cu needs norm_weight 16-byte aligned",
                           {"norm_weight": g if g.flags.c_contiguous else None})
-        gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps)
+        gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps,
+                                problem.prefetch)
 
-        def kernel(x, w, s, b, r, g, y):
-            gemv(x, w, b, r, g, y)
+        def kernel(x, w, s, b, r, g, y, *pf):
+            gemv(x, w, b, r, g, y, *pf)
     new = allocator((*x.shape[:-1], problem.out_features), x.dtype)
 
-    def run(x, g, w, b, s):
+    def run(x, g, w, b, s, pf=()):
         y = new()
-        kernel(x, w, s, b, None, g, y)
+        kernel(x, w, s, b, None, g, y, *pf)
         return y
     return copying_strided(run, x, g, w, b, s)
 
@@ -177,9 +188,10 @@ def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s):
 # --- unfused and reference paths: the ops in turn --------------------------------------------------------
 def _composed(sub_path: str):
     """rms_norm, linear (or linear_fp8) and swiglu in turn, each on `sub_path`."""
-    def run(problem: RMSNormLinearProblem, x, g, w, b, s):
+    def run(problem: RMSNormLinearProblem, x, g, w, b, s, pf=None):
         n = rms_norm(x, g, eps=problem.eps, path=sub_path)
-        v = linear(n, w, b, path=sub_path) if s is None else linear_fp8(n, w, s, b, path=sub_path)
+        v = (linear(n, w, b, prefetch=pf, path=sub_path) if s is None
+             else linear_fp8(n, w, s, b, prefetch=pf, path=sub_path))
         return swiglu(v, path=sub_path) if problem.glu else v
     return run
 

@@ -163,12 +163,13 @@ def copying_strided(run: Callable[..., Any], *bound: Any) -> Callable[..., Any]:
     """`run`, a runner of C-contiguous arrays that reads only their pointers (layer_norm's, rms_norm's,
     softmax's, pool2d's), for the signature of the arrays `bound` (None: absent): `run` itself where every one is
     C-contiguous, so a cached call adds nothing to it; else a runner that passes C-contiguous copies (one
-    more pass over each strided array)."""
+    more pass over each strided array). Arguments after the bound arrays (a prefetch hint) pass as they are."""
     if all(a is None or a.flags.c_contiguous for a in bound):
         return run
+    count = len(bound)
 
     def copying(*arrays):
-        return run(*contiguous_arrays(*arrays))
+        return run(*contiguous_arrays(*arrays[:count]), *arrays[count:])
     return copying
 
 
