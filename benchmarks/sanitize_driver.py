@@ -105,18 +105,21 @@ def _linear_paths():
 
 
 @item("linear and rms_norm_linear: kernels/gemv.cu, one row, N 1 and primes, K 8 to 2056, bias, residual, gelu_erf, "
-      "the norm in front, SwiGLU behind; E4M3 weights on linear_fp8.cu version 3 with the same fusions, 1 to 8 rows")
+      "the norm in front, SwiGLU behind, L2 prefetch hints (one and two arrays, one of an odd size and address); "
+      "E4M3 weights on linear_fp8.cu version 3 with the same fusions and hints, 1 to 8 rows")
 def _gemv():
     from libnn.ops import linear, rms_norm_linear
     from libnn.ops.linear_fp8 import bind_gemv3_kernel
     from libnn.ops.quantize_fp8 import quantize_weight
 
+    hint = normal((1 << 20,), "fp16")
+    hints = (hint, normal((1001,), "fp16")[1:].view(np.uint8)[1:])  # the second 3 bytes past 16
     for dtype in ("fp16", "bf16"):
         for N, K in ((1, 8), (7, 1000), (131, 2056)):
             x, w, b, g = normal((1, K), dtype), normal((N, K), dtype, 0.2), normal((N,), dtype), normal((K,), dtype)
             linear(x, w, b, "gelu_erf", residual=normal((1, N), dtype), path="gemv")
-            linear(x, w, None, None, path="gemv")
-            rms_norm_linear(x, g, w, b, path="gemv")
+            linear(x, w, None, None, prefetch=hint, path="gemv")
+            rms_norm_linear(x, g, w, b, prefetch=hints, path="gemv")
             rms_norm_linear(x, g, normal((2 * N, K), dtype, 0.2), glu="swiglu", path="gemv")
         for M, N, K in ((1, 1, 16), (3, 7, 1000), (8, 131, 2064)):   # E4M3 weights: linear_fp8.cu version 3
             x, g = normal((M, K), dtype), normal((K,), dtype)
@@ -124,8 +127,8 @@ def _gemv():
             glu = bind_gemv3_kernel(dtype, M, 2 * N, K, True, None, "gpu:0", True, 1e-6)
             glu(x, w.data, w.scale, normal((2 * N,), dtype), None, g, normal((M, N), dtype))
             per_tensor = quantize_weight(normal((N, K), "fp32", 0.2), per_channel=False)
-            normed = bind_gemv3_kernel(dtype, M, N, K, False, None, "gpu:0", False, 1e-6)
-            normed(x, per_tensor.data, per_tensor.scale, None, None, g, normal((M, N), dtype))
+            normed = bind_gemv3_kernel(dtype, M, N, K, False, None, "gpu:0", False, 1e-6, (hint.nbytes, 997))
+            normed(x, per_tensor.data, per_tensor.scale, None, None, g, normal((M, N), dtype), *hints)
 
 
 @item("linear: the cutlass path (CUTLASS sm90 GEMM with the exact GELU), with and without bias and residual")
