@@ -127,7 +127,7 @@ this file)
         (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
          long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
     Both are launched with programmatic stream serialization on sm_90 and newer (they wait, pdl_wait, for
-    the kernel ahead before their work).
+    the kernel ahead before their work); attn3_combine lets the kernel after it start once past its wait.
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
     attn_zero_empty_batches (256, 1, 1)       B                       0
@@ -576,9 +576,9 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     // cache rows (B, L, Hkv, D), not rows a kv head's stride apart
     const int hk = blockIdx.x, split = blockIdx.y, b = blockIdx.z, G = Hq / Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    // Launched programmatically: q, k, v and the lengths are the kernels' ahead output. Neither attn3
-    // kernel lets its dependent start early (pdl_launch_dependents): the output projection's GEMV, started
-    // under attn3_decode, made the 1.1B LLaMA's batch-1 step 10% slower (benchmarks/RESULTS.md).
+    // Launched programmatically: q, k, v and the lengths are the kernels' ahead output. No early trigger
+    // (pdl_launch_dependents) here: the combine kernel's start gained nothing, and the output projection's
+    // GEMV, when it was the dependent, made the 1.1B LLaMA's batch-1 step 10% slower (benchmarks/RESULTS.md)
     pdl_wait();
     const int Lk = lens_kv ? lens_kv[b] : Skv;
     const bool live = lens_q ? lens_q[b] > 0 : true;
@@ -714,7 +714,10 @@ template <class DT>
 __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                typename DT::T* __restrict__ o, int Hq, int D, int splits, i64 o_sb,
                                                i64 o_sh) {
-    pdl_wait();   // the partials are attn3_decode's output (no early trigger: see attn3_body)
+    pdl_wait();   // the partials are attn3_decode's output
+    // the output projection's GEMV may start: its blocks load their first weights (which the GEMV ahead of
+    // attention prefetched into L2) while this small kernel runs (the batch-1 step 0.969 -> 0.952 ms)
+    pdl_launch_dependents();
     const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
     const float* ml = part_ml + (i64)bh * splits * 2;
     const float* po = part_o + (i64)bh * splits * D;
