@@ -70,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import math
 import reprlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -212,6 +212,8 @@ class DecoderModel(Module):
       - rotary_frequencies() → the rotary inv_freq (host float32), or None: k enters the cache unrotated;
       - first_weight() → what the forward's first GEMM reads first, the L2 prefetch hint of the GEMM ahead
         of it (the last step's logits'; runtime/l2_prefetch.py), or None (the default: no hint);
+        `run_layers` runs the layers with those hints, where each layer has a first_weight() too and its
+        forward takes `after`, what the GEMM after its last one reads first;
       - pack() and move_packed_to_gpu(): weights stacked at load (several layers' weights in one GEMM),
         built now, and moved whole before CausalLM.to("gpu") moves the rest (the layers' parameters
         stay views into them); by default there are none;
@@ -227,6 +229,19 @@ class DecoderModel(Module):
 
     def first_weight(self) -> Any:
         return None
+
+    @staticmethod
+    def run_layers(x: Any, step: Step, layers: Iterable[Module]) -> Any:
+        """x through `layers` in turn, each called as layer(x, step, index, after): with step.hints (a decode
+        step on the GPU) `after` is the next layer's first_weight(), the last layer's the head's weight;
+        else None."""
+        layers = list(layers)
+        for index, layer in enumerate(layers):
+            after = step.head_weight
+            if step.hints and index + 1 < len(layers):
+                after = layers[index + 1].first_weight()
+            x = layer(x, step, index, after)
+        return x
 
     def pack(self) -> None:
         """Build the stacked weights now (none by default)."""
@@ -347,6 +362,15 @@ def norm_then_dense(x: Any, norm: RMSNorm, weight: Any, bias: Any, w_scale: Any,
                                prefetch=prefetch, path=fused)
     y = dense(norm(x), weight, bias, w_scale=w_scale, prefetch=prefetch, path=path_for(path, "linear"))
     return swiglu(y, path=path_for(path, "swiglu")) if glu else y
+
+
+def prefetch_hint(on: bool, *arrays: Any) -> Any:
+    """A GEMM's L2 prefetch hint (runtime/l2_prefetch.py) for what the next one reads first, `arrays` (a
+    weight, or a stacked weight's two halves): None unless `on` and each is a C-contiguous array (a weight
+    assigned as a strided view gets no hint, which the ops would refuse: a hint never fails a model)."""
+    if not on or any(a is None or not a.flags.c_contiguous for a in arrays):
+        return None
+    return arrays[0] if len(arrays) == 1 else arrays
 
 
 class Layers(Module):
@@ -530,6 +554,11 @@ class Step:
     seq_lens_kv: Any = None
     head_weight: Any = None       # what the logits' GEMM reads first, where the layers' GEMMs give L2 prefetch
                                   # hints (a decode step on the GPU; runtime/l2_prefetch.py), else None
+
+    @property
+    def hints(self) -> bool:
+        """Whether the layers' GEMMs give L2 prefetch hints (prefetch_hint)."""
+        return self.head_weight is not None
 
     def attend(self, layer: int, q: Any, k: Any, v: Any, path: str | dict[str, str]) -> Any:
         """k and v (B, S, Hkv, D) into layer `layer`'s cache, then q's (B, S, Hq, D) attention over the
@@ -785,6 +814,7 @@ class CausalLM(Module):
         embeddings when tied), its GEMM with the L2 prefetch hint `prefetch`."""
         head = (self._table, None, None) if self.lm_head is None else \
             (self.lm_head.weight, self.lm_head.bias, self.lm_head.weight_scale)
+        prefetch = prefetch_hint(prefetch is not None, prefetch)
         if (norm := self.base_model.final_rms_norm()) is not None:
             return norm_then_dense(rows, norm, *head, self.path, prefetch=prefetch)
         return dense(self.base_model.final_norm(rows), *head[:2], w_scale=head[2], prefetch=prefetch,

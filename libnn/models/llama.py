@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from libnn.models.decoder import (FLOAT32_MAX, Architecture, CausalLM, DecoderConfig, DecoderModel, Layers,
-                                  LoadReport, Step, checked_model_type, layer_range, norm_then_dense,
-                                  path_for, register, token_fields)
+                                  LoadReport, Step, checked_model_type, layer_range, norm_then_dense, path_for,
+                                  prefetch_hint, register, token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
@@ -293,6 +293,10 @@ class LlamaDecoderLayer(Module):
         self.mlp = LlamaMLP(c, dtype, device, path)
         self.config, self.path = c, path
 
+    def first_weight(self) -> Any:
+        """The stacked QKV weight: what this layer's first GEMM reads first."""
+        return self.self_attn.packed().weight
+
     def forward(self, x: Any, step: Step, index: int, after: Any = None) -> Any:
         """x (B, S, H) → the next layer's input; `step` holds the positions, the cache and the lengths
         of a prefill (S tokens per sequence) or a decode step (S = 1). `after`: what the GEMM after this
@@ -300,17 +304,17 @@ class LlamaDecoderLayer(Module):
         c, path = self.config, self.path
         B, S, _ = x.shape
         Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
-        attn, mlp, hinted = self.self_attn, self.mlp, after is not None
-        qkv = _normed(x, self.input_layernorm, attn.packed(), path, prefetch=attn.o_proj.weight if hinted else None)
+        attn, mlp, hints = self.self_attn, self.mlp, step.hints
+        qkv = _normed(x, self.input_layernorm, attn.packed(), path, prefetch=prefetch_hint(hints, attn.o_proj.weight))
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         o = step.attend(index, q, k, v, path)   # q and k rotated there, by kv_append's one kernel
         # the gate_up GEMM reads rows f and I + f together: its halves, gate_proj's and up_proj's views
         h = attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x,
-                        prefetch=(mlp.gate_proj.weight, mlp.up_proj.weight) if hinted else None)
+                        prefetch=prefetch_hint(hints, mlp.gate_proj.weight, mlp.up_proj.weight))
         a = _normed(h, self.post_attention_layernorm, mlp.packed(), path, glu="swiglu",
-                    prefetch=mlp.down_proj.weight if hinted else None)
-        return mlp.down_proj(a, residual=h, prefetch=after)
+                    prefetch=prefetch_hint(hints, mlp.down_proj.weight))
+        return mlp.down_proj(a, residual=h, prefetch=prefetch_hint(hints, after))
 
 
 class LlamaModel(DecoderModel):
@@ -326,19 +330,13 @@ class LlamaModel(DecoderModel):
         self.config, self.path = c, path
 
     def forward(self, ids: Any, step: Step) -> Any:
-        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S); with step.head_weight,
-        each layer's last GEMM hints the next layer's stacked QKV weight (the last layer's, the head's)."""
+        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S) (with step.head_weight,
+        each GEMM hinting the next one's weight: run_layers)."""
         x = embedding(ids, self.embed_tokens.weight, path=path_for(self.path, "embedding"))
-        layers = list(self.layers)
-        for index, layer in enumerate(layers):
-            after = step.head_weight
-            if after is not None and index + 1 < len(layers):
-                after = layers[index + 1].self_attn.packed().weight
-            x = layer(x, step, index, after)
-        return x
+        return self.run_layers(x, step, self.layers)
 
     def first_weight(self) -> Any:
-        return next(iter(self.layers)).self_attn.packed().weight
+        return next(iter(self.layers)).first_weight()
 
     def final_norm(self, rows: Any) -> Any:
         return self.norm(rows)
