@@ -248,7 +248,7 @@ class GPT2Model(DecoderModel):
         return self.run_layers(x, step, self.h)
 
     def first_weight(self) -> Any:
-        return next(iter(self.h)).first_weight()
+        return next((block.first_weight() for block in self.h), None)  # None: no blocks
 
     def final_norm(self, rows: Any) -> Any:
         return self.ln_f(rows)

@@ -309,10 +309,12 @@ class LlamaDecoderLayer(Module):
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         o = step.attend(index, q, k, v, path)   # q and k rotated there, by kv_append's one kernel
-        # the gate_up GEMM reads rows f and I + f together: its halves, gate_proj's and up_proj's views
+        # the gate_up GEMM reads rows f and I + f together: its halves, gate_proj's and up_proj's views of the
+        # stack (made current by packed() first)
+        gate_up = mlp.packed()
         h = attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x,
                         prefetch=prefetch_hint(hints, mlp.gate_proj.weight, mlp.up_proj.weight))
-        a = _normed(h, self.post_attention_layernorm, mlp.packed(), path, glu="swiglu",
+        a = _normed(h, self.post_attention_layernorm, gate_up, path, glu="swiglu",
                     prefetch=prefetch_hint(hints, mlp.down_proj.weight))
         return mlp.down_proj(a, residual=h, prefetch=prefetch_hint(hints, after))
 
@@ -336,7 +338,7 @@ class LlamaModel(DecoderModel):
         return self.run_layers(x, step, self.layers)
 
     def first_weight(self) -> Any:
-        return next(iter(self.layers)).first_weight()
+        return next((layer.first_weight() for layer in self.layers), None)  # None: no layers
 
     def final_norm(self, rows: Any) -> Any:
         return self.norm(rows)

@@ -46,7 +46,7 @@ says what it takes). It changes no result, and the other paths ignore it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -81,7 +81,9 @@ class LinearProblem:
     allow_tf32: bool
     device: str           # "cpu" or "gpu:N"
     has_residual: bool = False
-    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
+    # bytes of each array of the prefetch hint (runtime/l2_prefetch.py); not part of equality or the hash: a
+    # library plan keyed by the problem is the same with and without a hint
+    prefetch: tuple[int, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         epilogue = "+".join(filter(None, ["bias" if self.has_bias else None,

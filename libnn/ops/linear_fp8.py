@@ -41,7 +41,7 @@ into L2 what the next kernel reads first; the other paths ignore it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -76,7 +76,9 @@ class LinearFp8Problem:
     activation: str | None
     device: str           # "cpu" or "gpu:N"
     has_residual: bool = False
-    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
+    # bytes of each array of the prefetch hint (runtime/l2_prefetch.py); not part of equality or the hash: a
+    # library plan keyed by the problem is the same with and without a hint
+    prefetch: tuple[int, ...] = field(default=(), compare=False)
 
     def describe(self) -> str:
         epilogue = "+".join(filter(None, ["bias" if self.has_bias else None,

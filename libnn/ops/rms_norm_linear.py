@@ -33,7 +33,7 @@ first, which the gemv path prefetches into L2 and the unfused path passes to its
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,9 @@ class RMSNormLinearProblem:
     device: str           # "cpu" or "gpu:N"
     e4m3: bool = False    # w holds E4M3 codes scaled by w_scale
     per_channel: bool = False  # with e4m3: w_scale (N,) with N > 1; else one scale
-    prefetch: tuple[int, ...] = ()  # bytes of each array of the prefetch hint (runtime/l2_prefetch.py)
+    # bytes of each array of the prefetch hint (runtime/l2_prefetch.py); not part of equality or the hash: a
+    # library plan keyed by the problem is the same with and without a hint
+    prefetch: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def out_features(self) -> int:

@@ -4,15 +4,15 @@ At batch 1 a decode step is a chain of GEMVs, each streaming its weight once; be
 while one kernel drains and the next starts (and through attention, between the QKV and output projections).
 A GEMV told what the next one reads first prefetches up to L2_PREFETCH_BYTES of it into L2 behind its own
 first loads (kernels/common.cuh l2_prefetch_share), so that the next kernel's first reads hit L2: the 16-layer
-1.1B LLaMA's GEMV chain went from 76% to 85% of the copy rate (benchmarks/RESULTS.md, sixteenth session).
+1.1B LLaMA's GEMV chain went from 76% to 86% of the copy rate (benchmarks/RESULTS.md, sixteenth session).
 
 The hint is None, an array, or a tuple of up to MAX_RANGES arrays: each a C-contiguous CuPy array on the op's
 device that no kernel in flight writes (a weight), since the prefetch may run while the kernel ahead is
 still running. A GEMV reads its weight's first rows first, so a weight is hinted whole; a stacked gate_up
 weight, whose GEMV reads rows f and F + f together, as its two halves. The budget is split evenly over the
-arrays, each share capped at the array's size (the kernel narrows it to whole 16-byte units). It changes
-no result: paths without the prefetch ignore it, and nothing is prefetched below sm_90 (the bulk prefetch
-is a Hopper instruction).
+arrays, each share capped at the array's size, what one leaves going to the next (the kernel narrows each
+range to whole 16-byte units). It changes no result: paths without the prefetch ignore it, and nothing is
+prefetched below sm_90 (the bulk prefetch is a Hopper instruction).
 """
 
 from __future__ import annotations
@@ -56,8 +56,12 @@ def prefetch_bytes(where: str, arrays: tuple, device: str) -> tuple[int, ...]:
                              f"got shape {tuple(a.shape)} with strides {a.strides}")
     if not arrays:
         return ()
-    share = budget() // len(arrays) if compute_capability(gpu_index(device)) >= (9, 0) else 0
-    return tuple(min(share, a.nbytes) for a in arrays)
+    left = budget() if compute_capability(gpu_index(device)) >= (9, 0) else 0
+    shares = []
+    for i, a in enumerate(arrays):
+        shares.append(min(left // (len(arrays) - i), a.nbytes))
+        left -= shares[-1]
+    return tuple(shares)
 
 
 def kernel_parameters(nbytes: tuple[int, ...]) -> dict[str, Any]:
