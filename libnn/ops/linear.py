@@ -210,7 +210,7 @@ def _bind_gpu(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r, prefet
     kernels/epilogue.cu adds the bias and applies the activation. Empty problems need no GEMM. With a
     prefetch hint the runner takes it last, and passes it on to the GEMM's runner where it `prefetches`."""
     runner = _gpu_runner(bind_gemm, fused, problem, x, w, b, r)
-    return runner if prefetches or not problem.prefetch else l2_prefetch.dropping_hint(runner)
+    return runner if prefetches else l2_prefetch.ignoring_hint(runner, problem.prefetch)
 
 
 def _gpu_runner(bind_gemm, fused: bool, problem: LinearProblem, x, w, b, r):

@@ -225,13 +225,9 @@ def _cublaslt_slower(problem: LinearFp8Problem) -> str | None:
 def _cublaslt(problem: LinearFp8Problem, x, w, w_scale, b, r, pf=()):
     # outer-vector scaling takes one activation scale per row of x: the quantiser writes its scale M times
     scale_count = problem.M if problem.per_channel else 1
-    return _ignoring_hint(problem, _bind_gpu(cublaslt.bind_linear_fp8, scale_count,
-                                             problem.activation in FUSED_ACTIVATIONS, problem, x, w, w_scale, b, r))
-
-
-def _ignoring_hint(problem: LinearFp8Problem, runner: Callable[..., Any]) -> Callable[..., Any]:
-    """The runner of a path without the prefetch, taking the call's hint (if any) last and dropping it."""
-    return l2_prefetch.dropping_hint(runner) if problem.prefetch else runner
+    return l2_prefetch.ignoring_hint(_bind_gpu(cublaslt.bind_linear_fp8, scale_count,
+                                               problem.activation in FUSED_ACTIVATIONS, problem, x, w, w_scale, b,
+                                               r), problem.prefetch)
 
 
 # --- custom path: kernels/linear_fp8.cu --------------------------------------------------------------------
@@ -331,7 +327,7 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
 def _custom(problem: LinearFp8Problem, x, w, w_scale, b, r, pf=()):
     if gemv_fits(problem):
         return bind_gemv(problem, x, w, w_scale, b, r)
-    return _ignoring_hint(problem, _bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r))
+    return l2_prefetch.ignoring_hint(_bind_gpu(bind_custom, 1, True, problem, x, w, w_scale, b, r), problem.prefetch)
 
 
 # --- reference: NumPy, float64, from the dequantised values ------------------------------------------------

@@ -76,8 +76,11 @@ def kernel_parameters(nbytes: tuple[int, ...]) -> dict[str, Any]:
     return parameters
 
 
-def dropping_hint(runner: Callable[..., Any]) -> Callable[..., Any]:
-    """A path's runner that has no prefetch, for a call with a hint (passed last): the hint is dropped."""
+def ignoring_hint(runner: Callable[..., Any], nbytes: tuple[int, ...]) -> Callable[..., Any]:
+    """The runner of a path without the prefetch for a problem whose hint has `nbytes` (prefetch_bytes): the
+    runner itself where there is no hint, else one that drops the hint the call passes last."""
+    if not nbytes:
+        return runner
     return lambda *args: runner(*args[:-1])
 
 
