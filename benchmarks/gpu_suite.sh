@@ -65,7 +65,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   run info python3 -m libnn demo
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  for op in ${BENCH:-overhead linear conv2d pool2d fft_conv attention models}; do
+  for op in ${BENCH:-overhead linear conv2d pool2d fft_conv attention argmax models}; do
     run bench python3 -m libnn bench "$op" ${BENCH_QUICK:+--quick} --json "$OUT/bench_$op.json"
   done
   run info python3 -m libnn run cnn --dtype fp16

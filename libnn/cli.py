@@ -199,8 +199,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_generate)
 
     s = sub.add_parser("bench", help="time an op's paths against each other and PyTorch (GPU only)")
-    s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "models", "overhead",
-                                  "generate"],
+    s.add_argument("op", choices=["linear", "conv2d", "pool2d", "fft_conv", "attention", "argmax", "models",
+                                  "overhead", "generate"],
                    help="the op (or, for models, the whole seed CNN and encoder; for overhead, the host "
                    "cost of a cached call of every op against PyTorch's; for generate, LLaMA and GPT-2 "
                    "prefill and decode against Hugging Face's) to benchmark")

@@ -19,7 +19,8 @@ Both plans run the paged row on LLaMA in fp16 at each of their batches (`paged_d
 
 Rows per (dtype, batch):
 - libnn graph: `prefill` of the prompts, then `decode_step(tokens, check_ids=False)` after `decode_step`,
-  each fed the argmax of the last logits (greedy), as `from_pretrained` makes the model: each decode step
+  each fed the argmax of the last logits (greedy, libnn's argmax op as `generate` takes it), as
+  `from_pretrained` makes the model: each decode step
   one CUDA graph replay (captured per batch bucket at the first step). The argmax is in range, so the step
   skips its token check (a read-back per step) and the queue runs ahead as it does in `generate`, which
   queues each step before reading the last one's tokens back. Its time includes decode_step's copy of
@@ -108,6 +109,7 @@ from libnn.errors import LibnnError
 from libnn.models.decoder import CausalLM, DecoderConfig
 from libnn.models.gpt2 import GPT2Config
 from libnn.models.llama import LlamaConfig
+from libnn.ops.argmax import argmax
 from libnn.runtime import memory
 
 # Hugging Face LlamaConfig fields; max_position_embeddings only bounds the cache (prompt + steps).
@@ -347,13 +349,9 @@ def _decode_loop(runner: Runner) -> Callable[[Any], None]:
 
 # --- the frameworks ---------------------------------------------------------------------------------------
 def _greedy(logits: Any) -> Any:
-    """argmax over the vocabulary of (B, vocab) CuPy logits; bf16 through its bits as float32 (CuPy's
-    arithmetic takes no bf16)."""
-    import cupy
-
-    if dtypes.short_name(logits.dtype) == "bf16":
-        logits = (logits.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
-    return cupy.argmax(logits, axis=-1)
+    """argmax over the vocabulary of (B, vocab) CuPy logits: libnn's argmax op, as generate's greedy
+    sampler takes it."""
+    return argmax(logits)
 
 
 def _libnn_runner(model: CausalLM, ids: Any) -> Runner:

@@ -85,6 +85,7 @@ from libnn.nn.graphs import GraphedModule
 from libnn.nn.linear import Linear
 from libnn.nn.module import Module, uninitialised
 from libnn.nn.norm import RMSNorm
+from libnn.ops.argmax import argmax
 from libnn.ops.attention import CheckedLengths, CheckedPageTable, attention
 from libnn.ops.kv_append import kv_append
 from libnn.ops.rms_norm_linear import rms_norm_linear
@@ -1069,10 +1070,10 @@ class Sampler:
         self._random = None  # made at the first sample, on the logits' array module
 
     def __call__(self, logits: Any) -> Any:
+        if self.temperature == 0:
+            return argmax(logits)
         xp = array_module(logits)
         z = _as_float32(logits)
-        if self.temperature == 0:
-            return xp.argmax(z, axis=-1)
         # each row's largest logit subtracted first: the scaled logits are then <= 0 and a tiny temperature
         # sends the others to -inf, never the leader past float32's range (which tied every token at inf)
         z = (z - z.max(axis=-1, keepdims=True)) / np.float32(self.temperature)
@@ -1090,7 +1091,7 @@ class Sampler:
             self._random = xp.random.RandomState(self.seed)
         u = self._random.random_sample(z.shape).astype(xp.float32)
         gumbel = -xp.log(-xp.log(xp.clip(u, np.float32(1e-20), np.float32(1 - 2**-24))))
-        return xp.argmax(z + gumbel, axis=-1)
+        return argmax(z + gumbel)
 
 
 def _host_ids(value: Any, where: str, name: str) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Ops: one module per op, each holding its signature, shape checks and paths side by side."""
 
+from libnn.ops.argmax import argmax
 from libnn.ops.attention import attention
 from libnn.ops.conv2d import conv2d
 from libnn.ops.embedding import embedding
@@ -17,4 +18,4 @@ from libnn.ops.swiglu import swiglu
 
 __all__ = ["attention", "linear", "conv2d", "max_pool2d", "avg_pool2d", "fft_conv2d", "fft_conv1d", "softmax",
            "layer_norm", "rms_norm", "embedding", "rope", "rope_frequencies", "swiglu",
-           "kv_append", "linear_fp8", "rms_norm_linear"]
+           "kv_append", "linear_fp8", "rms_norm_linear", "argmax"]
