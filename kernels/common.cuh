@@ -274,5 +274,11 @@ __device__ __forceinline__ void l2_prefetch_share(const void* p, i64 bytes, int 
     }
 #endif
 }
+// A kernel's whole hint, the two ranges of its prefetch0/prefetch1 parameters, caller `part` of `parts`.
+__device__ __forceinline__ void l2_prefetch_hint(const void* p0, i64 bytes0, const void* p1, i64 bytes1, int part,
+                                                 int parts) {
+    l2_prefetch_share(p0, bytes0, part, parts);
+    l2_prefetch_share(p1, bytes1, part, parts);
+}
 
 }  // namespace libnn

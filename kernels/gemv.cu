@@ -38,7 +38,7 @@ LAUNCH (every kernel takes the same parameters)
     kernel after it start once every block has staged x'. So w must be what no kernel in flight writes
     (a weight), as for linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
     Behind its first loads, on sm_90 and newer, the grid's warps prefetch into L2 the byte ranges
-    [prefetch0, + prefetch0_bytes) and [prefetch1, + prefetch1_bytes) (common.cuh l2_prefetch_share: null
+    [prefetch0, + prefetch0_bytes) and [prefetch1, + prefetch1_bytes) (common.cuh l2_prefetch_hint: null
     or 0 bytes, nothing): what the next GEMV reads first, which no kernel in flight may write either.
 */
 #include "common.cuh"
@@ -159,10 +159,8 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     u32x4 buf0[RW * B], buf1[RW * B];
     load(buf0, 0);
     load(buf1, 1);
-    if (lane == 0) {   // behind this kernel's first loads: DRAM serves them first
-        l2_prefetch_share(prefetch0, prefetch0_bytes, gw, warps);
-        l2_prefetch_share(prefetch1, prefetch1_bytes, gw, warps);
-    }
+    if (lane == 0)   // behind this kernel's first loads: DRAM serves them first
+        l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, gw, warps);
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
     stage_x<DT>(x, gamma, xs, K, eps);
     pdl_launch_dependents();

@@ -66,7 +66,7 @@ LAUNCH (version 3)
     and attn3_combine let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
     has quantised x (rms_norm, rope, kv_append and swiglu are launched programmatically and wait first).
     Behind its first loads it prefetches into L2 what the next GEMV reads first, as kernels/gemv.cu does
-    (the prefetch ranges: common.cuh l2_prefetch_share).
+    (the prefetch ranges: common.cuh l2_prefetch_hint).
 */
 #include "common.cuh"
 #include "fp8.cuh"
@@ -389,11 +389,9 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
     u32x4 a0[U], b0[U], a1[U], b1[U];
     load_item<U>(a0, b0, wq, 0, items, groups, begin, end, g, q, N, K, vec, glu);
     load_item<U>(a1, b1, wq, 1, items, groups, begin, end, g, q, N, K, vec, glu);
-    if (lane == 0) {   // behind this kernel's first loads: DRAM serves them first
-        const int part = blockIdx.x * WARPS + warp, parts = gridDim.x * WARPS;
-        l2_prefetch_share(prefetch0, prefetch0_bytes, part, parts);
-        l2_prefetch_share(prefetch1, prefetch1_bytes, part, parts);
-    }
+    if (lane == 0)   // behind this kernel's first loads: DRAM serves them first
+        l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, blockIdx.x * WARPS + warp,
+                         gridDim.x * WARPS);
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
     const float sx = quantize_x<DT>(x, gamma, eps, xcodes, M, K, S, red);
     pdl_launch_dependents();   // every block is past its wait: the next kernel (a norm, rope, swiglu) may start

@@ -1,4 +1,4 @@
-"""The L2 prefetch hint on the GPU (runtime/l2_prefetch.py; kernels/common.cuh l2_prefetch_share, called by
+"""The L2 prefetch hint on the GPU (runtime/l2_prefetch.py; kernels/common.cuh l2_prefetch_hint, called by
 kernels/gemv.cu and kernels/linear_fp8.cu's version 3): it changes no result, bit for bit, on every op and
 path that takes it (odd shapes, one or two hinted arrays of odd sizes and addresses, outputs poisoned); the
 problem carries each array's share of the budget; a strided hint, or one on another device than the op's,

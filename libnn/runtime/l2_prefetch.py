@@ -3,7 +3,7 @@
 At batch 1 a decode step is a chain of GEMVs, each streaming its weight once; between two of them DRAM idles
 while one kernel drains and the next starts (and through attention, between the QKV and output projections).
 A GEMV told what the next one reads first prefetches up to L2_PREFETCH_BYTES of it into L2 behind its own
-first loads (kernels/common.cuh l2_prefetch_share), so that the next kernel's first reads hit L2: the 16-layer
+first loads (kernels/common.cuh l2_prefetch_hint), so that the next kernel's first reads hit L2: the 16-layer
 1.1B LLaMA's GEMV chain went from 76% to 86% of the copy rate (benchmarks/RESULTS.md, sixteenth session).
 
 The hint is None, an array, or a tuple of up to MAX_RANGES arrays: each a C-contiguous CuPy array on the op's
