@@ -352,6 +352,27 @@ def _swiglu():
             launch_custom(x, version, ((1, 1), (32, 1)))
 
 
+# --- argmax -------------------------------------------------------------------------------------------
+@item("argmax: odd lengths, misaligned rows, row slices, NaN and ties, rows past the grid")
+def _argmax():
+    from libnn import dtypes
+    from libnn.ops import argmax
+
+    for path in custom_paths("argmax"):
+        for dtype in DTYPES:
+            for shape in ((1,), (3, 7), (5, 131), (1, 32000), (8, 50257), (2, 3, 1000)):
+                x = normal(shape, dtype)
+                argmax(x, path=path)
+                argmax(offset_view(x), path=path)
+            wide = normal((6, 1030), dtype)
+            argmax(wide[:, 1:1001], path=path)   # rows one stride apart, each misaligned: read in place
+            argmax(wide.T[:40], path=path)       # strided: copied first
+            nans = rng().standard_normal((4, 999))
+            nans[:, ::7] = np.nan
+            argmax(dev(nans.astype(dtypes.parse(dtype))), path=path)
+        argmax(normal((70000, 33), "fp16"), path=path)   # more rows than the grid's blocks
+
+
 # --- softmax ------------------------------------------------------------------------------------------
 @item("softmax: custom paths, rows and columns, log, odd lengths")
 def _softmax():
