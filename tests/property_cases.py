@@ -509,6 +509,35 @@ def _build_swiglu(p, rng) -> Case:
     return Case("swiglu", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]})
 
 
+# --- argmax -------------------------------------------------------------------------------------------
+@st.composite
+def argmax_specs(draw, dtypes_=GPU_DTYPES):
+    """Rows of odd and vocabulary lengths; values from N(0, 1), or rounded to a few levels (ties: the first
+    index wins), with NaNs sprinkled in where `nans` (the first NaN wins); exact on every path."""
+    N = draw(st.one_of(SMALL, st.sampled_from([1, 7, 64, 1000, 1031, 32000, 50257])))
+    p = dict(lead=draw(st.lists(TINY, min_size=0, max_size=2)), N=N, dtype=draw(st.sampled_from(dtypes_)),
+             levels=draw(st.sampled_from([None, 2, 5])), nans=draw(st.booleans()),
+             x_view=draw(st.sampled_from(VIEWS)), seed=draw(st.integers(0, 2**32 - 1)))
+    return Spec("argmax", p)
+
+
+def _build_argmax(p, rng) -> Case:
+    from libnn.ops import argmax
+
+    lead, N, dtype = tuple(p["lead"]), p["N"], p["dtype"]
+    x = rng.standard_normal((*lead, N))
+    if p["levels"]:
+        x = np.round(x * p["levels"]) / p["levels"]
+    if p["nans"]:
+        x[rng.random(x.shape) < 0.01] = np.nan
+    arrays = {"x": x.astype(dtypes.parse(dtype))}
+
+    def call(a, path):
+        return argmax(a["x"], path=path)
+
+    return Case("argmax", call, arrays, dtype, tolerance(dtype), views={"x": p["x_view"]}, exact=True)
+
+
 # --- rms_norm_linear ------------------------------------------------------------------------------------
 @st.composite
 def rms_norm_linear_specs(draw, dtypes_=GPU_DTYPES, one_row=False):
@@ -624,7 +653,7 @@ STRATEGIES = {"linear": linear_specs, "conv2d": conv2d_specs, "attention": atten
               "layer_norm": layer_norm_specs, "softmax": softmax_specs, "pool2d": pool2d_specs,
               "fft_conv": fft_conv_specs, "embedding": embedding_specs, "rope": rope_specs,
               "rms_norm": rms_norm_specs, "swiglu": swiglu_specs, "linear_fp8": linear_fp8_specs,
-              "kv_append": kv_append_specs, "rms_norm_linear": rms_norm_linear_specs}
+              "kv_append": kv_append_specs, "rms_norm_linear": rms_norm_linear_specs, "argmax": argmax_specs}
 # Paths that take a narrow slice of their op's problems draw from that slice: linear's cutlass path runs
 # gelu_erf alone, fp16/bf16, N and K multiples of 8 (about 1 in 250 of linear_specs' draws); the gemv
 # paths one row, fp16/bf16, K a multiple of 8, arrays 16-byte aligned (the misaligned fallback has its tests
@@ -645,7 +674,7 @@ _BUILDERS = {"linear": _build_linear, "conv2d": _build_conv2d, "attention": _bui
              "layer_norm": _build_layer_norm, "softmax": _build_softmax, "pool2d": _build_pool2d,
              "fft_conv": _build_fft_conv, "embedding": _build_embedding, "rope": _build_rope,
              "rms_norm": _build_rms_norm, "swiglu": _build_swiglu, "linear_fp8": _build_linear_fp8,
-             "kv_append": _build_kv_append, "rms_norm_linear": _build_rms_norm_linear}
+             "kv_append": _build_kv_append, "rms_norm_linear": _build_rms_norm_linear, "argmax": _build_argmax}
 
 
 def build(spec: Spec, base_seed: int) -> Case:
