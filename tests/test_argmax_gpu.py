@@ -120,3 +120,19 @@ def test_the_greedy_sampler_takes_the_first_maximum_of_its_logits(rng):
         logits = random_normal(rng, (4, 32000), dtype)
         tokens = Sampler("test", 0.0, None, None, None, 32000)(cupy.asarray(logits))
         np.testing.assert_array_equal(tokens.get(), np.argmax(logits.astype(np.float32), axis=-1))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_first_of_many_nans_in_long_rows(rng, dtype, path):
+    """Rows of 50257 values with NaNs far apart (each block of a split reduction may meet one): the first."""
+    import cupy
+
+    x = random_normal(rng, (3, 50257), dtype).astype(np.float64)
+    x[0, [300, 20000, 40000]] = np.nan
+    x[1, [50256, 7]] = np.nan
+    x[2, rng.random(50257) < 0.01] = np.nan
+    x = x.astype(dtypes.parse(dtype))
+    got = argmax(cupy.asarray(x), path=path).get()
+    assert got[:2].tolist() == [300, 7]
+    check(argmax(cupy.asarray(x), path=path), x)
