@@ -13,11 +13,10 @@ It includes no CUDA toolkit header (only libnn's kernels/common.cuh); sm_80 or n
 
 Version 1 (the only one; libnn/ops/argmax.py launches it):
 
-1) argmax1_{f16,bf16,f32}   any N >= 1, any ldx >= N, any alignment of x
+1) argmax1_{f16,bf16,f32}   any N >= 1, any ldx >= N, x at any address that is a multiple of the element size
    One block of ARGMAX_THREADS threads per row (rows grid-strided over blockIdx.x). The row's 16-byte-aligned
-   middle is read in 16-byte vectors, ARGMAX_UNROLL vectors a thread in flight before it compares any (a
-   thread that read one element at a time and waited on each was CuPy's argmax's cost: benchmarks/RESULTS.md,
-   seventeenth session), the elements before it and after it one each by the first threads. Each thread
+   middle is read in 16-byte vectors, ARGMAX_UNROLL vectors a thread in flight before it compares any, the
+   elements before it and after it one each by the first threads. Each thread
    keeps its best (value, index), meeting its elements in increasing index (so a later one wins only by
    being larger, or the first NaN); then a butterfly over each warp and warp 0 over the warps' bests, in the
    full order. One row is one SM's work: at batch 1 the compares of its 32000 elements, not the reads,
@@ -33,7 +32,8 @@ LAUNCH
     argmax1_*     (ARGMAX_THREADS, 1, 1) (min(M, 65535), 1, 1)
 
     Rows are grid-strided: any grid >= 1 is correct; the block must be ARGMAX_THREADS threads (the warps'
-    shared bests). Preconditions: M >= 1, 1 <= N < 2^31, ldx >= N; element offsets are 64-bit.
+    shared bests). Preconditions: M >= 1, 1 <= N < 2^31 (the launcher sends longer rows to another path),
+    ldx >= N, x element-aligned; element offsets are 64-bit.
 */
 
 #include "common.cuh"
@@ -100,7 +100,8 @@ __device__ __forceinline__ void argmax_row(const typename DT::T* __restrict__ ro
             for (int k = 0; k < V; k++) best.next(DT::ld(e[k]), head + at * V + k);
         }
     }
-    if (tail + (int)threadIdx.x < N) best.next(DT::ld(row[tail + threadIdx.x]), tail + threadIdx.x);
+    // (N - tail, not tail + t < N: near N = 2^31 - 1 the sum would wrap past int)
+    if ((int)threadIdx.x < N - tail) best.next(DT::ld(row[tail + threadIdx.x]), tail + threadIdx.x);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) best.merge(__shfl_xor_sync(0xffffffffu, best.v, o),
                                                __shfl_xor_sync(0xffffffffu, best.i, o));

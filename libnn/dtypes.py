@@ -56,6 +56,12 @@ def parse(name) -> np.dtype:
     return np.dtype(name)
 
 
+def bf16_as_float32(a):
+    """A bf16 array (NumPy's or CuPy's: the same methods) as float32 from its bits, widened: the same values,
+    exactly, for a library whose arithmetic takes no bf16 (CuPy's)."""
+    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 # Relative L2 error that each dtype's results are held to against the float64 reference.
 TOLERANCE = {"fp64": 1e-12, "fp32": 1e-5, "tf32": 1e-3, "fp16": 1e-2, "bf16": 1e-2}
 

@@ -47,18 +47,18 @@ def test_ties_nan_and_infinities(dtype, path):
     wins over +inf and over a later NaN; a row of -inf gives 0; +inf beats every finite value."""
     import cupy
 
-    n = 1000
+    n = 1001   # 125 whole vectors of fp16 (250 of fp32) and element 1000 in the kernel's tail
     rows = np.full((7, n), 1.5)
     rows[1, [17, 400, 999]] = 9.0                 # a maximum three times: 17
     rows[2, [5, 600]] = np.nan                    # two NaNs: 5
     rows[2, 3] = np.inf                           # ... ahead of an earlier +inf
     rows[3] = -np.inf                             # all -inf: 0
     rows[4, 998] = np.inf                         # +inf: 998
-    rows[5, 999] = np.nan                         # the last element NaN: 999 (the kernel's tail)
+    rows[5, 1000] = np.nan                        # the last element NaN: 1000 (the kernel's tail)
     rows[6, 0] = np.nan                           # the first element NaN: 0
     x = rows.astype(dtypes.parse(dtype))
     got = argmax(cupy.asarray(x), path=path).get()
-    assert got.tolist() == [0, 17, 5, 0, 998, 999, 0]
+    assert got.tolist() == [0, 17, 5, 0, 998, 1000, 0]
     check(argmax(cupy.asarray(x), path=path), x)
 
 
@@ -136,3 +136,20 @@ def test_the_first_of_many_nans_in_long_rows(rng, dtype, path):
     got = argmax(cupy.asarray(x), path=path).get()
     assert got[:2].tolist() == [300, 7]
     check(argmax(cupy.asarray(x), path=path), x)
+
+
+def test_a_row_of_the_longest_length_finds_its_maximum_in_the_tail():
+    """A row of 2^31 - 1 fp16 values (4 GiB): the last 7 lie past the last whole vector, in the kernel's tail,
+    where an index computed as tail + thread would pass int's range; the maximum at the last element."""
+    import cupy
+
+    from libnn.ops.argmax import INT32_MAX
+
+    x = cupy.full((INT32_MAX,), 0.5, cupy.float16)
+    x[-1] = 2.0
+    x[INT32_MAX // 2] = 1.0
+    assert int(argmax(x, path="custom")) == INT32_MAX - 1
+    x[-1] = 0.25
+    assert int(argmax(x, path="custom")) == INT32_MAX // 2
+    del x
+    cupy.get_default_memory_pool().free_all_blocks()

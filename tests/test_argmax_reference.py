@@ -25,7 +25,8 @@ def test_shapes_reduce_the_last_axis():
 
 
 def test_paths_are_custom_cupy_reference_in_auto_order():
-    assert [(p["path"], p["kind"]) for p in libnn.paths("argmax")] == [("custom", "custom"), ("cupy", "library"), ("reference", "reference")]
+    assert [(p["path"], p["kind"]) for p in libnn.paths("argmax")] == [
+        ("custom", "custom"), ("cupy", "library"), ("reference", "reference")]
 
 
 @pytest.mark.parametrize("bad, error, message", [
@@ -40,5 +41,16 @@ def test_bad_input_is_named(bad, error, message):
 
 
 def test_a_gpu_path_on_host_arrays_says_why_not():
-    with pytest.raises(Exception, match="argmax"):
+    with pytest.raises(TypeError, match="argmax: path 'custom' runs on the GPU, but the arrays are host"):
         argmax(np.ones((2, 3), np.float32), path="custom")
+
+
+def test_rows_past_the_kernels_int_indices_go_to_another_path():
+    """kernels/argmax.cu indexes a row with int: rows of 2^31 values or more are refused by the custom path
+    (naming N and the limit), which auto then passes over for cupy."""
+    from libnn.ops.argmax import INT32_MAX, ArgmaxProblem, _custom_support
+
+    assert _custom_support(ArgmaxProblem((1, INT32_MAX), "fp16", "gpu:0")) is None
+    why = _custom_support(ArgmaxProblem((3, INT32_MAX + 1), "fp16", "gpu:0"))
+    assert why and f"N = {INT32_MAX + 1}" in why and f"N <= {INT32_MAX}" in why
+    assert "dtype fp64" in _custom_support(ArgmaxProblem((3, 5), "fp64", "gpu:0"))

@@ -1106,10 +1106,9 @@ def _host_ids(value: Any, where: str, name: str) -> np.ndarray:
 
 def _as_float32(a: Any) -> Any:
     """a in float32 on its device; bf16 on the GPU from its bits (CuPy's arithmetic takes no bf16)."""
-    xp = array_module(a)
     if is_cupy(a) and dtypes.short_name(a.dtype) == "bf16":
-        return (a.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32)
+        return dtypes.bf16_as_float32(a)
+    return a.astype(array_module(a).float32)
 
 
 # --- helpers -----------------------------------------------------------------------------------------------

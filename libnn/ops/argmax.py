@@ -11,8 +11,9 @@ fp32), so the paths agree element for element.
 
 Paths, in `auto` order:
 - custom:    kernels/argmax.cu, a block of 1024 threads per row, the row read in 16-byte vectors, four a
-             thread in flight; fp16, bf16, fp32. Rows at any stride with the last dimension contiguous are
-             read in place (a slice of wider logits); any other layout is copied to a contiguous one first.
+             thread in flight; fp16, bf16, fp32; rows of up to 2^31 - 1 values. Rows one stride apart with
+             the last dimension contiguous are read in place (a slice of wider logits); any other layout is
+             copied to a contiguous one first.
              CuPy's argmax of (1, 32000) fp16 logits, a 1.1B LLaMA's at batch 1, took 20 µs on the H100, and
              49 µs at batch 8 (`libnn bench argmax`; benchmarks/RESULTS.md, seventeenth session).
 - cupy:      cupy.argmax(x, axis=-1), and where a row has a NaN the first one, by an argmax of isnan(x): the
@@ -32,13 +33,14 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.swiglu import row_stride
+from libnn.ops.row_kernels import row_stride
 from libnn.registry import Op
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
 DTYPES = GPU_DTYPES + ("fp64",)  # fp64: the reference path
+INT32_MAX = 2**31 - 1  # the custom kernel's row length at most (int indices)
 
 op = Op("argmax", order=("custom", "cupy", "reference"))
 
@@ -94,6 +96,12 @@ def _gpu_support(problem: ArgmaxProblem) -> str | None:
     return None
 
 
+def _custom_support(problem: ArgmaxProblem) -> str | None:
+    if problem.N > INT32_MAX:
+        return f"rows of N = {problem.N} values exceed kernels/argmax.cu's int indices (N <= {INT32_MAX})"
+    return _gpu_support(problem)
+
+
 # --- custom path: kernels/argmax.cu ----------------------------------------------------------------------
 _ARGMAX = contracts.params("argmax.cu", "ARGMAX_PARAMS")
 ARGMAX_THREADS = contracts.constant("argmax.cu", "ARGMAX_THREADS")
@@ -128,7 +136,7 @@ def bind_custom(problem: ArgmaxProblem, x):
     return run
 
 
-op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)(bind_custom)
+op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)(bind_custom)
 
 
 # --- cupy path --------------------------------------------------------------------------------------------
@@ -142,12 +150,8 @@ def _cupy(problem: ArgmaxProblem, x):
 
 
 def as_cupy_float(x):
-    """x as CuPy compares it: bf16 as float32 from its bits (the same values, so the same order), else x."""
-    import cupy
-
-    if dtypes.short_name(x.dtype) != "bf16":
-        return x
-    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    """x as CuPy compares it: bf16 as float32 (the same values, so the same order), else x."""
+    return dtypes.bf16_as_float32(x) if dtypes.short_name(x.dtype) == "bf16" else x
 
 
 # --- reference -------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ It also holds what the row-normalizing ops (layer_norm, rms_norm, embedding's fu
 on the host: the checks of a weight or bias vector against the rows, of eps, of a fused residual and
 return_sum, and the memory check of the float64 reference; and what layer_norm's and rms_norm's paths
 share: the result of an empty problem and the float64 reference's rows and result (both ops' GPU runners
-read pointers of C-contiguous arrays of any rank: runtime.arrays.copying_strided wraps them).
+read pointers of C-contiguous arrays of any rank: runtime.arrays.copying_strided wraps them). And the row
+stride that swiglu's and argmax's kernels read their rows at in place (row_stride).
 """
 
 from __future__ import annotations
@@ -46,6 +47,25 @@ def aligned(dtype: str, n: int, arrays) -> bool:
     """Whether the 16-byte (vec) kernels may run: whole groups per row and every array's pointer 16-byte
     aligned (None: an absent array)."""
     return n % group(dtype) == 0 and all(a.data.ptr % 16 == 0 for a in arrays if a is not None)
+
+
+def row_stride(x) -> int | None:
+    """The stride in elements between the rows of x (..., W) seen as (M, W), where a row kernel can read x as
+    it lies (the last dimension contiguous, the leading dimensions one stride apart, rows not overlapping);
+    None where x must be copied first (swiglu's and argmax's GPU paths)."""
+    if x.ndim < 2:
+        return x.shape[-1] if x.flags.c_contiguous else None
+    strides, shape, size = x.strides, x.shape, x.itemsize
+    if (x.shape[-1] > 1 and strides[-1] != size) or any(s % size for s in strides):
+        return None
+    lead = [(n, s // size) for n, s in zip(shape[:-1], strides[:-1]) if n > 1]
+    if not lead:  # one row
+        return shape[-1]
+    for (_, outer), (n, inner) in zip(lead, lead[1:]):
+        if outer != n * inner:  # the leading dimensions do not flatten to one stride
+            return None
+    ldx = lead[-1][1]
+    return ldx if ldx >= shape[-1] else None  # rows must not overlap
 
 
 @dataclass(frozen=True)

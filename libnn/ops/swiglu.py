@@ -31,6 +31,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
+from libnn.ops.row_kernels import row_stride
 from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -108,24 +109,6 @@ VERSIONS = ("swiglu1_scalar", "swiglu2_vec")
 
 def _pow2_at_least(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
-
-
-def row_stride(x) -> int | None:
-    """x's rows as (M, 2F) with their stride in elements, where the kernel can read x as it lies (the
-    last dimension contiguous, the leading dimensions one stride apart); None where x must be copied."""
-    if x.ndim < 2:
-        return x.shape[-1] if x.flags.c_contiguous else None
-    strides, shape, size = x.strides, x.shape, x.itemsize
-    if (x.shape[-1] > 1 and strides[-1] != size) or any(s % size for s in strides):
-        return None
-    lead = [(n, s // size) for n, s in zip(shape[:-1], strides[:-1]) if n > 1]
-    if not lead:  # one row
-        return shape[-1]
-    for (_, outer), (n, inner) in zip(lead, lead[1:]):
-        if outer != n * inner:  # the leading dimensions do not flatten to one stride
-            return None
-    ldx = lead[-1][1]
-    return ldx if ldx >= shape[-1] else None  # rows must not overlap
 
 
 def aligned(problem: SwigluProblem, ldx: int, x_pointer: int, y_pointer: int) -> bool:
