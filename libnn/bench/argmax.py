@@ -37,20 +37,10 @@ def _torch_paths(values: np.ndarray, dtype: str) -> dict[str, Callable[[Any], An
     """torch.argmax of the same values, eager, replayed from a torch.cuda.graph, and compiled."""
     import torch
 
-    x = torch.from_numpy(values).cuda().to({"fp16": torch.float16, "bf16": torch.bfloat16,
-                                            "fp32": torch.float32}[dtype])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            torch.argmax(x, dim=-1)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.argmax(x, dim=-1)
+    x = torch.from_numpy(values).cuda().to(harness.torch_dtype(dtype))
     compiled = torch.compile(lambda t: torch.argmax(t, dim=-1))
-    return {"torch eager": lambda _: torch.argmax(x, dim=-1), "torch graph": lambda _: graph.replay(),
-            "torch.compile": lambda _: compiled(x)}
+    eager = lambda _: torch.argmax(x, dim=-1)  # noqa: E731
+    return {"torch eager": eager, "torch graph": harness.torch_graph(eager), "torch.compile": lambda _: compiled(x)}
 
 
 def rows(ceilings: harness.Ceilings, quick: bool) -> list[dict[str, Any]]:

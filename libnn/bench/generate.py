@@ -455,13 +455,7 @@ def _hf_model(plan: Plan, dtype: str) -> Any:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, INIT_STD)
-    return model.to(_torch_dtype(dtype)).eval()
-
-
-def _torch_dtype(dtype: str) -> Any:
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    return model.to(harness.torch_dtype(dtype)).eval()
 
 
 @dataclass

@@ -202,6 +202,30 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None =
     return "\n".join(lines)
 
 
+def torch_dtype(dtype: str) -> Any:
+    """PyTorch's dtype for a libnn short dtype name (fp32, fp16, bf16): the benchmarks' peers."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+def torch_graph(eager: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`eager` captured in a torch.cuda.graph on its static inputs (warmed up on a side stream, as
+    PyTorch's documentation does it); returns the replay, called as eager is."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager(None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eager(None)
+    return lambda _: graph.replay()
+
+
 def progress(i: int, total: int, label: str) -> None:
     """One line per step on stderr, so that long runs show where they are without cluttering stdout."""
     print(f"[{i}/{total}] {label}", file=sys.stderr, flush=True)

@@ -159,7 +159,7 @@ def _torch_model(case: Case, checkpoint: str | None):
     random weights (only their time is compared); the encoders are the checkpoint libnn loads."""
     import torch
 
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+    dtype = harness.torch_dtype(case.dtype)
     if case.model == "seed CNN":
         model = torch_model().cuda().eval().to(dtype).to(memory_format=torch.channels_last)
         x = torch.randn(case.batch, 1, 28, 28, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
@@ -196,7 +196,7 @@ def _torch_timings(case: Case, checkpoint: str | None) -> list[tuple[str, Callab
 
     found = [(f"{peer} eager", eager, {})]
     try:
-        found.append((f"{peer} eager in torch.cuda.graph", _torch_graph(eager), {}))
+        found.append((f"{peer} eager in torch.cuda.graph", harness.torch_graph(eager), {}))
     except Exception as exc:  # noqa: BLE001 - a peer that cannot be captured is reported, not fatal
         found.append((f"{peer} eager in torch.cuda.graph", None, {"note": str(exc).splitlines()[0][:70]}))
     if case.compile:
@@ -212,23 +212,6 @@ def _torch_timings(case: Case, checkpoint: str | None) -> list[tuple[str, Callab
 
         found.append(("torch.compile", run_compiled, {"first call s": time.perf_counter() - start}))
     return found
-
-
-def _torch_graph(eager: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """`eager` captured in a torch.cuda.graph on its static inputs (warmed up on a side stream, as
-    PyTorch's documentation does it); returns the replay."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            eager(None)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        eager(None)
-    return lambda _: graph.replay()
 
 
 # --- one case -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from libnn import dtypes
-from libnn.ops.row_kernels import row_stride
+from libnn.ops.row_kernels import row_stride, strided_rows_runner
 from libnn.registry import Op
 from libnn.runtime import contracts, launch
 from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
@@ -116,8 +116,6 @@ def custom_launch(problem: ArgmaxProblem) -> tuple[str, tuple[int], tuple[int]]:
 def bind_custom(problem: ArgmaxProblem, x):
     """The runner of kernels/argmax.cu for x of this signature: y from CuPy's pool, one packed launch; x
     copied first only where its rows are not one stride apart with a contiguous last dimension."""
-    import cupy
-
     new = allocator(problem.out_shape, np.int64)
     if problem.M == 0:
         return lambda x: new()
@@ -128,12 +126,7 @@ def bind_custom(problem: ArgmaxProblem, x):
                          _ARGMAX.pack(x=launch.ARRAY, y=launch.ARRAY, M=problem.M, N=problem.N,
                                       ldx=problem.N if copy else ldx),
                          programmatic=launch.programmatic_supported(problem.device))
-
-    def run(x):
-        y = new()
-        kernel(cupy.ascontiguousarray(x) if copy else x, y)
-        return y
-    return run
+    return strided_rows_runner(kernel, new, copy)
 
 
 op.path("custom", kind="custom", device="gpu", supports=_custom_support, binds=True)(bind_custom)

@@ -12,7 +12,8 @@ on the host: the checks of a weight or bias vector against the rows, of eps, of 
 return_sum, and the memory check of the float64 reference; and what layer_norm's and rms_norm's paths
 share: the result of an empty problem and the float64 reference's rows and result (both ops' GPU runners
 read pointers of C-contiguous arrays of any rank: runtime.arrays.copying_strided wraps them). And the row
-stride that swiglu's and argmax's kernels read their rows at in place (row_stride).
+stride that swiglu's and argmax's kernels read their rows at in place (row_stride), and their runner
+(strided_rows_runner).
 """
 
 from __future__ import annotations
@@ -66,6 +67,19 @@ def row_stride(x) -> int | None:
             return None
     ldx = lead[-1][1]
     return ldx if ldx >= shape[-1] else None  # rows must not overlap
+
+
+def strided_rows_runner(kernel, new, copy: bool):
+    """run(x) -> y for a row kernel launched as kernel(x, y) (swiglu's and argmax's custom paths): y from
+    `new`, x read as it lies at its row_stride, or first copied to a contiguous array where `copy` (x's
+    rows had no single stride)."""
+    import cupy
+
+    def run(x):
+        y = new()
+        kernel(cupy.ascontiguousarray(x) if copy else x, y)
+        return y
+    return run
 
 
 @dataclass(frozen=True)

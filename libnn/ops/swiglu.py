@@ -31,7 +31,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.registry import Op
 from libnn.runtime import contracts, launch, memory
-from libnn.ops.row_kernels import row_stride
+from libnn.ops.row_kernels import row_stride, strided_rows_runner
 from libnn.runtime.arrays import allocator, as_array, device_of, signature, stream_key
 
 GPU_DTYPES = ("fp16", "bf16", "fp32")
@@ -138,8 +138,6 @@ def bind_custom(problem: SwigluProblem, x, version: str | None = None, geometry=
     last dimension. `version` forces one of custom_versions (tests); `geometry`, (grid, block), replaces
     the LAUNCH table's (both loops are grid-strided, so any grid >= 1 and block up to SWIGLU_THREADS
     threads is correct)."""
-    import cupy
-
     out_shape, dtype = problem.out_shape, x.dtype
     new = allocator(out_shape, dtype)
     if problem.M == 0 or problem.F == 0:  # nothing to compute
@@ -159,12 +157,7 @@ def bind_custom(problem: SwigluProblem, x, version: str | None = None, geometry=
     kernel = launch.bind("swiglu.cu", name, grid, block,
                          _SWIGLU.pack(x=launch.ARRAY, y=launch.ARRAY, M=problem.M, F=problem.F, ldx=ldx),
                          programmatic=launch.programmatic_supported(problem.device))
-
-    def run(x):
-        y = new()
-        kernel(cupy.ascontiguousarray(x) if copy else x, y)
-        return y
-    return run
+    return strided_rows_runner(kernel, new, copy)
 
 
 op.path("custom", kind="custom", device="gpu", supports=_gpu_support, binds=True)(bind_custom)
