@@ -47,14 +47,3 @@ def test_kernel_parameters_pack_a_slot_per_hinted_array():
 
 def test_the_budget_is_common_cuh_s():
     assert l2_prefetch.budget() == contracts.constants("common.cuh")["L2_PREFETCH_BYTES"] > 0
-
-
-def test_a_model_hints_only_contiguous_arrays_and_only_when_on():
-    from libnn.models.decoder import prefetch_hint
-
-    w, v = np.ones((4, 8), np.float16), np.ones((4, 8), np.float16)
-    assert prefetch_hint(True, w) is w
-    assert prefetch_hint(True, w, v) == (w, v)
-    assert prefetch_hint(False, w) is None
-    assert prefetch_hint(True, None) is None
-    assert prefetch_hint(True, w[:, ::2]) is None and prefetch_hint(True, w, v[:, ::2]) is None

@@ -2,9 +2,8 @@
 kernels/gemv.cu and kernels/linear_fp8.cu's version 3): it changes no result, bit for bit, on every op and
 path that takes it (odd shapes, one or two hinted arrays of odd sizes and addresses, outputs poisoned); the
 problem carries each array's share of the budget; a strided hint, or one on another device than the op's,
-is refused by name; a decode step of a LLaMA or GPT-2 CausalLM hints each GEMM with the next one's weight,
-in order, the last layer's with the head's and the head's with the first layer's, and a strided weight
-gets no hint (the step runs as before)."""
+is refused by name; a decode step of a LLaMA or GPT-2 CausalLM gives no hint (it ran faster without:
+benchmarks/RESULTS.md, eighteenth session)."""
 
 from __future__ import annotations
 
@@ -197,58 +196,9 @@ def hints_of_a_step(rng, model, monkeypatch):
     return seen, tokens
 
 
-def ptr(a):
-    return a.data.ptr
-
-
-def test_a_llama_decode_step_hints_each_gemm_with_the_next_ones_weight(tmp_path, rng, monkeypatch):
-    """Per layer: QKV's o_proj's weight, o_proj's gate and up halves, gate_up's down_proj's weight,
-    down_proj's the next layer's stacked QKV (the last layer's the head's); then the head's the first
-    layer's stacked QKV (the logits with hints: tests/test_llama.py's, against transformers)."""
-    lm = model(tmp_path, rng, test_llama)
-    seen, _ = hints_of_a_step(rng, lm, monkeypatch)
-    layers = list(lm.base_model.layers)
-    stacks = [ptr(layer.self_attn.packed().weight) for layer in layers]
-    expected = []
-    for i, layer in enumerate(layers):
-        mlp = layer.mlp
-        expected += [("rms_norm_linear", (ptr(layer.self_attn.o_proj.weight),)),
-                     ("linear", (ptr(mlp.gate_proj.weight), ptr(mlp.up_proj.weight))),
-                     ("rms_norm_linear", (ptr(mlp.down_proj.weight),)),
-                     ("linear", (stacks[i + 1] if i + 1 < len(layers) else ptr(lm.lm_head.weight),))]
-    expected.append(("rms_norm_linear", (stacks[0],)))
-    assert seen == expected
-
-
-def test_a_gpt2_decode_step_hints_each_gemm_with_the_next_ones_weight(tmp_path, rng, monkeypatch):
-    """Per block: c_attn's attn.c_proj's weight, attn.c_proj's c_fc's, c_fc's mlp.c_proj's, mlp.c_proj's the
-    next block's c_attn (the last block's the tied head's, wte); then the head's the first block's c_attn."""
-    lm = model(tmp_path, rng, test_gpt2)
-    seen, _ = hints_of_a_step(rng, lm, monkeypatch)
-    blocks = list(lm.base_model.h)
-    expected = []
-    for i, block in enumerate(blocks):
-        after = blocks[i + 1].attn.c_attn.weight if i + 1 < len(blocks) else lm.base_model.wte.weight
-        expected += [("linear", (ptr(block.attn.c_proj.weight),)), ("linear", (ptr(block.mlp.c_fc.weight),)),
-                     ("linear", (ptr(block.mlp.c_proj.weight),)), ("linear", (ptr(after),))]
-    expected.append(("linear", (ptr(blocks[0].attn.c_attn.weight),)))
-    assert seen == expected
-
-
-def test_a_strided_weight_gets_no_hint_and_the_step_runs(tmp_path, rng, monkeypatch):
-    """o_proj's weight replaced by a strided view of the same values: the QKV GEMM, which would hint it,
-    gives no hint, and the step's logits are the contiguous model's."""
-    import cupy
-    lm = model(tmp_path, rng, test_llama)
-    ids, lengths = padded(prompts(rng, (5,)))
-    tokens = lm.prefill(ids, lengths).argmax(-1)
-    expected = lm.decode_step(tokens).get()
-    layer = next(iter(lm.base_model.layers))
-    weight = layer.self_attn.o_proj.weight
-    wide = cupy.zeros((weight.shape[0], 2 * weight.shape[1]), weight.dtype)
-    wide[:, ::2] = weight
-    layer.self_attn.o_proj.weight = wide[:, ::2]
-    seen, _ = hints_of_a_step(rng, lm, monkeypatch)
-    assert ("rms_norm_linear", (ptr(wide),)) not in seen and seen[0][0] == "linear"
-    lm.prefill(ids, lengths)
-    assert rel_error(lm.decode_step(tokens), expected) <= dtypes.TOLERANCE["fp16"]
+@pytest.mark.parametrize("module", [test_llama, test_gpt2], ids=["llama", "gpt2"])
+def test_a_decode_step_gives_no_hint(tmp_path, rng, monkeypatch, module):
+    lm = model(tmp_path, rng, module)
+    seen, tokens = hints_of_a_step(rng, lm, monkeypatch)
+    assert seen == []
+    assert tokens.shape == (1,)

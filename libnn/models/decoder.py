@@ -211,10 +211,6 @@ class DecoderModel(Module):
         in front (norm_then_dense: rms_norm_linear), else None (the default);
       - word_embeddings → the (vocab, hidden) table: a tied lm_head, and the model's dtype and device;
       - rotary_frequencies() → the rotary inv_freq (host float32), or None: k enters the cache unrotated;
-      - first_weight() → what the forward's first GEMM reads first, the L2 prefetch hint of the GEMM ahead
-        of it (the last step's logits'; runtime/l2_prefetch.py), or None (the default: no hint);
-        `run_layers` runs the layers with those hints, where each layer has a first_weight() too and its
-        forward takes `after`, what the GEMM after its last one reads first;
       - pack() and move_packed_to_gpu(): weights stacked at load (several layers' weights in one GEMM),
         built now, and moved whole before CausalLM.to("gpu") moves the rest (the layers' parameters
         stay views into them); by default there are none;
@@ -228,20 +224,11 @@ class DecoderModel(Module):
     def rotary_frequencies(self) -> np.ndarray | None:
         return None
 
-    def first_weight(self) -> Any:
-        return None
-
     @staticmethod
     def run_layers(x: Any, step: Step, layers: Iterable[Module]) -> Any:
-        """x through `layers` in turn, each called as layer(x, step, index, after): with step.hints (a decode
-        step on the GPU) `after` is the next layer's first_weight(), the last layer's the head's weight;
-        else None."""
-        layers = list(layers)
+        """x through `layers` in turn, each called as layer(x, step, index)."""
         for index, layer in enumerate(layers):
-            after = step.head_weight
-            if step.hints and index + 1 < len(layers):
-                after = layers[index + 1].first_weight()
-            x = layer(x, step, index, after)
+            x = layer(x, step, index)
         return x
 
     def pack(self) -> None:
@@ -352,26 +339,16 @@ def fused_norm_path(path: str | dict[str, str]) -> str | None:
 
 
 def norm_then_dense(x: Any, norm: RMSNorm, weight: Any, bias: Any, w_scale: Any, path: str | dict[str, str],
-                    glu: str | None = None, prefetch: Any = None) -> Any:
+                    glu: str | None = None) -> Any:
     """dense(norm(x)) for a Linear's weight in either form (nn.functional.dense: E4M3 codes with w_scale),
     then swiglu where glu: one rms_norm_linear call (one kernel at batch 1) where the norm has a weight
     and `path` leaves the choice to it (fused_norm_path); otherwise the norm, the GEMM and swiglu in
-    turn, each on its own path. `prefetch`: the GEMM's L2 prefetch hint (runtime/l2_prefetch.py)."""
+    turn, each on its own path."""
     fused = fused_norm_path(path)
     if norm.weight is not None and fused is not None:
-        return rms_norm_linear(x, norm.weight, weight, bias, w_scale=w_scale, eps=norm.eps, glu=glu,
-                               prefetch=prefetch, path=fused)
-    y = dense(norm(x), weight, bias, w_scale=w_scale, prefetch=prefetch, path=path_for(path, "linear"))
+        return rms_norm_linear(x, norm.weight, weight, bias, w_scale=w_scale, eps=norm.eps, glu=glu, path=fused)
+    y = dense(norm(x), weight, bias, w_scale=w_scale, path=path_for(path, "linear"))
     return swiglu(y, path=path_for(path, "swiglu")) if glu else y
-
-
-def prefetch_hint(on: bool, *arrays: Any) -> Any:
-    """A GEMM's L2 prefetch hint (runtime/l2_prefetch.py) for what the next one reads first, `arrays` (a
-    weight, or a stacked weight's two halves): None unless `on` and each is a C-contiguous array (a weight
-    assigned as a strided view gets no hint, which the ops would refuse: a hint never fails a model)."""
-    if not on or any(a is None or not a.flags.c_contiguous for a in arrays):
-        return None
-    return arrays[0] if len(arrays) == 1 else arrays
 
 
 class Layers(Module):
@@ -553,13 +530,6 @@ class Step:
     causal: bool                  # prefill (causal, top-left) or a decode step (one query, no mask)
     seq_lens_q: Any = None
     seq_lens_kv: Any = None
-    head_weight: Any = None       # what the logits' GEMM reads first, where the layers' GEMMs give L2 prefetch
-                                  # hints (a decode step on the GPU; runtime/l2_prefetch.py), else None
-
-    @property
-    def hints(self) -> bool:
-        """Whether the layers' GEMMs give L2 prefetch hints (prefetch_hint)."""
-        return self.head_weight is not None
 
     def attend(self, layer: int, q: Any, k: Any, v: Any, path: str | dict[str, str]) -> Any:
         """k and v (B, S, Hkv, D) into layer `layer`'s cache, then q's (B, S, Hq, D) attention over the
@@ -803,23 +773,19 @@ class CausalLM(Module):
         B = tokens.shape[0]
         # at + 1 >= 1 (the bucket's padding rows repeat a real row's position): vouched nonempty, the
         # attention binds no kernel zeroing rows without keys
-        head = self._table if self.lm_head is None else self.lm_head.weight
-        hinted = is_cupy(head)  # L2 prefetch hints: each GEMM's for the next one (runtime/l2_prefetch.py)
         step = Step(at[:, None], self._inv_freq, self._ready_cache(), causal=False,
-                    seq_lens_kv=CheckedLengths(at + 1, nonempty=True), head_weight=head if hinted else None)
+                    seq_lens_kv=CheckedLengths(at + 1, nonempty=True))
         x = self.base_model(tokens[:, None], step)
-        return self._logits(x.reshape(B, -1), self.base_model.first_weight() if hinted else None)
+        return self._logits(x.reshape(B, -1))
 
-    def _logits(self, rows: Any, prefetch: Any = None) -> Any:
+    def _logits(self, rows: Any) -> Any:
         """(B, vocab_size) from the last hidden rows (B, H): the final norm, then lm_head (the word
-        embeddings when tied), its GEMM with the L2 prefetch hint `prefetch`."""
+        embeddings when tied)."""
         head = (self._table, None, None) if self.lm_head is None else \
             (self.lm_head.weight, self.lm_head.bias, self.lm_head.weight_scale)
-        prefetch = prefetch_hint(prefetch is not None, prefetch)
         if (norm := self.base_model.final_rms_norm()) is not None:
-            return norm_then_dense(rows, norm, *head, self.path, prefetch=prefetch)
-        return dense(self.base_model.final_norm(rows), *head[:2], w_scale=head[2], prefetch=prefetch,
-                     path=path_for(self.path, "linear"))
+            return norm_then_dense(rows, norm, *head, self.path)
+        return dense(self.base_model.final_norm(rows), *head[:2], w_scale=head[2], path=path_for(self.path, "linear"))
 
     def _check_ids(self, ids: Any, where: str, name: str) -> None:
         """ids in [0, vocab_size): one synchronisation on the GPU."""

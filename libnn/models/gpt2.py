@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from libnn.models.decoder import (Architecture, CausalLM, DecoderConfig, DecoderModel, Layers, LoadReport, Step,
-                                  checked_model_type, layer_range, path_for, prefetch_hint, register,
+                                  checked_model_type, layer_range, path_for, register,
                                   token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
@@ -206,24 +206,19 @@ class GPT2Block(Module):
         self.mlp = GPT2MLP(c, dtype, device, path)
         self.config, self.path = c, path
 
-    def first_weight(self) -> Any:
-        """c_attn's weight: what this block's first GEMM reads first."""
-        return self.attn.c_attn.weight
-
-    def forward(self, x: Any, step: Step, index: int, after: Any = None) -> Any:
+    def forward(self, x: Any, step: Step, index: int) -> Any:
         """x (B, S, n_embd) → the next block's input; `step` holds the positions, the cache and the lengths
-        of a prefill (S tokens per sequence) or a decode step (S = 1). `after`: what the GEMM after this
-        block's reads first, where the GEMMs give L2 prefetch hints (each for the next), else None."""
+        of a prefill (S tokens per sequence) or a decode step (S = 1)."""
         c = self.config
         B, S, H = x.shape
-        attn, mlp, hints = self.attn, self.mlp, step.hints
-        qkv = attn.c_attn(self.ln_1(x), prefetch=prefetch_hint(hints, attn.c_proj.weight))
+        attn, mlp = self.attn, self.mlp
+        qkv = attn.c_attn(self.ln_1(x))
         qkv = qkv.reshape(B, S, 3 * c.n_head, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :c.n_head], qkv[:, :, c.n_head:2 * c.n_head], qkv[:, :, 2 * c.n_head:]
         o = step.attend(index, q, k, v, self.path)
-        h = attn.c_proj(o.reshape(B, S, H), residual=x, prefetch=prefetch_hint(hints, mlp.c_fc.weight))
-        a = mlp.c_fc(self.ln_2(h), prefetch=prefetch_hint(hints, mlp.c_proj.weight))
-        return mlp.c_proj(a, residual=h, prefetch=prefetch_hint(hints, after))
+        h = attn.c_proj(o.reshape(B, S, H), residual=x)
+        a = mlp.c_fc(self.ln_2(h))
+        return mlp.c_proj(a, residual=h)
 
 
 class GPT2Model(DecoderModel):
@@ -246,9 +241,6 @@ class GPT2Model(DecoderModel):
         x = embedding(ids, self.wte.weight, type_ids=step.positions, type_weight=self.wpe.weight,
                       path=path_for(self.path, "embedding"))
         return self.run_layers(x, step, self.h)
-
-    def first_weight(self) -> Any:
-        return next((block.first_weight() for block in self.h), None)  # None: no blocks
 
     def final_norm(self, rows: Any) -> Any:
         return self.ln_f(rows)

@@ -42,7 +42,7 @@ import numpy as np
 
 from libnn.models.decoder import (FLOAT32_MAX, Architecture, CausalLM, DecoderConfig, DecoderModel, Layers,
                                   LoadReport, Step, checked_model_type, layer_range, norm_then_dense, path_for,
-                                  prefetch_hint, register, token_fields)
+                                  register, token_fields)
 from libnn.nn import checks
 from libnn.nn.basic import Embedding
 from libnn.nn.linear import Linear, StackedLinear, share_stacked, stack_linear
@@ -276,10 +276,9 @@ class LlamaMLP(Module):
         return _stacked(self, *self.stacks()[0])
 
 
-def _normed(x: Any, norm: RMSNorm, stacked: StackedLinear, path: Any, glu: str | None = None,
-            prefetch: Any = None) -> Any:
+def _normed(x: Any, norm: RMSNorm, stacked: StackedLinear, path: Any, glu: str | None = None) -> Any:
     """The stacked GEMM of norm(x), then glu: rms_norm_linear where it may run (norm_then_dense)."""
-    return norm_then_dense(x, norm, stacked.weight, stacked.bias, stacked.weight_scale, path, glu, prefetch)
+    return norm_then_dense(x, norm, stacked.weight, stacked.bias, stacked.weight_scale, path, glu)
 
 
 class LlamaDecoderLayer(Module):
@@ -293,30 +292,20 @@ class LlamaDecoderLayer(Module):
         self.mlp = LlamaMLP(c, dtype, device, path)
         self.config, self.path = c, path
 
-    def first_weight(self) -> Any:
-        """The stacked QKV weight: what this layer's first GEMM reads first."""
-        return self.self_attn.packed().weight
-
-    def forward(self, x: Any, step: Step, index: int, after: Any = None) -> Any:
+    def forward(self, x: Any, step: Step, index: int) -> Any:
         """x (B, S, H) → the next layer's input; `step` holds the positions, the cache and the lengths
-        of a prefill (S tokens per sequence) or a decode step (S = 1). `after`: what the GEMM after this
-        layer's reads first, where the GEMMs give L2 prefetch hints (each for the next), else None."""
+        of a prefill (S tokens per sequence) or a decode step (S = 1)."""
         c, path = self.config, self.path
         B, S, _ = x.shape
         Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
-        attn, mlp, hints = self.self_attn, self.mlp, step.hints
-        qkv = _normed(x, self.input_layernorm, attn.packed(), path, prefetch=prefetch_hint(hints, attn.o_proj.weight))
+        attn, mlp = self.self_attn, self.mlp
+        qkv = _normed(x, self.input_layernorm, attn.packed(), path)
         qkv = qkv.reshape(B, S, Hq + 2 * Hkv, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
         o = step.attend(index, q, k, v, path)   # q and k rotated there, by kv_append's one kernel
-        # the gate_up GEMM reads rows f and I + f together: its halves, gate_proj's and up_proj's views of the
-        # stack (made current by packed() first)
-        gate_up = mlp.packed()
-        h = attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x,
-                        prefetch=prefetch_hint(hints, mlp.gate_proj.weight, mlp.up_proj.weight))
-        a = _normed(h, self.post_attention_layernorm, gate_up, path, glu="swiglu",
-                    prefetch=prefetch_hint(hints, mlp.down_proj.weight))
-        return mlp.down_proj(a, residual=h, prefetch=prefetch_hint(hints, after))
+        h = attn.o_proj(o.reshape(B, S, Hq * c.head_dim), residual=x)
+        a = _normed(h, self.post_attention_layernorm, mlp.packed(), path, glu="swiglu")
+        return mlp.down_proj(a, residual=h)
 
 
 class LlamaModel(DecoderModel):
@@ -332,8 +321,7 @@ class LlamaModel(DecoderModel):
         self.config, self.path = c, path
 
     def forward(self, ids: Any, step: Step) -> Any:
-        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S) (with step.head_weight,
-        each GEMM hinting the next one's weight: run_layers)."""
+        """The hidden states after the last layer, (B, S, hidden_size), of ids (B, S)."""
         x = embedding(ids, self.embed_tokens.weight, path=path_for(self.path, "embedding"))
         return self.run_layers(x, step, self.layers)
 

@@ -5,6 +5,8 @@ while one kernel drains and the next starts (and through attention, between the 
 A GEMV told what the next one reads first prefetches up to L2_PREFETCH_BYTES of it into L2 behind its own
 first loads (kernels/common.cuh l2_prefetch_hint), so that the next kernel's first reads hit L2: the 16-layer
 1.1B LLaMA's GEMV chain went from 76% to 86% of the copy rate (benchmarks/RESULTS.md, sixteenth session).
+The decoders no longer give it: since the later launch changes their batch-1 steps run 1.9% faster without
+(LLaMA; GPT-2 unchanged: RESULTS.md, eighteenth session). It stays an op option for chains where it pays.
 
 The hint is None, an array, or a tuple of up to MAX_RANGES arrays: each a C-contiguous CuPy array on the op's
 device that no kernel in flight writes (a weight), since the prefetch may run while the kernel ahead is
