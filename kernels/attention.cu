@@ -715,8 +715,8 @@ __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o,
                                                typename DT::T* __restrict__ o, int Hq, int D, int splits, i64 o_sb,
                                                i64 o_sh) {
     pdl_wait();   // the partials are attn3_decode's output
-    // the output projection's GEMV may start: its blocks load their first weights (which the GEMV ahead of
-    // attention prefetched into L2) while this small kernel runs (the batch-1 step 0.969 -> 0.952 ms)
+    // the output projection's GEMV may start: its blocks load their first weights while this small kernel
+    // runs (benchmarks/RESULTS.md, sixteenth and eighteenth sessions)
     pdl_launch_dependents();
     const int bh = blockIdx.x, b = bh / Hq, h = bh - b * Hq;
     const float* ml = part_ml + (i64)bh * splits * 2;
