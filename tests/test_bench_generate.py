@@ -265,10 +265,12 @@ def test_the_table_has_a_column_for_every_figure_a_row_gets():
 
 def test_the_split_table_has_a_column_per_category_and_for_what_the_split_adds():
     split = harness.split_kernel_times([("nvjet_tst_64x8", 2.0)], generate.SPLIT_CATEGORIES, calls=2)
-    produced = {"model", "dtype", "batch", "path", "decode ms/step", "note", *split}
+    path = harness.critical_path_split([("nvjet_tst_64x8", 0.0, 2.0)], generate.SPLIT_CATEGORIES, calls=2)
+    produced = {"model", "dtype", "batch", "path", "decode ms/step", "note", *split, *path}
     assert set(generate.SPLIT_COLUMNS) == produced
     assert [c for c in generate.SPLIT_COLUMNS if c.endswith(" ms") and c != "decode ms/step"] == \
-        ["attention ms", "norms ms", "GEMM ms", "glue ms", "kernels ms"]
+        ["attention ms", "norms ms", "GEMM ms", "glue ms", "kernels ms", "attention path ms", "norms path ms",
+         "GEMM path ms", "glue path ms", "idle ms"]
 
 
 # --- the decode step's kernel categories -------------------------------------------------------------------

@@ -82,7 +82,10 @@ Kernel time per decode step of the libnn graph and libnn graph paged rows, by ca
 (`harness.kernel_split`, torch.profiler, as `bench models` splits its encoders): GEMM, attention, norms
 (RMSNorm, GPT-2's LayerNorm) and glue (everything else: rope, swiglu, the embedding gather, the KV cache's
 writes, the argmax, copies), over 5 decode steps after a new prefill, the warm-up steps and one untimed
-step, beside the row's GPU ms per step; the costliest glue kernels named.
+step, beside the row's GPU ms per step; the costliest glue kernels named. Kernels launched programmatically
+start early and wait for the one ahead, so their kernel times overlap and add up to more than the step:
+beside them each category's share of the critical path ("path ms": the part of a kernel's time past the
+end of the work ahead of it) and the idle time between kernels, which add up to the step's span.
 
 Targets (issue 16, H100, the 1B shape; judged on the LLaMA rows, the GPT-2 rows have none of their own):
 batch-1 decode at >= 80% of copy bandwidth in fp16 (weights per step over step time); >= 3x Hugging Face
@@ -149,7 +152,8 @@ SPLIT_STEPS = 5  # decode steps profiled
 COLUMNS = ("model", "dtype", "batch", "path", "prefill ms", "decode ms/step", "per-call ms/step", "tokens/s",
            "%copy weights", "%copy w+KV", *SPEEDUPS.values(), "x fp16", "compile s", "greedy vs HF", "note")
 SPLIT_COLUMNS = ("model", "dtype", "batch", "path", "decode ms/step", *(f"{c} ms" for c, _ in SPLIT_CATEGORIES),
-                 f"{harness.GLUE} ms", "kernels ms", "glue %", "top glue", "note")
+                 f"{harness.GLUE} ms", "kernels ms", *(f"{c} path ms" for c, _ in SPLIT_CATEGORIES),
+                 f"{harness.GLUE} path ms", "idle ms", "glue %", "top glue", "note")
 
 
 @dataclass(frozen=True)

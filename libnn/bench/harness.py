@@ -11,9 +11,11 @@ and are imported here, so that every suite keeps calling `harness.time_gpu`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -162,10 +164,47 @@ def split_kernel_times(times: Iterable[tuple[str, float]], categories: KernelCat
     return split
 
 
+def critical_path_shares(intervals: Iterable[tuple[str, float, float]]) -> tuple[list[tuple[str, float]], float]:
+    """Each GPU activity's share of the critical path, from (name, start, end) intervals in start order: the
+    part of [start, end) past the latest end of the activities that started before it. A kernel launched
+    programmatically, which starts early and waits for the one ahead, counts only from that one's end, so
+    the shares add up to the time some activity ran. Returns the (name, share) pairs and the idle time
+    (gaps where nothing ran) between the first start and the last end; in the intervals' unit."""
+    shares: list[tuple[str, float]] = []
+    idle, reach = 0.0, None
+    for name, start, end in sorted(intervals, key=lambda interval: interval[1]):
+        reach = start if reach is None else reach
+        idle += max(0.0, start - reach)
+        shares.append((name, max(0.0, end - max(start, reach))))
+        reach = max(reach, end)
+    return shares, idle
+
+
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the trace events' categories that ran on the GPU
+
+
+def trace_intervals(trace: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(name, start ms, end ms) of every GPU activity (kernels, copies, memsets) of a torch.profiler Chrome
+    trace: its "traceEvents", whose "ts" and "dur" are in µs."""
+    return [(event["name"], event["ts"] / 1e3, (event["ts"] + event["dur"]) / 1e3)
+            for event in trace.get("traceEvents", []) if event.get("cat") in GPU_ACTIVITIES and "dur" in event]
+
+
+def critical_path_split(intervals: Iterable[tuple[str, float, float]], categories: KernelCategories,
+                        calls: int) -> dict[str, Any]:
+    """ms per call by category of the activities' critical_path_shares (intervals in ms): "<category> path
+    ms" for each category and glue, and "idle ms", the gaps between them."""
+    shares, idle = critical_path_shares(intervals)
+    split = split_kernel_times(shares, categories, calls)
+    names = [category for category, _ in categories] + [GLUE]
+    return {**{f"{name} path ms": split[f"{name} ms"] for name in names}, "idle ms": idle / calls}
+
+
 def kernel_split(fn: Callable[[Any], Any], categories: KernelCategories, replays: int = 5) -> dict[str, Any]:
     """split_kernel_times of `replays` calls of `fn(None)` after one untimed call, from torch.profiler
-    (CUPTI sees every kernel in the process, CuPy's and CUDA graph replays included); {"note": ...}
-    where torch is not installed."""
+    (CUPTI sees every kernel in the process, CuPy's and CUDA graph replays included), and the same calls'
+    critical_path_split from its trace (the kernel times of programmatic launches overlap; their path
+    shares do not); {"note": ...} where torch is not installed."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -177,8 +216,14 @@ def kernel_split(fn: Callable[[Any], Any], categories: KernelCategories, replays
         for _ in range(replays):
             fn(None)
         torch.cuda.synchronize()
-    return split_kernel_times(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), categories,
-                              replays)
+    split = split_kernel_times(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), categories,
+                               replays)
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            trace = json.load(file)
+    return split | critical_path_split(trace_intervals(trace), categories, replays)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
