@@ -352,15 +352,9 @@ def _decode_loop(runner: Runner) -> Callable[[Any], None]:
 
 
 # --- the frameworks ---------------------------------------------------------------------------------------
-def _greedy(logits: Any) -> Any:
-    """argmax over the vocabulary of (B, vocab) CuPy logits: libnn's argmax op, as generate's greedy
-    sampler takes it."""
-    return argmax(logits)
-
-
 def _libnn_runner(model: CausalLM, ids: Any) -> Runner:
-    return Runner(prefill=lambda: _greedy(model.prefill(ids)),
-                  step=lambda tokens: _greedy(model.decode_step(tokens, check_ids=False)))
+    return Runner(prefill=lambda: argmax(model.prefill(ids)),
+                  step=lambda tokens: argmax(model.decode_step(tokens, check_ids=False)))
 
 
 def _hf_runner(hf: Any, ids: Any) -> Runner:

@@ -211,14 +211,11 @@ class GPT2Block(Module):
         of a prefill (S tokens per sequence) or a decode step (S = 1)."""
         c = self.config
         B, S, H = x.shape
-        attn, mlp = self.attn, self.mlp
-        qkv = attn.c_attn(self.ln_1(x))
-        qkv = qkv.reshape(B, S, 3 * c.n_head, c.head_dim)  # contiguous: a view
+        qkv = self.attn.c_attn(self.ln_1(x)).reshape(B, S, 3 * c.n_head, c.head_dim)  # contiguous: a view
         q, k, v = qkv[:, :, :c.n_head], qkv[:, :, c.n_head:2 * c.n_head], qkv[:, :, 2 * c.n_head:]
         o = step.attend(index, q, k, v, self.path)
-        h = attn.c_proj(o.reshape(B, S, H), residual=x)
-        a = mlp.c_fc(self.ln_2(h))
-        return mlp.c_proj(a, residual=h)
+        h = self.attn.c_proj(o.reshape(B, S, H), residual=x)
+        return self.mlp.c_proj(self.mlp.c_fc(self.ln_2(h)), residual=h)
 
 
 class GPT2Model(DecoderModel):

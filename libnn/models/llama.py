@@ -325,9 +325,6 @@ class LlamaModel(DecoderModel):
         x = embedding(ids, self.embed_tokens.weight, path=path_for(self.path, "embedding"))
         return self.run_layers(x, step, self.layers)
 
-    def first_weight(self) -> Any:
-        return next((layer.first_weight() for layer in self.layers), None)  # None: no layers
-
     def final_norm(self, rows: Any) -> Any:
         return self.norm(rows)
 
