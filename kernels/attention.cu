@@ -72,7 +72,10 @@ attention):
    zero-filled past Lk and past D), no block barrier in the key loop. Then the warps' (m, l, o) are
    merged in warp order and written as the split's fp32 partials (o unnormalised); attn3_combine merges a
    head's splits in split order (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros
-   where no key is allowed (Lk = 0, or Lq = 0). Deterministic run to run on one device for one shape and
+   where no key is allowed (Lk = 0, or Lq = 0). With one split (a batch whose (b, kv head) blocks fill the GPU
+   alone, or a short cache) there is nothing to merge: the block writes o itself with the combine's arithmetic
+   (the same bits), and the combine is not launched: at batch 64, context 4096 it was 2% of the time
+   (benchmarks/RESULTS.md, nineteenth session). Deterministic run to run on one device for one shape and
    one set of lengths (the splits follow the grid, sized by the launcher from the shapes and the device;
    a sequence's bits may differ in another batch size). With a page table, k and v are pools of pages
    (k_sb and v_sb step pages) and key j is row j % page_size of page page_table[b * t_sb + j /
@@ -116,11 +119,13 @@ this file)
                                                                      smem attribute first)
     attn_softmax_*         (128, 1, 1)       B*Hq*Sq                 0
     attn3_decode_dDB_*     (ATTN3_THREADS)   (Hkv, splits, B)        (16 + ATTN3_WARPS * ATTN3_STAGES * 2 * 64) * (DB + 8) * 2
-        (ATTN3_PARAMS: const T* q, const T* k, const T* v, float* part_o, float* part_ml,
-         const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv, int D,
-         int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
+        (ATTN3_PARAMS: const T* q, const T* k, const T* v, float* part_o, float* part_ml, T* o, long long
+         o_sb, long long o_sh, const int* lens_q_or_null, const int* lens_kv_or_null, int Hq, int Hkv, int Skv,
+         int D, int splits, float scale_log2, long long q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh,
          v_ss, const int* page_table_or_null, long long t_sb, int page_shift)
-        part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous
+        part_o (B, Hq, splits, D), part_ml (B, Hq, splits, 2): fp32 scratch, contiguous; o is then not written.
+        Or part_o and part_ml null, with splits = 1: the kernel writes o itself, as attn3_combine would have
+        (no partials, no combine launch); o any strides
         splits: 1 to 65535 (any: sequence b's ceil(Lk / 64) tiles go max(ATTN3_WARPS, ceil(tiles / splits))
         a split, the splits past its end empty); over 48 KB of shared memory: set the max dynamic smem attribute first
     attn3_combine_*        (COMBINE_THREADS) B * Hq                  0
@@ -561,7 +566,8 @@ __device__ __forceinline__ void warp_load_tile(u32 dst, const u16* src, i64 stri
 template <class DT, int DB>
 __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16* __restrict__ k,
                                            const u16* __restrict__ v, float* __restrict__ part_o,
-                                           float* __restrict__ part_ml, const int* __restrict__ lens_q,
+                                           float* __restrict__ part_ml, u16* __restrict__ o, i64 o_sb, i64 o_sh,
+                                           const int* __restrict__ lens_q,
                                            const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D,
                                            int splits, float scale_log2, i64 q_sb, i64 q_sh,
                                            i64 k_sb, i64 k_sh, i64 k_ss, i64 v_sb, i64 v_sh, i64 v_ss,
@@ -588,8 +594,13 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     const int start = split * per * BN, end = live ? imin(Lk, start + per * BN) : 0;
     float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head r at + r * splits * 2
     float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head r at + r * splits * D
-    if (end <= start) {  // no key in this split: a part that weighs nothing in the merge
+    // without partials (one split) the block writes o itself: head r's row at o + b o_sb + (hk G + r) o_sh
+    if (end <= start) {  // no key in this split: a part that weighs nothing in the merge, or a row of zeros
         for (int r = threadIdx.x; r < G; r += ATTN3_THREADS) {
+            if (part_o == nullptr) {
+                for (int d = 0; d < D; d++) o[b * o_sb + (hk * G + r) * o_sh + d] = 0;
+                continue;
+            }
             ml[(i64)r * splits * 2] = neg_inf();
             ml[(i64)r * splits * 2 + 1] = 0.f;
         }
@@ -696,6 +707,18 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
         if (row >= G) continue;
+        if (part_o == nullptr) {   // attn3_combine's arithmetic for one split: o * (1 / l), zeros where l == 0
+            u16* const o_head = o + b * o_sb + hk * G * o_sh;
+            const float inv = l[r] > 0.f ? fdiv_full(1.f, l[r]) : 0.f;
+#pragma unroll
+            for (int n = 0; n < NO; n++) {
+                const int d = n * 8 + 2 * t;
+                if (d >= D) continue;
+                o_head[row * o_sh + d] = DT::st(acc[n][2 * r] * inv);   // (o's strides may be odd)
+                o_head[row * o_sh + d + 1] = DT::st(acc[n][2 * r + 1] * inv);
+            }
+            continue;
+        }
         float* const o_row = po + (i64)row * splits * D;
 #pragma unroll
         for (int n = 0; n < NO; n++) {
@@ -798,7 +821,8 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
 
 #define ATTN3_PARAMS                                                                                         \
     const at::u16* __restrict__ q, const at::u16* __restrict__ k, const at::u16* __restrict__ v,                \
-        float* __restrict__ part_o, float* __restrict__ part_ml, const int* __restrict__ lens_q,                \
+        float* __restrict__ part_o, float* __restrict__ part_ml, at::u16* __restrict__ o, at::i64 o_sb,           \
+        at::i64 o_sh, const int* __restrict__ lens_q,                                                           \
         const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int splits,                           \
         float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
         at::i64 v_sh, at::i64 v_ss, const int* __restrict__ page_table, at::i64 t_sb, int page_shift
@@ -806,7 +830,8 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
 // 2 warps: an H100 SM holds 3 blocks at DB = 32, 2 at 64, 1 at 96 and 128 (shared memory).
 #define ATTN3(NAME, DT, DB)                                                                                     \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) NAME(ATTN3_PARAMS) {                       \
-        at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, lens_q, lens_kv, Hq, Hkv, Skv, D, splits,          \
+        at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, o, o_sb, o_sh, lens_q, lens_kv, Hq, Hkv, Skv, D,   \
+                                   splits,                                                                    \
                                    scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,          \
                                    page_table, t_sb, page_shift);                                             \
     }

@@ -2,7 +2,8 @@
 query row per sequence) against the float64 reference on the GPU: a decoder's step reading its KV cache
 (q (B, 1, Hq, D), k and v one layer's cache rows (B, L, Hkv, D) with each sequence's length), MHA, GQA and
 MQA groups up to 16 (the rows of one mma tile), head dims 8 to 128 (every bucket, zero-filled past D),
-caches from 1 to 4099 positions (splits of one tile to many, the last one partial, warps without a tile),
+caches from 1 to 4099 positions (splits of one tile to many, the last one partial, warps without a tile;
+one split, whose block writes o itself, at short caches and at batches that fill the GPU alone),
 lengths 0 (zeros out), 1 and full, fp16 and bf16 (fp32 goes to attn2/attn1), outputs poisoned. The op's
 custom path picks attn3 for these problems and attn2/attn1 still run them when forced. Tolerances:
 relative L2 error fp16/bf16 1e-2 (dtypes.TOLERANCE)."""
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poisoned_gpu_memory")]
 
 # (B, Hq, Hkv, D, L)
 SHAPES = [(1, 4, 4, 64, 1), (3, 32, 8, 64, 333), (2, 8, 1, 128, 1000), (5, 12, 4, 32, 64), (1, 2, 1, 128, 4099),
-          (7, 6, 6, 64, 97), (2, 16, 1, 80, 701), (3, 10, 2, 8, 130), (1, 1, 1, 120, 64)]
+          (7, 6, 6, 64, 97), (2, 16, 1, 80, 701), (3, 10, 2, 8, 130), (1, 1, 1, 120, 64),
+          (67, 12, 6, 64, 1031)]   # 402 (b, kv head) blocks fill an H100 (264 at D = 64): one split of 17 tiles
 
 
 def case_id(case):
@@ -134,7 +136,7 @@ def test_one_bound_decode_repeats_bit_for_bit_with_each_length(rng):
 
 # (B, Hq, Hkv, D, page_size, max_pages)
 PAGED = [(3, 32, 8, 64, 64, 9), (2, 8, 1, 128, 128, 5), (4, 12, 4, 80, 64, 3), (1, 16, 2, 32, 256, 2),
-         (5, 6, 6, 64, 64, 1)]
+         (5, 6, 6, 64, 64, 1), (67, 12, 6, 64, 64, 7)]
 
 
 def paged_inputs(rng, case, dtype):
@@ -195,3 +197,24 @@ def test_short_sequences_in_a_long_cache_spread_over_the_splits_and_match_the_re
     got = attention(*(cupy.asarray(a) for a in (q, k, v)), layout="BSHD",
                     seq_lens_kv=CheckedLengths(cupy.asarray(lengths)), path="custom").get()
     assert rel_error(got, reference(q, k, v, lengths)) <= dtypes.TOLERANCE["fp16"]
+
+
+@pytest.mark.parametrize("case, kernels", [((67, 12, 6, 64, 1031), ["attn3_decode_d64_f16"]),
+                                           ((3, 32, 8, 64, 333), ["attn3_combine_f16", "attn3_decode_d64_f16"])],
+                         ids=["one split", "splits"])
+def test_one_split_is_written_by_the_decode_kernel_and_several_are_combined(rng, case, kernels):
+    """With one split a (b, kv head)'s block has nothing to merge: it writes o, and no combine kernel runs
+    (on an H100: 402 blocks fill its 264 resident ones; 24 do not)."""
+    import cupy
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, lengths = (cupy.asarray(a) for a in decode_inputs(rng, case, "fp16"))
+    lengths = CheckedLengths(lengths)
+    attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
+    cupy.cuda.Device().synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
+        torch.cuda.synchronize()
+    ran = [e.key for e in prof.key_averages() if e.key.startswith("attn3")]
+    assert sorted(ran) == kernels

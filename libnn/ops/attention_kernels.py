@@ -145,8 +145,9 @@ def bind_paged_decode(q, k, v, o, max_pages: int, *, scale: float):
 def _bind_decode(q, k, v, o, scale: float, max_pages: int | None = None):
     """run(q, k, v, o, bias, lens_q, lens_kv, page_table=None): attn3_decode's splits into fp32 partials
     (from CuPy's pool at each call), then attn3_combine into o; both launched programmatically where the
-    GPU can. With `max_pages` (bind_paged_decode) k and v are pools of pages and each call passes a table
-    of that many pages a sequence."""
+    GPU can. With one split attn3_decode writes o itself and nothing is merged. With `max_pages`
+    (bind_paged_decode) k and v are pools of pages and each call passes a table of that many pages a
+    sequence."""
     B, Hq, _, D = q.shape
     Hkv, rows = k.shape[1], k.shape[2]   # paged: a page's keys
     Skv = rows * max_pages if max_pages is not None else rows
@@ -163,20 +164,23 @@ def _bind_decode(q, k, v, o, scale: float, max_pages: int | None = None):
     A = launch.ARRAY
     programmatic = launch.programmatic_supported(f"gpu:{device}")
     split = launch.bind(_FILE, f"{name}_{suffix}", (Hkv, splits, B), (DECODE_THREADS,),
-                        _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, lens_q=A, lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv,
-                                     D=D, splits=splits,
+                        _DECODE.pack(q=A, k=A, v=A, part_o=A, part_ml=A, o=A, o_sb=o_sb, o_sh=o_sh, lens_q=A,
+                                     lens_kv=A, Hq=Hq, Hkv=Hkv, Skv=Skv, D=D, splits=splits,
                                      scale_log2=scale * math.log2(math.e), q_sb=q_sb, q_sh=q_sh, k_sb=k_sb,
                                      k_sh=k_sh, k_ss=k_ss, v_sb=v_sb, v_sh=v_sh, v_ss=v_ss, page_table=A, **paging),
                         shared_mem=smem, programmatic=programmatic)
+    if splits == 1:
+        def run_direct(q, k, v, o, bias, lens_q, lens_kv, page_table=None):
+            split(q, k, v, None, None, o, lens_q, lens_kv, page_table)
+        return run_direct
     combine = launch.bind(_FILE, f"attn3_combine_{suffix}", (B * Hq,), (_COMBINE_THREADS,),
                           _COMBINE.pack(part_o=A, part_ml=A, o=A, Hq=Hq, D=D, splits=splits, o_sb=o_sb, o_sh=o_sh),
                           programmatic=programmatic)
-
     new_part_o, new_part_ml = allocator((B, Hq, splits, D), "float32"), allocator((B, Hq, splits, 2), "float32")
 
     def run(q, k, v, o, bias, lens_q, lens_kv, page_table=None):
         part_o, part_ml = new_part_o(), new_part_ml()
-        split(q, k, v, part_o, part_ml, lens_q, lens_kv, page_table)
+        split(q, k, v, part_o, part_ml, None, lens_q, lens_kv, page_table)
         combine(part_o, part_ml, o)
     return run
 
