@@ -81,6 +81,7 @@ constexpr int FP8_GEMV3_ROWS = 16;         // rows of w (columns of y) per block
 constexpr int FP8_GEMV3_CHUNK = 64;        // codes of K per row of w that 4 lanes load at once (16 each)
 constexpr int FP8_GEMV3_UNROLL = 2;        // chunks per row a lane has in each of its two loads in flight
 constexpr int FP8_GEMV3_BLOCKS_PER_SM = 2; // blocks per SM the grid holds (every block quantises x once)
+constexpr int FP8_GEMV3_X_CACHED = 2;      // groups of 8 values of x a thread keeps in registers while quantising
 constexpr int FP8_GEMV3_XS_BYTES = 36864;  // dynamic shared memory for x's codes: M * gemv3_x_stride(K), at most
 
 namespace fp8g {
@@ -238,33 +239,13 @@ __device__ __forceinline__ void load8(const typename DT::T* __restrict__ x, int 
     for (int i = 0; i < 8; i++) v[i] = k + i < K ? DT::ld(p[i]) : 0.f;
 }
 
-// sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
-// kernels/quantize_fp8.cu's codes. Where x is finite and sx >= 2^-100 (every block decides alike) the
-// quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
-// e4m3_code otherwise. Ends with a __syncthreads().
 // 1 / sqrt((1/K) sum_k x[m, k]^2 + eps) of each row m < M into rstd (kernels/rms_norm.cu's formula: the mean
-// by div.full, rsqrtf): one pass over x for every row's sum (each thread's in registers, by row), then the
-// warps' sums through shared memory, added in a fixed order. Ends with a __syncthreads().
-template <class DT>
-__device__ __forceinline__ void row_rstd(const typename DT::T* __restrict__ x, int M, int K, bool vec, float eps,
-                                         float* rstd) {
+// by div.full, rsqrtf) from each thread's sums of squares by row, ss: the warps' sums through shared memory,
+// added in a fixed order. Ends with a __syncthreads().
+__device__ __forceinline__ void rstd_of_sums(const float (&ss)[FP8_GEMV_MAX_M], int M, int K, float eps, float* rstd) {
     constexpr int WARPS = FP8_GEMV3_THREADS / 32;
     __shared__ float sums[FP8_GEMV_MAX_M][WARPS];
-    const int t = threadIdx.x, groups = (K + 7) / 8;
-    float ss[FP8_GEMV_MAX_M];
-#pragma unroll
-    for (int r = 0; r < FP8_GEMV_MAX_M; r++) ss[r] = 0.f;
-    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
-        const int m = i / groups, k = 8 * (i - m * groups);
-        float v[8];
-        load8<DT>(x, m, k, K, vec, v);
-        float s = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; e++) s = fmaf(v[e], v[e], s);
-#pragma unroll
-        for (int r = 0; r < FP8_GEMV_MAX_M; r++)
-            if (r == m) ss[r] += s;   // registers indexed by constants: no local memory
-    }
+    const int t = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < FP8_GEMV_MAX_M; r++) {
         const float s = warp_sum(ss[r]);
@@ -280,60 +261,135 @@ __device__ __forceinline__ void row_rstd(const typename DT::T* __restrict__ x, i
     __syncthreads();
 }
 
-// x[m, k .. k + 7] as load8 gives it, or with gamma its RMS normalisation rounded to T (what rms_norm returns)
+// ss[m] += the squares of v (8 values of row m): registers indexed by constants, no local memory
+__device__ __forceinline__ void add_squares(float (&ss)[FP8_GEMV_MAX_M], const float* v, int m) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; e++) s = fmaf(v[e], v[e], s);
+#pragma unroll
+    for (int r = 0; r < FP8_GEMV_MAX_M; r++)
+        if (r == m) ss[r] += s;
+}
+
+// v (x[m, k .. k + 7]) RMS-normalised and rounded to T, as rms_norm returns it; zeros past K
 template <class DT>
-__device__ __forceinline__ void load8_normed(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
-                                             const float* rstd, int m, int k, int K, bool vec, float* v) {
-    load8<DT>(x, m, k, K, vec, v);
-    if (!gamma) return;
+__device__ __forceinline__ void normalise8(const typename DT::T* __restrict__ gamma, const float* rstd, int m, int k,
+                                           int K, float* v) {
 #pragma unroll
     for (int e = 0; e < 8; e++) v[e] = k + e < K ? DT::ld(DT::st(v[e] * rstd[m] * DT::ld(gamma[k + e]))) : 0.f;
 }
 
+// x[m, k .. k + 7] as load8 gives it, or with gamma its RMS normalisation (normalise8)
 template <class DT>
+__device__ __forceinline__ void load8_normed(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                             const float* rstd, int m, int k, int K, bool vec, float* v) {
+    load8<DT>(x, m, k, K, vec, v);
+    if (gamma) normalise8<DT>(gamma, rstd, m, k, K, v);
+}
+
+// amax and finite updated with 8 values
+__device__ __forceinline__ void take_max(const float* v, float& amax, bool& finite) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        amax = fmaxf(amax, finite_abs(v[e]));
+        finite &= fabsf(v[e]) <= F32_MAX;
+    }
+}
+
+// the codes of 8 values v / sx into dst (8 bytes): the fast quotient and conversion where `fast`, else div_rn and
+// e4m3_code (quantize_x)
+__device__ __forceinline__ void write_codes(const float* v, bool fast, float sx, float r, unsigned char* dst) {
+    u32 codes[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float* u = v + 4 * h;
+        if (fast) {
+            codes[h] = e4m3x2_code(div_by_reciprocal(u[0], sx, r), div_by_reciprocal(u[1], sx, r)) |
+                       e4m3x2_code(div_by_reciprocal(u[2], sx, r), div_by_reciprocal(u[3], sx, r)) << 16;
+        } else {
+            codes[h] = 0u;
+#pragma unroll
+            for (int e = 0; e < 4; e++) codes[h] |= e4m3_code(div_rn(u[e], sx)) << (8 * e);
+        }
+    }
+    *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0], codes[1]);
+}
+
+// sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
+// kernels/quantize_fp8.cu's codes; with gamma, x is first RMS-normalised row by row (normalise8; every row's
+// sum of squares in one pass over x). Where x is finite and sx >= 2^-100 (every block decides alike) the
+// quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
+// e4m3_code otherwise. A thread takes the groups of 8 values t, t + THREADS, ...; where it has at most
+// CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
+// them in registers from its one read of x to the codes, else it reads x again in each pass (two or three
+// trips to L2, each on the critical path of a decode step). 2 groups took a 2048-wide GEMV with rms_norm
+// from 8.5 to 6.8 µs in a chain of them; 5, which covers K = 8192, made the decode step slower
+// (benchmarks/RESULTS.md, nineteenth session). Ends with a __syncthreads().
+template <class DT, int CACHED>
 __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
                                             float eps, unsigned char* xs, int M, int K, int S, float* red) {
+    constexpr int T = FP8_GEMV3_THREADS;
     __shared__ float rstd[FP8_GEMV_MAX_M];
-    const int t = threadIdx.x, groups = S / 8;   // 8 codes at a time; S is a multiple of 64
-    const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0;
-    if (gamma) row_rstd<DT>(x, M, K, vec, eps, rstd);
+    const int t = threadIdx.x, groups = S / 8, total = M * groups;   // 8 codes at a time; S is a multiple of 64
+    const bool vec = (K & 7) == 0 && ((u64)x & 15) == 0, cached = total <= CACHED * T;   // uniform
+    float kept[CACHED][8];
+    float ss[FP8_GEMV_MAX_M];
+#pragma unroll
+    for (int r = 0; r < FP8_GEMV_MAX_M; r++) ss[r] = 0.f;
+    if (cached) {
+#pragma unroll
+        for (int c = 0; c < CACHED; c++) {
+            const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
+#pragma unroll
+            for (int e = 0; e < 8; e++) kept[c][e] = 0.f;
+            if (i < total) load8<DT>(x, m, k, K, vec, kept[c]);   // (zeros past K)
+            if (gamma) add_squares(ss, kept[c], m);
+        }
+        if (gamma) {
+            rstd_of_sums(ss, M, K, eps, rstd);
+#pragma unroll
+            for (int c = 0; c < CACHED; c++) {
+                const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
+                if (i < total) normalise8<DT>(gamma, rstd, m, k, K, kept[c]);
+            }
+        }
+    } else if (gamma) {
+        for (int i = t; i < total; i += T) {
+            const int m = i / groups, k = 8 * (i - m * groups);
+            float v[8];
+            load8<DT>(x, m, k, K, vec, v);
+            add_squares(ss, v, m);
+        }
+        rstd_of_sums(ss, M, K, eps, rstd);
+    }
+    // both passes take the values kept in registers (constant indices: no local memory), or read them again
     float amax = 0.f;
     bool finite = true;
+#pragma unroll
+    for (int c = 0; c < CACHED; c++)
+        if (cached && t + c * T < total) take_max(kept[c], amax, finite);
 #pragma unroll 2
-    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+    for (int i = cached ? total : t; i < total; i += T) {
         const int m = i / groups, k = 8 * (i - m * groups);
-        if (k >= K) continue;
         float v[8];
         load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            amax = fmaxf(amax, finite_abs(v[e]));
-            finite &= fabsf(v[e]) <= F32_MAX;
-        }
+        take_max(v, amax, finite);
     }
     float sx = div_rn(block_max(amax, red), E4M3_MAX);
     if (!(sx > 0.f)) sx = 1.f;
     const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
     const float r = div_rn(1.f, sx);
+#pragma unroll
+    for (int c = 0; c < CACHED; c++) {
+        const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
+        if (cached && i < total) write_codes(kept[c], fast, sx, r, xs + m * S + k);
+    }
 #pragma unroll 2
-    for (int i = t; i < M * groups; i += FP8_GEMV3_THREADS) {
+    for (int i = cached ? total : t; i < total; i += T) {
         const int m = i / groups, k = 8 * (i - m * groups);
         float v[8];
         load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
-        u32 codes[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float* u = v + 4 * h;
-            if (fast) {
-                codes[h] = e4m3x2_code(div_by_reciprocal(u[0], sx, r), div_by_reciprocal(u[1], sx, r)) |
-                           e4m3x2_code(div_by_reciprocal(u[2], sx, r), div_by_reciprocal(u[3], sx, r)) << 16;
-            } else {
-                codes[h] = 0u;
-#pragma unroll
-                for (int e = 0; e < 4; e++) codes[h] |= e4m3_code(div_rn(u[e], sx)) << (8 * e);
-            }
-        }
-        *reinterpret_cast<uint2*>(xs + m * S + k) = make_uint2(codes[0], codes[1]);
+        write_codes(v, fast, sx, r, xs + m * S + k);
     }
     __syncthreads();
     return sx;
@@ -393,7 +449,7 @@ __device__ __forceinline__ void gemv3(const typename DT::T* __restrict__ x, cons
         l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, blockIdx.x * WARPS + warp,
                          gridDim.x * WARPS);
     pdl_wait();   // launched programmatically: x is the kernel ahead's output, and y may be what it reads
-    const float sx = quantize_x<DT>(x, gamma, eps, xcodes, M, K, S, red);
+    const float sx = quantize_x<DT, FP8_GEMV3_X_CACHED>(x, gamma, eps, xcodes, M, K, S, red);
     pdl_launch_dependents();   // every block is past its wait: the next kernel (a norm, rope, swiglu) may start
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     // this thread's output's sx * w_scale and bias + residual (with glu: the gate's, then the up's), read early
