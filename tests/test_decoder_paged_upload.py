@@ -130,7 +130,7 @@ def spin(seconds: float):
 
     from libnn.runtime import timing
 
-    timing._spin(seconds)
+    timing.hold_stream(seconds)
     return cupy.cuda.get_current_stream().record()
 
 

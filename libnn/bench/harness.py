@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from libnn.dtypes import bfloat16
 from libnn.ops.linear import linear
-from libnn.runtime.timing import Timing, time_gpu  # noqa: F401  (Timing: re-exported with time_gpu)
+from libnn.runtime.timing import HOLD_KERNEL, Timing, hold_stream, time_gpu  # noqa: F401  (Timing: re-exported)
 
 
 def time_host(fn: Callable[[], Any], *, calls: int = 2000, repeats: int = 5) -> float:
@@ -204,26 +204,32 @@ def kernel_split(fn: Callable[[Any], Any], categories: KernelCategories, replays
     """split_kernel_times of `replays` calls of `fn(None)` after one untimed call, from torch.profiler
     (CUPTI sees every kernel in the process, CuPy's and CUDA graph replays included), and the same calls'
     critical_path_split from its trace (the kernel times of programmatic launches overlap; their path
-    shares do not); {"note": ...} where torch is not installed."""
+    shares do not); {"note": ...} where torch is not installed. The calls are queued behind
+    timing.hold_stream, so they run back to back as in a GPU time, and "idle ms" is the GPU's idle time
+    inside them, not the host's gaps between them."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         return {"note": "torch is not installed: no profiler"}
+    start = time.perf_counter()
     fn(None)
     torch.cuda.synchronize()
+    per_call = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        hold_stream(min(0.2, 2 * per_call * replays))
         for _ in range(replays):
             fn(None)
         torch.cuda.synchronize()
-    split = split_kernel_times(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()), categories,
-                               replays)
+    split = split_kernel_times(((e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
+                                if e.key != HOLD_KERNEL), categories, replays)
     with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as file:
             trace = json.load(file)
-    return split | critical_path_split(trace_intervals(trace), categories, replays)
+    intervals = [interval for interval in trace_intervals(trace) if interval[0] != HOLD_KERNEL]
+    return split | critical_path_split(intervals, categories, replays)
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:

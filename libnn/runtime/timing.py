@@ -46,7 +46,7 @@ def time_gpu(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 5
     host_per_call = (time.perf_counter() - start_wall) / max(warmup, 1)
     # Keep the GPU busy while the host queues the batch, so that each event pair brackets GPU work
     # only; without this, runs shorter than the host's launch overhead would time the host.
-    _spin(min(0.2, 1.5 * host_per_call * runs))
+    hold_stream(min(0.2, 1.5 * host_per_call * runs))
     events = []
     start_wall = time.perf_counter()
     i = 0
@@ -62,8 +62,13 @@ def time_gpu(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 5
     return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10], len(times))
 
 
-def _spin(seconds: float) -> None:
+HOLD_KERNEL = "spin_wait"  # hold_stream's kernel, by the name a profiler shows
+
+
+def hold_stream(seconds: float) -> None:
+    """Keep the current stream busy for about `seconds` (one thread spinning on the SM clock), so that
+    the work queued behind it meanwhile runs back to back, without the host's gaps between calls."""
     import cupy
 
     rate_khz = cupy.cuda.Device().attributes["ClockRate"]
-    kernels.function("timing.cu", "spin_wait")((1,), (1,), (np.int64(seconds * rate_khz * 1e3),))
+    kernels.function("timing.cu", HOLD_KERNEL)((1,), (1,), (np.int64(seconds * rate_khz * 1e3),))
