@@ -74,7 +74,7 @@ attention):
    head's splits in split order (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros
    where no key is allowed (Lk = 0, or Lq = 0). With one split (a batch whose (b, kv head) blocks fill the GPU
    alone, or a short cache) there is nothing to merge: the block writes o itself with the combine's arithmetic
-   (the same bits), and the combine is not launched: at batch 64, context 4096 it was 2% of the time
+   (the same bits, zeros where the combine would write them), and the combine is not launched: at batch 64, context 4096 it was 2% of the time
    (benchmarks/RESULTS.md, nineteenth session). Deterministic run to run on one device for one shape and
    one set of lengths (the splits follow the grid, sized by the launcher from the shapes and the device;
    a sequence's bits may differ in another batch size). With a page table, k and v are pools of pages
@@ -133,6 +133,7 @@ this file)
          long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
     Both are launched with programmatic stream serialization on sm_90 and newer (they wait, pdl_wait, for
     the kernel ahead before their work); attn3_combine lets the kernel after it start once past its wait.
+    attn3_decode does not: with one split (no combine) the kernel after it starts when it ends.
         (float* s, const T* bias_or_null, const int* lens_q_or_null, const int* lens_kv_or_null,
          int B, int Hq, int Sq, int Skv, int causal, float scale_log2, long long b_sb, b_sh, b_si, b_sj)
     attn_zero_empty_batches (256, 1, 1)       B                       0
@@ -592,17 +593,17 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     // cache's length Skv, and a shorter sequence spreads over the splits as far as its own tiles go
     const int tiles_b = live ? (Lk + BN - 1) / BN : 0, per = imax(W, (tiles_b + splits - 1) / splits);
     const int start = split * per * BN, end = live ? imin(Lk, start + per * BN) : 0;
-    float* const ml = part_ml + ((i64)(b * Hq + hk * G) * splits + split) * 2;  // head r at + r * splits * 2
-    float* const po = part_o + ((i64)(b * Hq + hk * G) * splits + split) * D;   // head r at + r * splits * D
-    // without partials (one split) the block writes o itself: head r's row at o + b o_sb + (hk G + r) o_sh
-    if (end <= start) {  // no key in this split: a part that weighs nothing in the merge, or a row of zeros
-        for (int r = threadIdx.x; r < G; r += ATTN3_THREADS) {
-            if (part_o == nullptr) {
-                for (int d = 0; d < D; d++) o[b * o_sb + (hk * G + r) * o_sh + d] = 0;
-                continue;
+    // head hk G + r's partials: part_ml[(first + r splits) 2 ..] and part_o[(first + r splits) D ..]; without
+    // partials (one split) the block writes o itself, head hk G + r's row at o + b o_sb + (hk G + r) o_sh
+    const i64 first = (i64)(b * Hq + hk * G) * splits + split;
+    if (end <= start) {  // no key in this split: a part that weighs nothing in the merge, or rows of zeros
+        if (part_o == nullptr) {
+            for (int j = threadIdx.x; j < G * D; j += ATTN3_THREADS) o[b * o_sb + (hk * G + j / D) * o_sh + j % D] = 0;
+        } else {
+            for (int r = threadIdx.x; r < G; r += ATTN3_THREADS) {
+                part_ml[(first + (i64)r * splits) * 2] = neg_inf();
+                part_ml[(first + (i64)r * splits) * 2 + 1] = 0.f;
             }
-            ml[(i64)r * splits * 2] = neg_inf();
-            ml[(i64)r * splits * 2 + 1] = 0.f;
         }
         return;
     }
@@ -707,27 +708,31 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
     for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
         if (row >= G) continue;
-        if (part_o == nullptr) {   // attn3_combine's arithmetic for one split: o * (1 / l), zeros where l == 0
-            u16* const o_head = o + b * o_sb + hk * G * o_sh;
-            const float inv = l[r] > 0.f ? fdiv_full(1.f, l[r]) : 0.f;
+        if (part_o == nullptr) {
+            // attn3_combine's arithmetic for one split, bit for bit: (0 + o) (1 / l), and +0 where l is not > 0
+            // (no key, or NaN weights), so that a row's bits do not depend on the splits its batch gets
+            u16* const o_row = o + b * o_sb + (hk * G + row) * o_sh;
+            const bool weighed = l[r] > 0.f;
+            const float inv = weighed ? fdiv_full(1.f, l[r]) : 0.f;
 #pragma unroll
             for (int n = 0; n < NO; n++) {
                 const int d = n * 8 + 2 * t;
                 if (d >= D) continue;
-                o_head[row * o_sh + d] = DT::st(acc[n][2 * r] * inv);   // (o's strides may be odd)
-                o_head[row * o_sh + d + 1] = DT::st(acc[n][2 * r + 1] * inv);
+#pragma unroll
+                for (int e = 0; e < 2; e++)   // (o's strides may be odd: one element at a time)
+                    o_row[d + e] = weighed ? DT::st((0.f + acc[n][2 * r + e]) * inv) : (u16)0;
             }
             continue;
         }
-        float* const o_row = po + (i64)row * splits * D;
+        float* const po_row = part_o + (first + (i64)row * splits) * D;
 #pragma unroll
         for (int n = 0; n < NO; n++) {
             const int d = n * 8 + 2 * t;
-            if (d < D) *reinterpret_cast<float2*>(o_row + d) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+            if (d < D) *reinterpret_cast<float2*>(po_row + d) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
         }
         if (t == 0) {
-            ml[(i64)row * splits * 2] = m[r];
-            ml[(i64)row * splits * 2 + 1] = l[r];
+            part_ml[(first + (i64)row * splits) * 2] = m[r];
+            part_ml[(first + (i64)row * splits) * 2 + 1] = l[r];
         }
     }
 }
@@ -822,17 +827,15 @@ extern "C" __global__ void __launch_bounds__(ZERO_THREADS) attn_zero_empty_batch
 #define ATTN3_PARAMS                                                                                         \
     const at::u16* __restrict__ q, const at::u16* __restrict__ k, const at::u16* __restrict__ v,                \
         float* __restrict__ part_o, float* __restrict__ part_ml, at::u16* __restrict__ o, at::i64 o_sb,           \
-        at::i64 o_sh, const int* __restrict__ lens_q,                                                           \
-        const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv, int D, int splits,                           \
-        float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, at::i64 v_sb,    \
-        at::i64 v_sh, at::i64 v_ss, const int* __restrict__ page_table, at::i64 t_sb, int page_shift
+        at::i64 o_sh, const int* __restrict__ lens_q, const int* __restrict__ lens_kv, int Hq, int Hkv, int Skv,  \
+        int D, int splits, float scale_log2, at::i64 q_sb, at::i64 q_sh, at::i64 k_sb, at::i64 k_sh, at::i64 k_ss, \
+        at::i64 v_sb, at::i64 v_sh, at::i64 v_ss, const int* __restrict__ page_table, at::i64 t_sb, int page_shift
 
 // 2 warps: an H100 SM holds 3 blocks at DB = 32, 2 at 64, 1 at 96 and 128 (shared memory).
 #define ATTN3(NAME, DT, DB)                                                                                     \
     extern "C" __global__ void __launch_bounds__(at::ATTN3_THREADS) NAME(ATTN3_PARAMS) {                       \
         at::attn3_body<at::DT, DB>(q, k, v, part_o, part_ml, o, o_sb, o_sh, lens_q, lens_kv, Hq, Hkv, Skv, D,   \
-                                   splits,                                                                    \
-                                   scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,          \
+                                   splits, scale_log2, q_sb, q_sh, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss,         \
                                    page_table, t_sb, page_shift);                                             \
     }
 #define ATTN3_ALL(DB)                                  \

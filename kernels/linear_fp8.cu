@@ -317,9 +317,10 @@ __device__ __forceinline__ void write_codes(const float* v, bool fast, float sx,
 
 // sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
 // kernels/quantize_fp8.cu's codes; with gamma, x is first RMS-normalised row by row (normalise8; every row's
-// sum of squares in one pass over x). Where x is finite and sx >= 2^-100 (every block decides alike) the
-// quotient is div_by_reciprocal's and the codes e4m3x2_code's, a few instructions a value; div_rn and
-// e4m3_code otherwise. A thread takes the groups of 8 values t, t + THREADS, ...; where it has at most
+// sum of squares in one pass over x; the threads take the rows' groups of 8 as they lie in xs, S / 8 a row, so
+// at M >= 2 a row's sum may have other bits than before the nineteenth session). Where x is finite and
+// sx >= 2^-100 (every block decides alike) the quotient is div_by_reciprocal's and the codes e4m3x2_code's, a
+// few instructions a value; div_rn and e4m3_code otherwise. A thread takes the groups of 8 values t, t + THREADS, ...; where it has at most
 // CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
 // them in registers from its one read of x to the codes, else it reads x again in each pass (two or three
 // trips to L2, each on the critical path of a decode step). 2 groups took a 2048-wide GEMV with rms_norm
@@ -342,7 +343,8 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
             const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
 #pragma unroll
             for (int e = 0; e < 8; e++) kept[c][e] = 0.f;
-            if (i < total) load8<DT>(x, m, k, K, vec, kept[c]);   // (zeros past K)
+            if (i >= total) continue;
+            load8<DT>(x, m, k, K, vec, kept[c]);   // (zeros past K)
             if (gamma) add_squares(ss, kept[c], m);
         }
         if (gamma) {
@@ -365,31 +367,37 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     // both passes take the values kept in registers (constant indices: no local memory), or read them again
     float amax = 0.f;
     bool finite = true;
+    if (cached) {
 #pragma unroll
-    for (int c = 0; c < CACHED; c++)
-        if (cached && t + c * T < total) take_max(kept[c], amax, finite);
+        for (int c = 0; c < CACHED; c++)
+            if (t + c * T < total) take_max(kept[c], amax, finite);
+    } else {
 #pragma unroll 2
-    for (int i = cached ? total : t; i < total; i += T) {
-        const int m = i / groups, k = 8 * (i - m * groups);
-        float v[8];
-        load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
-        take_max(v, amax, finite);
+        for (int i = t; i < total; i += T) {
+            const int m = i / groups, k = 8 * (i - m * groups);
+            float v[8];
+            load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
+            take_max(v, amax, finite);
+        }
     }
     float sx = div_rn(block_max(amax, red), E4M3_MAX);
     if (!(sx > 0.f)) sx = 1.f;
     const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
     const float r = div_rn(1.f, sx);
+    if (cached) {
 #pragma unroll
-    for (int c = 0; c < CACHED; c++) {
-        const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
-        if (cached && i < total) write_codes(kept[c], fast, sx, r, xs + m * S + k);
-    }
+        for (int c = 0; c < CACHED; c++) {
+            const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
+            if (i < total) write_codes(kept[c], fast, sx, r, xs + m * S + k);
+        }
+    } else {
 #pragma unroll 2
-    for (int i = cached ? total : t; i < total; i += T) {
-        const int m = i / groups, k = 8 * (i - m * groups);
-        float v[8];
-        load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
-        write_codes(v, fast, sx, r, xs + m * S + k);
+        for (int i = t; i < total; i += T) {
+            const int m = i / groups, k = 8 * (i - m * groups);
+            float v[8];
+            load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
+            write_codes(v, fast, sx, r, xs + m * S + k);
+        }
     }
     __syncthreads();
     return sx;

@@ -199,16 +199,30 @@ def test_short_sequences_in_a_long_cache_spread_over_the_splits_and_match_the_re
     assert rel_error(got, reference(q, k, v, lengths)) <= dtypes.TOLERANCE["fp16"]
 
 
-@pytest.mark.parametrize("case, kernels", [((67, 12, 6, 64, 1031), ["attn3_decode_d64_f16"]),
-                                           ((3, 32, 8, 64, 333), ["attn3_combine_f16", "attn3_decode_d64_f16"])],
-                         ids=["one split", "splits"])
-def test_one_split_is_written_by_the_decode_kernel_and_several_are_combined(rng, case, kernels):
+def decode_splits(case) -> int:
+    """The splits attn3_decode's launcher gives this problem on this GPU."""
+    from libnn.ops import attention_kernels as ak
+    from libnn.runtime.device import blocks_by_shared_memory, current_device_id, multiprocessors
+
+    B, _, Hkv, D, L = case
+    device = current_device_id()
+    smem = ak.decode_launch(D)[1]
+    tiles = ak.decode_split_tiles(B, Hkv, L, multiprocessors(device), blocks_by_shared_memory(device, smem))
+    return -(-L // (tiles * 64))
+
+
+@pytest.mark.parametrize("case, splits", [((67, 12, 6, 64, 1031), "one"), ((3, 32, 8, 64, 333), "several")],
+                         ids=["full batch", "small batch"])
+def test_one_split_is_written_by_the_decode_kernel_and_several_are_combined(rng, case, splits):
     """With one split a (b, kv head)'s block has nothing to merge: it writes o, and no combine kernel runs
-    (on an H100: 402 blocks fill its 264 resident ones; 24 do not)."""
+    (on an H100 the 402 blocks of the full batch fill its 264 resident ones; the small batch's 24 do not)."""
     import cupy
     torch = pytest.importorskip("torch")
     from torch.profiler import ProfilerActivity, profile
 
+    n = decode_splits(case)
+    if (n == 1) != (splits == "one"):
+        pytest.skip(f"this GPU gives {case} {n} split(s)")
     q, k, v, lengths = (cupy.asarray(a) for a in decode_inputs(rng, case, "fp16"))
     lengths = CheckedLengths(lengths)
     attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
@@ -216,5 +230,5 @@ def test_one_split_is_written_by_the_decode_kernel_and_several_are_combined(rng,
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         attention(q, k, v, layout="BSHD", seq_lens_kv=lengths, path="custom")
         torch.cuda.synchronize()
-    ran = [e.key for e in prof.key_averages() if e.key.startswith("attn3")]
-    assert sorted(ran) == kernels
+    ran = sorted(e.key for e in prof.key_averages() if e.key.startswith("attn3"))
+    assert ran == (["attn3_decode_d64_f16"] if n == 1 else ["attn3_combine_f16", "attn3_decode_d64_f16"])

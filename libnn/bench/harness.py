@@ -217,6 +217,7 @@ def kernel_split(fn: Callable[[Any], Any], categories: KernelCategories, replays
     torch.cuda.synchronize()
     per_call = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        # twice the calls' unprofiled time (time_gpu's margin is 1.5): the profiler adds host time per launch
         hold_stream(min(0.2, 2 * per_call * replays))
         for _ in range(replays):
             fn(None)

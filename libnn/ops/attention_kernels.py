@@ -1,7 +1,7 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
 `bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn3_decode
-(split-K decoding on tensor cores, then attn3_combine) for one query row per sequence without bias or
+(split-K decoding on tensor cores, then attn3_combine where there are several splits) for one query row per sequence without bias or
 top-left mask — a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
 when the problem fits it — fp16/bf16, head dim D <= 128 with D % 8 == 0, q, k, v, o rows 16-byte
 aligned, scale != 0 under a bias — otherwise attn1_naive (one warp per query row, any D <= 256, fp32

@@ -16,6 +16,8 @@ import numpy as np
 
 from libnn.runtime import kernels
 
+HOLD_KERNEL = "spin_wait"  # hold_stream's kernel (kernels/timing.cu), by the name a profiler shows
+
 
 @dataclass
 class Timing:
@@ -60,9 +62,6 @@ def time_gpu(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 5
     stream.synchronize()
     times = sorted(cupy.cuda.get_elapsed_time(b, e) for b, e in events)
     return Timing(statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10], len(times))
-
-
-HOLD_KERNEL = "spin_wait"  # hold_stream's kernel, by the name a profiler shows
 
 
 def hold_stream(seconds: float) -> None:
