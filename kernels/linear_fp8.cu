@@ -287,6 +287,14 @@ __device__ __forceinline__ void load8_normed(const typename DT::T* __restrict__ 
     if (gamma) normalise8<DT>(gamma, rstd, m, k, K, v);
 }
 
+// group i of x' (8 values of row i / groups from 8 (i % groups)), as load8_normed reads it
+template <class DT>
+__device__ __forceinline__ void load_group(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+                                           const float* rstd, int i, int groups, int K, bool vec, float* v) {
+    const int m = i / groups;
+    load8_normed<DT>(x, gamma, rstd, m, 8 * (i - m * groups), K, vec, v);
+}
+
 // amax and finite updated with 8 values
 __device__ __forceinline__ void take_max(const float* v, float& amax, bool& finite) {
 #pragma unroll
@@ -320,8 +328,8 @@ __device__ __forceinline__ void write_codes(const float* v, bool fast, float sx,
 // sum of squares in one pass over x; the threads take the rows' groups of 8 as they lie in xs, S / 8 a row, so
 // at M >= 2 a row's sum may have other bits than before the nineteenth session). Where x is finite and
 // sx >= 2^-100 (every block decides alike) the quotient is div_by_reciprocal's and the codes e4m3x2_code's, a
-// few instructions a value; div_rn and e4m3_code otherwise. A thread takes the groups of 8 values t, t + THREADS, ...; where it has at most
-// CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
+// few instructions a value; div_rn and e4m3_code otherwise. A thread takes the groups of 8 values t,
+// t + THREADS, ... (group i: row i / (S / 8), its codes at xs + 8 i); where it has at most CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
 // them in registers from its one read of x to the codes, else it reads x again in each pass (two or three
 // trips to L2, each on the critical path of a decode step). 2 groups took a 2048-wide GEMV with rms_norm
 // from 8.5 to 6.8 µs in a chain of them; 5, which covers K = 8192, made the decode step slower
@@ -374,9 +382,8 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     } else {
 #pragma unroll 2
         for (int i = t; i < total; i += T) {
-            const int m = i / groups, k = 8 * (i - m * groups);
             float v[8];
-            load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
+            load_group<DT>(x, gamma, rstd, i, groups, K, vec, v);
             take_max(v, amax, finite);
         }
     }
@@ -386,17 +393,14 @@ __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x
     const float r = div_rn(1.f, sx);
     if (cached) {
 #pragma unroll
-        for (int c = 0; c < CACHED; c++) {
-            const int i = t + c * T, m = i / groups, k = 8 * (i - m * groups);
-            if (i < total) write_codes(kept[c], fast, sx, r, xs + m * S + k);
-        }
+        for (int c = 0; c < CACHED; c++)
+            if (t + c * T < total) write_codes(kept[c], fast, sx, r, xs + 8 * (t + c * T));
     } else {
 #pragma unroll 2
         for (int i = t; i < total; i += T) {
-            const int m = i / groups, k = 8 * (i - m * groups);
             float v[8];
-            load8_normed<DT>(x, gamma, rstd, m, k, K, vec, v);
-            write_codes(v, fast, sx, r, xs + m * S + k);
+            load_group<DT>(x, gamma, rstd, i, groups, K, vec, v);
+            write_codes(v, fast, sx, r, xs + 8 * i);
         }
     }
     __syncthreads();
