@@ -21,9 +21,9 @@ Rows per (dtype, batch):
 - libnn graph: `prefill` of the prompts, then `decode_step(tokens, check_ids=False)` after `decode_step`,
   each fed the argmax of the last logits (greedy, libnn's argmax op as `generate` takes it), as
   `from_pretrained` makes the model: each decode step one CUDA graph replay (captured per batch bucket at
-  the first step). The argmax is in range, so the step
-  skips its token check (a read-back per step) and the queue runs ahead as it does in `generate`, which
-  queues each step before reading the last one's tokens back. Its time includes decode_step's copy of
+  the first step). The argmax is in range, so the step skips its token check (a read-back per step) and
+  the queue runs ahead as it does in `generate`, which queues each step before reading the last one's
+  tokens back. Its time includes decode_step's copy of
   the graph's logits into an array of the caller's ((B, vocab) values, as the argmax then reads).
 - libnn graph paged: the same, on the same checkpoint loaded with `kv_layout="paged", page_size=64`: k and
   v in pages that a page table lists, a page taken from the host's free list (and the table uploaded from
