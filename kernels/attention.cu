@@ -130,7 +130,7 @@ this file)
         a split, the splits past its end empty); over 48 KB of shared memory: set the max dynamic smem attribute first
     attn3_combine_*        (COMBINE_THREADS) B * Hq                  0
         (const float* part_o, const float* part_ml, T* o, int Hq, int D, int splits, long long o_sb,
-         long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: no split wrote l > 0) is zeros
+         long long o_sh)                 a row with no key (Lk = 0 or Lq = 0: every split wrote l = 0) is zeros
     Both are launched with programmatic stream serialization on sm_90 and newer (they wait, pdl_wait, for
     the kernel ahead before their work); attn3_combine lets the kernel after it start once past its wait.
     attn3_decode does not: with one split (no combine) the kernel after it starts when it ends.
@@ -156,6 +156,10 @@ namespace at {
 using namespace libnn;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+// Whether a row's softmax sum l carries weight: l is 0 where no key is allowed (the row is zeros), else
+// at least 1, or NaN where a score is NaN (a NaN in q or in an allowed key): NaN then spreads to the row,
+// as in the reference.
+__device__ __forceinline__ bool weighed(float l) { return l != 0.f; }
 constexpr float LOG2E = 1.4426950408889634f;
 
 // The parameters of attn1 and attn2, in kernel-parameter order.
@@ -242,7 +246,7 @@ __device__ __forceinline__ void attn1_body(const Args<typename DT::T>& a) {
             acc[t] = acc[t] * alpha + (d < a.D ? p * DT::ld(vr[d]) : 0.f);
         }
     }
-    const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
+    const float inv = weighed(l) ? fdiv_full(1.f, l) : 0.f;
     T* orow = hd.o + i * a.o_ss;
 #pragma unroll
     for (int t = 0; t < PER; t++) {
@@ -470,7 +474,7 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const float inv = l[r] > 0.f ? fdiv_full(1.f, l[r]) : 0.f;   // l == 0: no key, the row is zeros
+        const float inv = weighed(l[r]) ? fdiv_full(1.f, l[r]) : 0.f;
         const int i = m0 + warp * 16 + g + 8 * r;
         if (i >= a.Sq) continue;
         u16* orow = hd.o + i * a.o_ss;
@@ -487,10 +491,14 @@ __device__ __forceinline__ void attn2_body(const Args<u16>& a) {
 // Unfused path: masked softmax of one row of fp32 scores, in place
 constexpr int SOFTMAX_THREADS = 128;
 
-// (m, l) of two parts of a row merged: l is relative to m, m = -inf only while l = 0
+// (m, l) of two parts of a row merged: l is relative to m, and m = -inf only while l is 0 (no key) or NaN (NaN
+// logits only). Where neither part has a logit above -inf the l are added as they are: 0 stays 0, NaN spreads.
 __device__ __forceinline__ void merge(float& m, float& l, float m2, float l2) {
     const float mn = fmaxf(m, m2);
-    if (mn == neg_inf()) return;
+    if (mn == neg_inf()) {
+        l += l2;
+        return;
+    }
     l = l * exp2f(m - mn) + l2 * exp2f(m2 - mn);
     m = mn;
 }
@@ -509,7 +517,10 @@ __device__ __forceinline__ void softmax_body(float* s, const typename DT::T* bia
     auto logit = [&](int j) { return br ? fmaf(DT::ld(br[j * b_sj]), LOG2E, sr[j] * scale_log2) : sr[j] * scale_log2; };
 
     float m = neg_inf(), l = 0.f;
-    for (int j = threadIdx.x; j < jend; j += SOFTMAX_THREADS) merge(m, l, logit(j), 1.f);
+    for (int j = threadIdx.x; j < jend; j += SOFTMAX_THREADS) {
+        const float x = logit(j);   // a key weighs 1 at its own max; x - x is NaN where x is NaN or +inf
+        if (x != neg_inf()) merge(m, l, x, x - x + 1.f);   // (the reference's softmax is NaN there too)
+    }
 #pragma unroll
     for (int off = 16; off; off >>= 1)
         merge(m, l, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, l, off));
@@ -523,8 +534,8 @@ __device__ __forceinline__ void softmax_body(float* s, const typename DT::T* bia
 #pragma unroll
     for (int w = 1; w < SOFTMAX_THREADS / 32; w++) merge(m, l, part_m[w], part_l[w]);
 
-    const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
-    for (int j = threadIdx.x; j < Skv; j += SOFTMAX_THREADS) sr[j] = j < jend && l > 0.f ? exp2f(logit(j) - m) * inv : 0.f;
+    const float inv = weighed(l) ? fdiv_full(1.f, l) : 0.f;
+    for (int j = threadIdx.x; j < Skv; j += SOFTMAX_THREADS) sr[j] = j < jend && weighed(l) ? exp2f(logit(j) - m) * inv : 0.f;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -692,8 +703,9 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const float mw = theirs[16 * DB + g + 8 * r], mn = fmaxf(m[r], mw);
-            if (mn == neg_inf()) continue;   // neither has seen a key
-            const float a = exp2f(m[r] - mn), aw = exp2f(mw - mn);
+            // neither has a score above -inf (no key, or NaN scores only): added as they are (merge's rule)
+            const bool none = mn == neg_inf();
+            const float a = none ? 1.f : exp2f(m[r] - mn), aw = none ? 1.f : exp2f(mw - mn);
             l[r] = l[r] * a + theirs[16 * DB + 16 + g + 8 * r] * aw;
             m[r] = mn;
 #pragma unroll
@@ -709,18 +721,18 @@ __device__ __forceinline__ void attn3_body(const u16* __restrict__ q, const u16*
         const int row = g + 8 * r;
         if (row >= G) continue;
         if (part_o == nullptr) {
-            // attn3_combine's arithmetic for one split, bit for bit: (0 + o) (1 / l), and +0 where l is not > 0
-            // (no key, or NaN weights), so that a row's bits do not depend on the splits its batch gets
+            // attn3_combine's arithmetic for one split, bit for bit: (0 + o) (1 / l), and +0 where l is 0 (no
+            // key), so that a row's bits do not depend on the splits its batch gets
             u16* const o_row = o + b * o_sb + (hk * G + row) * o_sh;
-            const bool weighed = l[r] > 0.f;
-            const float inv = weighed ? fdiv_full(1.f, l[r]) : 0.f;
+            const bool kept = weighed(l[r]);
+            const float inv = kept ? fdiv_full(1.f, l[r]) : 0.f;
 #pragma unroll
             for (int n = 0; n < NO; n++) {
                 const int d = n * 8 + 2 * t;
                 if (d >= D) continue;
 #pragma unroll
                 for (int e = 0; e < 2; e++)   // (o's strides may be odd: one element at a time)
-                    o_row[d + e] = weighed ? DT::st((0.f + acc[n][2 * r + e]) * inv) : (u16)0;
+                    o_row[d + e] = kept ? DT::st((0.f + acc[n][2 * r + e]) * inv) : (u16)0;
             }
             continue;
         }
@@ -752,14 +764,14 @@ __device__ __forceinline__ void decode_combine(const float* __restrict__ part_o,
     float m = neg_inf();
     for (int s = 0; s < splits; s++) m = fmaxf(m, ml[2 * s]);
     float l = 0.f;
-    if (m != neg_inf())
-        for (int s = 0; s < splits; s++) l += ml[2 * s + 1] * exp2f(ml[2 * s] - m);
-    const float inv = l > 0.f ? fdiv_full(1.f, l) : 0.f;   // l == 0: no key, the row is zeros
+    for (int s = 0; s < splits; s++)   // a split without keys weighs nothing (its m - m may be NaN)
+        if (weighed(ml[2 * s + 1])) l += ml[2 * s + 1] * exp2f(ml[2 * s] - m);
+    const float inv = weighed(l) ? fdiv_full(1.f, l) : 0.f;
     typename DT::T* orow = o + b * o_sb + h * o_sh;
     for (int d = threadIdx.x; d < D; d += COMBINE_THREADS) {
         float sum = 0.f;
         for (int s = 0; s < splits; s++)  // a split without keys wrote no o: never read it
-            if (ml[2 * s + 1] > 0.f) sum += po[(i64)s * D + d] * exp2f(ml[2 * s] - m);
+            if (weighed(ml[2 * s + 1])) sum += po[(i64)s * D + d] * exp2f(ml[2 * s] - m);
         orow[d] = DT::st(sum * inv);
     }
 }

@@ -15,7 +15,9 @@ Lk = seq_lens_kv[b] (default Skv): key j is allowed when j < Lk and
 `bias` is added to the scores; its shape broadcasts to (B, Hq, Sq, Skv) with size-1 batch/head/query
 dimensions (a key-padding bias (B, 1, 1, Skv), a relative-position bias (1, Hq, Sq, Skv)), in q's
 dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed come out as zeros on
-every path, never NaN.
+every path, never NaN. NaN in the inputs spreads as in the reference: a NaN score (a NaN in a query row, or
+in a key the row may see) makes the row NaN, a NaN value its column in the rows that see its key; a key
+past its sequence's length weighs nothing, so a NaN in its k changes nothing.
 
 Paths, in `auto` order (except that small encoder attention and a decode step that the split-K kernel
 takes, see _cudnn_slower, try cudnn last):
