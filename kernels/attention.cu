@@ -72,9 +72,10 @@ attention):
    zero-filled past Lk and past D), no block barrier in the key loop. Then the warps' (m, l, o) are
    merged in warp order and written as the split's fp32 partials (o unnormalised); attn3_combine merges a
    head's splits in split order (m = max, l and o rescaled by exp2(m_s - m)) and writes o once, zeros
-   where no key is allowed (Lk = 0, or Lq = 0). With one split (a batch whose (b, kv head) blocks fill the GPU
-   alone, or a short cache) there is nothing to merge: the block writes o itself with the combine's arithmetic
-   (the same bits, zeros where the combine would write them), and the combine is not launched: at batch 64, context 4096 it was 2% of the time
+   where no key is allowed (Lk = 0, or Lq = 0). With one split (a batch whose (b, kv head) blocks are
+   enough alone, or a cache a block's two warps cover: attention_kernels.py decode_split_tiles) there is
+   nothing to merge: the block writes o itself with the combine's arithmetic (the same bits, zeros where the
+   combine would write them), and the combine is not launched: at batch 64, context 4096 it was 2% of the time
    (benchmarks/RESULTS.md, nineteenth session). Deterministic run to run on one device for one shape and
    one set of lengths (the splits follow the grid, sized by the launcher from the shapes and the device;
    a sequence's bits may differ in another batch size). With a page table, k and v are pools of pages

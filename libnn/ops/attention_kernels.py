@@ -46,6 +46,7 @@ _ZERO_THREADS = _K["ZERO_THREADS"]
 DECODE_THREADS, DECODE_MAX_GROUP = _K["ATTN3_THREADS"], _K["ATTN3_MAX_G"]
 _DECODE_WARPS, _DECODE_STAGES, _COMBINE_THREADS = DECODE_THREADS // 32, _K["ATTN3_STAGES"], _K["COMBINE_THREADS"]
 DECODE_MAX_SPLITS = 8  # splits of a (b, kv head)'s keys at most: attn3_combine adds them one by one
+DECODE_SHORT_TILES = 16  # a cache of at most this many tiles is one split from a quarter of the SMs' blocks on
 
 
 def flash_supports(dtype: str, head_dim: int) -> str | None:
@@ -117,13 +118,19 @@ def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None 
 
 
 def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int) -> int:
-    """attn3_decode's key tiles (of ATTN2_BN keys) per split of a full cache: few enough that the blocks
-    (Hkv x splits x B) fill the GPU's resident blocks once (`sms` x `blocks_per_sm`) where the batch alone
-    does not, with at most DECODE_MAX_SPLITS splits, and never fewer tiles than a block's warps, which take
-    a split's tiles in turn. The launch's splits are ceil(Skv / (64 x this)); the kernel spreads a shorter
-    sequence (its length is on the GPU) over them as its own tiles allow."""
-    tiles = -(-Skv // _BN)
-    splits = min(DECODE_MAX_SPLITS, -(-sms * max(1, blocks_per_sm) // (B * Hkv)))
+    """attn3_decode's key tiles (of ATTN2_BN keys) per split of a full cache. One split, whose blocks write o
+    themselves, where the batch's own (b, kv head) blocks are enough: three quarters of the SMs, or a quarter
+    of them over a cache of at most DECODE_SHORT_TILES tiles. Several splits cost attn3_combine's launch and
+    the partials' round trip, about 3 us on the H100, more than the extra blocks gained there
+    (benchmarks/RESULTS.md, twentieth session). Elsewhere few enough tiles that the blocks (Hkv x splits x B)
+    fill the GPU's resident blocks once (`sms` x `blocks_per_sm`), with at most DECODE_MAX_SPLITS splits, and
+    never fewer tiles than a block's warps, which take a split's tiles in turn. The launch's splits are
+    ceil(Skv / (64 x this)); the kernel spreads a shorter sequence (its length is on the GPU) over them as
+    its own tiles allow."""
+    tiles, blocks = -(-Skv // _BN), B * Hkv
+    if 4 * blocks >= 3 * sms or (4 * blocks >= sms and tiles <= DECODE_SHORT_TILES):
+        return max(_DECODE_WARPS, tiles)
+    splits = min(DECODE_MAX_SPLITS, -(-sms * max(1, blocks_per_sm) // blocks))
     return max(_DECODE_WARPS, -(-tiles // splits))
 
 
