@@ -19,12 +19,12 @@ def splits(B, Hkv, Skv, sms=SMS, blocks=BLOCKS_PER_SM):
 @pytest.mark.parametrize("B, Hkv, Skv, expected_tiles", [
     (64, 8, 4096, 64),   # 512 (b, kv head) pairs fill 264 resident blocks: one split each
     (1, 8, 4096, 8),     # 8 pairs: DECODE_MAX_SPLITS splits of 8 tiles
-    (8, 8, 4096, 13),    # 64 pairs: ceil(264 / 64) = 5 splits
+    (8, 8, 4096, 16),    # 64 pairs: 264 // 64 = 4 splits fit the resident blocks at once (5 would not)
     (8, 8, 1024, 16),    # 64 pairs, a quarter of the SMs, over a short cache (16 tiles): one split
-    (8, 8, 1025, 4),     # 17 tiles: no longer short, 5 splits (of 4 tiles, the last of 1)
+    (8, 8, 1025, 5),     # 17 tiles: no longer short, 4 splits (of 5 tiles, the last of 2)
     (4, 8, 1024, 2),     # 32 pairs, under a quarter of the SMs: 8 splits
     (16, 8, 4096, 64),   # 128 pairs, three quarters of the SMs: one split at any length
-    (12, 8, 4096, 22),   # 96 pairs, under three quarters: ceil(264 / 96) = 3 splits of 22 tiles
+    (12, 8, 4096, 32),   # 96 pairs, under three quarters: 264 // 96 = 2 splits of 32 tiles
     (1, 8, 1024, 2),     # 16 tiles in 8 splits
     (1, 8, 64, 2),       # one tile: never fewer than a block's 2 warps' worth (one warp idle)
 ])

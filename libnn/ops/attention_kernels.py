@@ -122,15 +122,16 @@ def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int)
     themselves, where the batch's own (b, kv head) blocks are enough: three quarters of the SMs, or a quarter
     of them over a cache of at most DECODE_SHORT_TILES tiles. Several splits cost attn3_combine's launch and
     the partials' round trip, about 3 us on the H100, more than the extra blocks gained there
-    (benchmarks/RESULTS.md, twentieth session). Elsewhere few enough tiles that the blocks (Hkv x splits x B)
-    fill the GPU's resident blocks once (`sms` x `blocks_per_sm`), with at most DECODE_MAX_SPLITS splits, and
-    never fewer tiles than a block's warps, which take a split's tiles in turn. The launch's splits are
+    (benchmarks/RESULTS.md, twentieth session). Elsewhere as many splits as fit the blocks (Hkv x splits x B)
+    in the GPU's resident blocks (`sms` x `blocks_per_sm`) at once, not a block over (a second wave of a few
+    blocks cost 16% at batch 8, context 4096), at most DECODE_MAX_SPLITS, and never fewer tiles a split than
+    a block's warps, which take a split's tiles in turn. The launch's splits are
     ceil(Skv / (64 x this)); the kernel spreads a shorter sequence (its length is on the GPU) over them as
     its own tiles allow."""
     tiles, blocks = -(-Skv // _BN), B * Hkv
     if 4 * blocks >= 3 * sms or (4 * blocks >= sms and tiles <= DECODE_SHORT_TILES):
         return max(_DECODE_WARPS, tiles)
-    splits = min(DECODE_MAX_SPLITS, -(-sms * max(1, blocks_per_sm) // blocks))
+    splits = min(DECODE_MAX_SPLITS, max(1, sms * max(1, blocks_per_sm) // blocks))
     return max(_DECODE_WARPS, -(-tiles // splits))
 
 
