@@ -120,14 +120,13 @@ def flash_version(q, k, v, o, bias=None, scale: float = 1.0, causal: str | None 
 def decode_split_tiles(B: int, Hkv: int, Skv: int, sms: int, blocks_per_sm: int) -> int:
     """attn3_decode's key tiles (of ATTN2_BN keys) per split of a full cache. One split, whose blocks write o
     themselves, where the batch's own (b, kv head) blocks are enough: three quarters of the SMs, or a quarter
-    of them over a cache of at most DECODE_SHORT_TILES tiles. Several splits cost attn3_combine's launch and
-    the partials' round trip, about 3 us on the H100, more than the extra blocks gained there
-    (benchmarks/RESULTS.md, twentieth session). Elsewhere as many splits as fit the blocks (Hkv x splits x B)
-    in the GPU's resident blocks (`sms` x `blocks_per_sm`) at once, not a block over (a second wave of a few
-    blocks cost 16% at batch 8, context 4096), at most DECODE_MAX_SPLITS, and never fewer tiles a split than
-    a block's warps, which take a split's tiles in turn. The launch's splits are
-    ceil(Skv / (64 x this)); the kernel spreads a shorter sequence (its length is on the GPU) over them as
-    its own tiles allow."""
+    of them over a cache of at most DECODE_SHORT_TILES tiles; there attn3_combine's launch and the partials'
+    round trip cost more than the extra blocks gain. Elsewhere as many splits as fit the blocks (Hkv x splits
+    x B) in the GPU's resident blocks (`sms` x `blocks_per_sm`) at once, not one over (a second wave of a
+    few blocks is slower than one split fewer), at most DECODE_MAX_SPLITS, and never fewer tiles a split
+    than a block's warps, which take a split's tiles in turn (the measurements: benchmarks/RESULTS.md,
+    twentieth session). The launch's splits are ceil(Skv / (64 x this)); the kernel spreads a shorter
+    sequence (its length is on the GPU) over them as its own tiles allow."""
     tiles, blocks = -(-Skv // _BN), B * Hkv
     if 4 * blocks >= 3 * sms or (4 * blocks >= sms and tiles <= DECODE_SHORT_TILES):
         return max(_DECODE_WARPS, tiles)
