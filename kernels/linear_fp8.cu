@@ -325,15 +325,14 @@ __device__ __forceinline__ void write_codes(const float* v, bool fast, float sx,
 
 // sx = max|x| / 448 (1 where that is 0) and x's codes e4m3(x / sx) into xs, M rows of S bytes, zeros past K:
 // kernels/quantize_fp8.cu's codes; with gamma, x is first RMS-normalised row by row (normalise8; every row's
-// sum of squares in one pass over x; the threads take the rows' groups of 8 as they lie in xs, S / 8 a row, so
-// at M >= 2 a row's sum may have other bits than before the nineteenth session). Where x is finite and
-// sx >= 2^-100 (every block decides alike) the quotient is div_by_reciprocal's and the codes e4m3x2_code's, a
-// few instructions a value; div_rn and e4m3_code otherwise. A thread takes the groups of 8 values t,
-// t + THREADS, ... (group i: row i / (S / 8), its codes at xs + 8 i); where it has at most CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
+// sum of squares in one pass over x, the threads taking the rows' groups of 8 as they lie in xs, S / 8 a row).
+// Where x is finite and sx >= 2^-100 (every block decides alike) the quotient is div_by_reciprocal's and the
+// codes e4m3x2_code's, a few instructions a value; div_rn and e4m3_code otherwise. A thread takes the groups
+// of 8 values t, t + THREADS, ... (group i: row i / (S / 8), its codes at xs + 8 i). Where it has at most
+// CACHED of them (M * S <= CACHED * 8 * THREADS: K up to 3968 at M = 1 with FP8_GEMV3_X_CACHED 2) it keeps
 // them in registers from its one read of x to the codes, else it reads x again in each pass (two or three
-// trips to L2, each on the critical path of a decode step). 2 groups took a 2048-wide GEMV with rms_norm
-// from 8.5 to 6.8 µs in a chain of them; 5, which covers K = 8192, made the decode step slower
-// (benchmarks/RESULTS.md, nineteenth session). Ends with a __syncthreads().
+// trips to L2, each on the critical path of a decode step). Why 2 and not 5, which covers K = 8192: the
+// measurements in benchmarks/RESULTS.md, nineteenth session. Ends with a __syncthreads().
 template <class DT, int CACHED>
 __device__ __forceinline__ float quantize_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
                                             float eps, unsigned char* xs, int M, int K, int S, float* red) {

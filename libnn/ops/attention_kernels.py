@@ -1,11 +1,11 @@
 """The custom paths of attention: kernels/attention.cu launched on CuPy arrays.
 
 `bind_flash` binds o = softmax(scale · q kᵀ + bias, masked) v with one fused kernel: attn3_decode
-(split-K decoding on tensor cores, then attn3_combine where there are several splits) for one query row per sequence without bias or
-top-left mask — a decoder's step — where D and the GQA group fit it; attn2_flash (FlashAttention-2 on tensor cores)
-when the problem fits it — fp16/bf16, head dim D <= 128 with D % 8 == 0, q, k, v, o rows 16-byte
-aligned, scale != 0 under a bias — otherwise attn1_naive (one warp per query row, any D <= 256, fp32
-too). `bind_unfused` binds the same in three steps that hold the
+(split-K decoding on tensor cores, then attn3_combine where there are several splits) for one query row
+per sequence without bias or top-left mask — a decoder's step — where D and the GQA group fit it;
+attn2_flash (FlashAttention-2 on tensor cores) when the problem fits it — fp16/bf16, head dim D <= 128
+with D % 8 == 0, q, k, v, o rows 16-byte aligned, scale != 0 under a bias — otherwise attn1_naive (one
+warp per query row, any D <= 256, fp32 too). `bind_unfused` binds the same in three steps that hold the
 (Sq, Skv) scores in memory: S = q kᵀ on cuBLAS (cupy.matmul in fp32), our masked softmax kernel in
 place, O = P v on cuBLAS. A bind reads the arrays' shapes, strides and alignment once (the kernel, its
 grid and its scalars are packed then, runtime/launch.py) and keeps none of them; its runner takes each
