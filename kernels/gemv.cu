@@ -42,6 +42,7 @@ LAUNCH (every kernel takes the same parameters)
     or 0 bytes, nothing): what the next GEMV reads first, which no kernel in flight may write either.
 */
 #include "common.cuh"
+#include "fp8.cuh"
 
 constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_WARPS = GEMV_THREADS / 32;
@@ -69,9 +70,10 @@ __device__ __forceinline__ void unpack8(const u32x4& v, float* f) {
     for (int e = 0; e < 8; e++) f[e] = DT::ld((typename DT::T)(words[e / 2] >> (16 * (e & 1))));
 }
 
-// x' into xs (K floats): x, or its RMS normalisation rounded to T. Ends with a __syncthreads().
+// x' into xs (K floats): x, or its RMS normalisation rounded to T; returns 1 (x's scale, as
+// stage_x_e4m3 returns its own). Ends with a __syncthreads().
 template <class DT>
-__device__ __forceinline__ void stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
+__device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
                                         float* xs, int K, float eps) {
     __shared__ float red[GEMV_WARPS];
     const int t = threadIdx.x, groups = K / 8;
@@ -106,16 +108,19 @@ __device__ __forceinline__ void stage_x(const typename DT::T* __restrict__ x, co
         d[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
     __syncthreads();
+    return 1.f;
 }
 
-// batch `b` of row `row` (chunks 32 (b B + u) + lane, u < B; zeros past the row) into buf
-template <int B>
-__device__ __forceinline__ void load_batch(u32x4* buf, const unsigned short* __restrict__ w, i64 row, int b,
-                                           int chunks, int K, int lane, bool live) {
+// batch `b` of row `row` (chunks 32 (b B + u) + lane, u < B; zeros past the row) into buf; E is w's element
+// (16-bit values, or bytes of E4M3 codes), CODES of them to a chunk
+template <int B, class E>
+__device__ __forceinline__ void load_batch(u32x4* buf, const E* __restrict__ w, i64 row, int b, int chunks, int K,
+                                           int lane, bool live) {
+    constexpr int CODES = 16 / sizeof(E);
 #pragma unroll
     for (int u = 0; u < B; u++) {
         const int c = 32 * (b * B + u) + lane;
-        buf[u] = live && c < chunks ? ld_stream(w + row * K + 8 * c) : u32x4{0u, 0u, 0u, 0u};
+        buf[u] = live && c < chunks ? ld_stream(w + row * K + CODES * c) : u32x4{0u, 0u, 0u, 0u};
     }
 }
 
@@ -137,24 +142,158 @@ __device__ __forceinline__ float fma_batch(float acc, const u32x4* buf, const fl
     return acc;
 }
 
-// RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f)
-template <class DT, bool GLU>
-__device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ w,
+// ---- E4M3 weights -------------------------------------------------------------------------------------
+// x's quantised values sit in xs in four planes of float4: plane q holds x'[16 c + 4 q .. 16 c + 4 q + 3] at
+// float4 index q * chunks + c, so that the lanes of a warp, which read chunks c, c + 1, ..., read consecutive
+// 16-byte words of a plane (no bank conflict; in x's own order the lanes' reads lie 64 bytes apart)
+__device__ __forceinline__ float4* e4m3_plane_slot(float* xs, int chunks, int k) {
+    return reinterpret_cast<float4*>(xs) + ((k >> 2) & 3) * chunks + (k >> 4);
+}
+
+// the values of two E4M3 codes (the low 16 bits of `two`, the lower code first): exact
+__device__ __forceinline__ void e4m3x2_values(u32 two, float& lo, float& hi) {
+#if __CUDA_ARCH__ >= 890
+    u32 h;
+    asm("{ .reg .b16 c; cvt.u16.u32 c, %1; cvt.rn.f16x2.e4m3x2 %0, c; }" : "=r"(h) : "r"(two));
+    lo = f16_to_f32((u16)(h & 0xffffu));
+    hi = f16_to_f32((u16)(h >> 16));
+#else
+    lo = e4m3_value(two & 0xffu);
+    hi = e4m3_value((two >> 8) & 0xffu);
+#endif
+}
+
+// acc + the dot product of batch b's chunks of 16 codes with x's values (two sums, even and odd words of a
+// chunk, so that consecutive FMAs do not wait for each other)
+template <int B>
+__device__ __forceinline__ float fma_batch_e4m3(float acc, const u32x4* buf, const float* xs, int b, int chunks,
+                                                int lane) {
+    float odd = 0.f;
+#pragma unroll
+    for (int u = 0; u < B; u++) {
+        const int c = 32 * (b * B + u) + lane;
+        if (c >= chunks) break;
+        const u32 words[4] = {buf[u].a, buf[u].b, buf[u].c, buf[u].d};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float4 xv = reinterpret_cast<const float4*>(xs)[q * chunks + c];
+            float w0, w1, w2, w3;
+            e4m3x2_values(words[q], w0, w1);
+            e4m3x2_values(words[q] >> 16, w2, w3);
+            float& s = q & 1 ? odd : acc;
+            s = fmaf(w0, xv.x, s); s = fmaf(w1, xv.y, s); s = fmaf(w2, xv.z, s); s = fmaf(w3, xv.w, s);
+        }
+    }
+    return acc + odd;
+}
+
+// 8 values of x from k (16-byte aligned where `vec`, else read one by one)
+template <class DT>
+__device__ __forceinline__ void load8(const typename DT::T* __restrict__ p, bool vec, float* f) {
+    if (vec) {
+        unpack8<DT>(*reinterpret_cast<const u32x4*>(p), f);
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) f[e] = DT::ld(p[e]);
+}
+
+// x' quantised as kernels/quantize_fp8.cu quantises a tensor (the same amax, scale and codes; linear_fp8.cu's
+// quantize_x computes them alike), the codes' values into xs (e4m3_plane_slot's layout); returns the scale sx.
+// x' is x, or with gamma its RMS normalisation rounded to T (stage_x's). Each thread codes the groups of 8 it
+// normalised, from where it put them in xs: no barrier between the passes but the amax's. Ends with a
+// __syncthreads().
+template <class DT>
+__device__ __forceinline__ float stage_x_e4m3(const typename DT::T* __restrict__ x,
+                                              const typename DT::T* __restrict__ gamma, float* xs, int K, float eps) {
+    __shared__ float red[GEMV_WARPS], top[GEMV_WARPS];
+    const int t = threadIdx.x, groups = K / 8, chunks = K / 16;
+    const bool vec = ((u64)x & 15) == 0 && ((u64)gamma & 15) == 0;   // gamma: null, or 16-byte aligned
+    float rstd = 1.f;
+    if (gamma) {
+        float ss = 0.f;
+        for (int i = t; i < groups; i += GEMV_THREADS) {
+            float f[8];
+            load8<DT>(x + 8 * i, vec, f);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
+        }
+        ss = warp_sum(ss);
+        if ((t & 31) == 0) red[t >> 5] = ss;
+        __syncthreads();
+        ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
+        rstd = rsqrtf(fdiv_full(ss, (float)K) + eps);
+    }
+    float amax = 0.f;
+    bool finite = true;
+    for (int i = t; i < groups; i += GEMV_THREADS) {
+        float f[8];
+        load8<DT>(x + 8 * i, vec, f);
+        if (gamma) {
+            float g[8];
+            load8<DT>(gamma + 8 * i, vec, g);
+#pragma unroll
+            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(f[e] * rstd * g[e]));
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            amax = fmaxf(amax, finite_abs(f[e]));
+            finite &= fabsf(f[e]) <= F32_MAX;
+        }
+        *e4m3_plane_slot(xs, chunks, 8 * i) = make_float4(f[0], f[1], f[2], f[3]);
+        *e4m3_plane_slot(xs, chunks, 8 * i + 4) = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    float sx = div_rn(block_max(amax, top), E4M3_MAX);
+    if (!(sx > 0.f)) sx = 1.f;
+    const bool fast = __syncthreads_and(finite) && sx >= 0x1p-100f;
+    const float r = div_rn(1.f, sx);
+    for (int i = t; i < groups; i += GEMV_THREADS) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float4* slot = e4m3_plane_slot(xs, chunks, 8 * i + 4 * h);
+            const float4 v = *slot;
+            u32 codes;
+            if (fast) {
+                codes = e4m3x2_code(div_by_reciprocal(v.x, sx, r), div_by_reciprocal(v.y, sx, r)) |
+                        e4m3x2_code(div_by_reciprocal(v.z, sx, r), div_by_reciprocal(v.w, sx, r)) << 16;
+            } else {
+                codes = e4m3_code(div_rn(v.x, sx)) | e4m3_code(div_rn(v.y, sx)) << 8 |
+                        e4m3_code(div_rn(v.z, sx)) << 16 | e4m3_code(div_rn(v.w, sx)) << 24;
+            }
+            float4 q;
+            e4m3x2_values(codes, q.x, q.y);
+            e4m3x2_values(codes >> 16, q.z, q.w);
+            *slot = q;
+        }
+    }
+    __syncthreads();
+    return sx;
+}
+
+// RW rows of w per warp item: 1, or 2 with GLU (rows f and F + f); w holds T values, or with E4M3 codes whose
+// row n is scaled by w_scale[n] (per_channel) or w_scale[0]
+template <class DT, bool GLU, class E>
+__device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const E* __restrict__ w,
+                                     const float* __restrict__ w_scale, int per_channel,
                                      const typename DT::T* __restrict__ bias, const typename DT::T* __restrict__ residual,
                                      const typename DT::T* __restrict__ gamma, typename DT::T* __restrict__ y,
                                      int N, int K, float eps, int act, const void* prefetch0, i64 prefetch0_bytes,
                                      const void* prefetch1, i64 prefetch1_bytes) {
-    constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW;
+    constexpr bool E4M3 = sizeof(E) == 1;
+    constexpr int RW = GLU ? 2 : 1, B = GEMV_CHUNKS / RW, CODES = 16 / sizeof(E);
     extern __shared__ __align__(16) float xs[];
     const int lane = threadIdx.x & 31, warps = gridDim.x * GEMV_WARPS;
     const int gw = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const int R = N / RW, chunks = K / 8, batches = (chunks + 32 * B - 1) / (32 * B);
+    const int R = N / RW, chunks = K / CODES, batches = (chunks + 32 * B - 1) / (32 * B);
     const int items = gw < R ? ((R - 1 - gw) / warps + 1) * batches : 0;
     // item j: batch j % batches of this warp's row j / batches (rows gw, gw + warps, ...)
     auto load = [&](u32x4* buf, int j) {
         const i64 row = gw + (i64)(j / batches) * warps;
 #pragma unroll
-        for (int r = 0; r < RW; r++) load_batch<B>(buf + r * B, w, row + (i64)r * R, j % batches, chunks, K, lane, j < items);
+        for (int r = 0; r < RW; r++)
+            load_batch<B>(buf + r * B, w, row + (i64)r * R, j % batches, chunks, K, lane, j < items);
     };
     u32x4 buf0[RW * B], buf1[RW * B];
     load(buf0, 0);
@@ -162,7 +301,7 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     if (lane == 0)   // behind this kernel's first loads: DRAM serves them first
         l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, gw, warps);
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
-    stage_x<DT>(x, gamma, xs, K, eps);
+    const float sx = E4M3 ? stage_x_e4m3<DT>(x, gamma, xs, K, eps) : stage_x<DT>(x, gamma, xs, K, eps);
     pdl_launch_dependents();
     float acc[RW];
 #pragma unroll
@@ -170,14 +309,17 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     auto step = [&](u32x4* buf, int j) {
         const int b = j % batches;
 #pragma unroll
-        for (int r = 0; r < RW; r++) acc[r] = fma_batch<DT, B>(acc[r], buf + r * B, xs, b, chunks, lane);
+        for (int r = 0; r < RW; r++)
+            acc[r] = E4M3 ? fma_batch_e4m3<B>(acc[r], buf + r * B, xs, b, chunks, lane)
+                          : fma_batch<DT, B>(acc[r], buf + r * B, xs, b, chunks, lane);
         load(buf, j + 2);
         if (b != batches - 1) return;
         const int n = gw + (j / batches) * warps;
         float v[RW];
 #pragma unroll
         for (int r = 0; r < RW; r++) {
-            v[r] = warp_sum(acc[r]) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
+            const float sum = warp_sum(acc[r]);
+            v[r] = (E4M3 ? sum * (sx * w_scale[per_channel ? n + r * R : 0]) : sum) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
             acc[r] = 0.f;
         }
         if (lane != 0) return;
@@ -196,13 +338,28 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act, \
     const void* prefetch0, long long prefetch0_bytes, const void* prefetch1, long long prefetch1_bytes
 
+#define GEMV_E4M3_PARAMS(T) const T* __restrict__ x, const unsigned char* __restrict__ w,                   \
+    const float* __restrict__ w_scale, int per_channel, const T* __restrict__ bias,                           \
+    const T* __restrict__ residual, const T* __restrict__ gamma, T* __restrict__ y, int N, int K, float eps, int act, \
+    const void* prefetch0, long long prefetch0_bytes, const void* prefetch1, long long prefetch1_bytes
+
 #define GEMV(NAME, DT, GLU)                                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM) NAME(GEMV_PARAMS(libnn::DT::T)) { \
-        gemvk::gemv<libnn::DT, GLU>(x, w, bias, residual, gamma, y, N, K, eps, act, prefetch0, prefetch0_bytes,  \
-                                    prefetch1, prefetch1_bytes);                                          \
+        gemvk::gemv<libnn::DT, GLU>(x, w, nullptr, 0, bias, residual, gamma, y, N, K, eps, act, prefetch0,      \
+                                    prefetch0_bytes, prefetch1, prefetch1_bytes);                              \
+    }
+
+#define GEMV_E4M3(NAME, DT, GLU)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS, GEMV_BLOCKS_PER_SM) NAME(GEMV_E4M3_PARAMS(libnn::DT::T)) { \
+        gemvk::gemv<libnn::DT, GLU>(x, w, w_scale, per_channel, bias, residual, gamma, y, N, K, eps, act, \
+                                          prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes);             \
     }
 
 GEMV(gemv_f16, dt_f16, false)
 GEMV(gemv_glu_f16, dt_f16, true)
 GEMV(gemv_bf16, dt_bf16, false)
 GEMV(gemv_glu_bf16, dt_bf16, true)
+GEMV_E4M3(gemv_e4m3_f16, dt_f16, false)
+GEMV_E4M3(gemv_glu_e4m3_f16, dt_f16, true)
+GEMV_E4M3(gemv_e4m3_bf16, dt_bf16, false)
+GEMV_E4M3(gemv_glu_e4m3_bf16, dt_bf16, true)

@@ -38,16 +38,19 @@ def test_a_plain_launch_has_no_attribute():
 
 
 @pytest.mark.parametrize("capability, programmatic", [((9, 0), True), ((10, 0), True), ((8, 9), False)])
-def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capability, programmatic):
+@pytest.mark.parametrize("K, file", [(64, "gemv.cu"), (72, "linear_fp8.cu")])  # K % 16 != 0: version 3
+def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capability, programmatic, K, file):
     binds = []
-    monkeypatch.setattr(launch, "bind", lambda *args, **kwargs: binds.append(kwargs))
+    monkeypatch.setattr(launch, "bind", lambda *args, **kwargs: binds.append((args[0], kwargs)))
     monkeypatch.setattr(launch, "compute_capability", lambda device_id: capability)
     monkeypatch.setattr(l8, "multiprocessors", lambda device_id: 132)
+    monkeypatch.setattr(importlib.import_module("libnn.ops.linear").device_info, "multiprocessors",
+                        lambda device_id: 132)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=host_ndarray, cuda=CUDA))  # no GPU needed
-    problem = l8.LinearFp8Problem(M=1, N=48, K=64, dtype="fp16", per_channel=True, has_bias=False,
+    problem = l8.LinearFp8Problem(M=1, N=48, K=K, dtype="fp16", per_channel=True, has_bias=False,
                                   activation=None, has_residual=False, device="gpu:0")
-    l8.bind_gemv(problem, np.ones((1, 64), np.float16), None, None, None)
-    assert binds[-1]["programmatic"] is programmatic
+    l8.bind_gemv(problem, np.ones((1, K), np.float16), np.ones((48, K), np.uint8), None, None)
+    assert binds[-1][0] == file and binds[-1][1]["programmatic"] is programmatic
 
 
 # the kernels launched programmatically (runtime/launch.py's programmatic_supported on sm_90 and newer), by
@@ -80,7 +83,7 @@ def test_every_kernel_launched_programmatically_waits_before_its_work(file, pref
     if file == "linear_fp8.cu":
         assert re.search(r"pdl_wait\(\);[^\n]*\n\s*const float sx = quantize_x", source)
     if file == "gemv.cu":
-        assert re.search(r"pdl_wait\(\);[^\n]*\n\s*stage_x<", source)
+        assert re.search(r"pdl_wait\(\);[^\n]*\n\s*const float sx = E4M3 \? stage_x_e4m3<DT>\([^;]*: stage_x<", source)
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False)])

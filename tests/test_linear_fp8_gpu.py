@@ -211,11 +211,14 @@ def test_auto_runs_cublaslt_where_it_can_and_custom_otherwise(rng):
     check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
 
 
-# the GEMV (kernels/linear_fp8.cu version 3; M <= 8, M rows of x's codes within its shared memory): 16-byte
-# loads (K % 16 == 0; K = 516 ends in a partial chunk), byte loads (K % 16 != 0, or the weight one byte off),
-# the largest K at M = 1 and at M = 8, N not a multiple of the 16-row tile, a decode step's shapes
+# the decode GEMV: at M = 1 with K % 16 == 0 up to 24576, kernels/gemv.cu's E4M3 kernel (one row and K = 4112
+# past its first 4096-code batch; its largest K), else kernels/linear_fp8.cu version 3 (M <= 8, M rows of x's
+# codes within its shared memory): 16-byte loads (K % 16 == 0; K = 516 ends in a partial chunk), byte loads
+# (K % 16 != 0, or the weight one byte off), the largest K at M = 1 and at M = 8, N not a multiple of the 16-row
+# tile, a decode step's shapes
 GEMV_SHAPES = [(1, 2048, 2048), (1, 64, 8192), (1, 3, 36736), (8, 33, 4480), (8, 33, 1024), (2, 19, 6), (5, 9, 45),
-               (3, 257, 516), (2, 100, 5000), (3, 70, 1040), (1, 1, 1)]
+               (3, 257, 516), (2, 100, 5000), (3, 70, 1040), (1, 1, 1), (1, 7, 16), (1, 131, 4112), (1, 1, 48),
+               (1, 5, 24576)]
 
 
 @pytest.mark.usefixtures("poisoned_gpu_memory")
@@ -248,18 +251,21 @@ def e4m3_ties() -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("spread", ["ties", "ties x3", "normal"])
-def test_gemv_codes_x_as_the_quantiser_does(rng, dtype, spread):
+@pytest.mark.parametrize("kernel", ["gemv.cu", "linear_fp8.cu"])
+def test_gemv_codes_x_as_the_quantiser_does(rng, dtype, spread, kernel):
     """The GEMV quantises x itself (a reciprocal with two FMA corrections in place of the division, the
     hardware's E4M3 conversion): with an identity weight of scale 1, y is x's dequantised codes, which
     must be the quantiser's. A code one step off moves its element by 1/16 or more; the comparison allows
     an fp16 rounding of the product sx · value. "ties" has max |x| = 448, so sx = 1 and the quotient is x
     itself: it tests the conversion's rounding. "ties x3" (exact in fp16 and bf16: 7 significant bits at
     most) has sx = 3, whose reciprocal is inexact, so every quotient lands on its tie only through the
-    corrections."""
+    corrections. Both decode GEMVs: K padded with zeros to a multiple of 16 for kernels/gemv.cu, and to
+    one past it for version 3."""
     from libnn.ops.linear_fp8 import gemv_fits, linear_fp8_problem
 
     ties = e4m3_ties()
     values = rng.standard_normal(1000) * 3.7 if spread == "normal" else ties * (3 if spread == "ties x3" else 1)
+    values = np.concatenate([values, np.zeros(-len(values) % 16 + (kernel == "linear_fp8.cu"))])
     x = values.astype(dtypes.parse(dtype))[None, :]
     assert spread == "normal" or np.array_equal(x[0].astype(np.float64), values)   # the ties survive the cast
     K = x.shape[1]
@@ -271,6 +277,34 @@ def test_gemv_codes_x_as_the_quantiser_does(rng, dtype, spread):
     y = linear_fp8(xg, wg, sg, path="custom").get()
     expected = linear_fp8(x, codes, scale, path="reference")
     np.testing.assert_allclose(y.astype(np.float64), expected.astype(np.float64), rtol=2 ** -9, atol=0)
+
+
+@pytest.mark.parametrize("kernel, K", [("gemv.cu", 64), ("linear_fp8.cu", 72)])
+def test_gemv_rows_with_nan_or_inf_are_nan(rng, kernel, K):
+    """At one row, with a NaN or an inf (quantised to NaN) in x, every output is NaN; the same weight
+    and a finite x give finite outputs."""
+    x, weight, b, _ = draw(rng, 1, 32, K, "fp16", per_channel=True)
+    y = linear_fp8(*to_gpu(x, *weight, b), path="custom").get()
+    check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
+    for bad in (np.inf, np.nan):
+        x[0, K // 3] = bad
+        assert np.isnan(linear_fp8(*to_gpu(x, *weight, b), path="custom").get()).all()
+
+
+def test_gemv_at_one_row_with_a_weight_one_byte_off(rng):
+    """A weight whose rows are not on 16 bytes runs version 3 (byte loads), not kernels/gemv.cu."""
+    import cupy
+
+    from libnn.ops.linear_fp8 import bind_decode_gemv_kernel
+
+    x, weight, b, _ = draw(rng, 1, 40, 64, "fp16")
+    buffer = cupy.zeros(40 * 64 + 16, cupy.uint8)
+    w = buffer[1:1 + 40 * 64].reshape(40, 64)
+    w[...] = cupy.asarray(weight.data)
+    assert "linear_fp8.cu" in bind_decode_gemv_kernel("fp16", 1, 40, 64, True, None, "gpu:0", w).name
+    assert "gemv.cu" in bind_decode_gemv_kernel("fp16", 1, 40, 64, True, None, "gpu:0", buffer[:2560].reshape(40, 64)).name
+    y = linear_fp8(cupy.asarray(x), w, cupy.asarray(weight.scale), cupy.asarray(b), path="custom")
+    check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
 
 
 def test_gemv_reads_a_weight_one_byte_off_and_strided_x(rng):

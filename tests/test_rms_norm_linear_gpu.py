@@ -156,20 +156,23 @@ def test_unfused_matches_reference(rng, dtype):
     assert rel_error(y, reference_norm_linear(x, g, w, glu="swiglu")) <= dtypes.TOLERANCE[dtype]
 
 
-# --- E4M3 weights: rms_norm_linear with w_scale (kernels/linear_fp8.cu version 3, fused) --------------------
+# --- E4M3 weights: rms_norm_linear with w_scale (kernels/gemv.cu's E4M3 kernels at one row where K % 16 == 0,
+# kernels/linear_fp8.cu version 3 otherwise; both fused) --------------------------------------------------------
 @pytest.mark.usefixtures("poisoned_gpu_memory")
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("glu", [None, "swiglu"])
 @pytest.mark.parametrize("M, N, K", [(1, 2, 16), (1, 14, 1000), (1, 262, 2064), (1, 34, 513), (1, 16384, 2048),
-                                     (1, 6, 3968), (1, 6, 3976), (3, 262, 2064), (3, 34, 513), (8, 34, 513)],
+                                     (1, 6, 3968), (1, 6, 3976), (1, 2, 24576), (1, 2, 24592), (3, 262, 2064),
+                                     (3, 34, 513), (8, 34, 513)],
                          ids=str)
 def test_rms_norm_linear_gemv_with_e4m3_weights_matches_reference(rng, M, N, K, glu, dtype, per_channel):
     """The reference normalises, rounds to x's dtype, quantises x as the kernel does and sums the
     dequantised products in float64; the unfused path (rms_norm, linear_fp8, swiglu) alike. Past one row
-    the fused kernel (which takes up to 8) is run directly, as auto no longer picks it there. The kernel's
-    quantiser keeps x in registers up to 2 groups of 8 values a thread: K = 3968 at one row and (3, 513)
-    do, K = 3976, (3, 2064) and (8, 513) read x again in each pass."""
+    the fused kernel (which takes up to 8) is run directly, as auto no longer picks it there. At one row K
+    a multiple of 16 up to 24576 runs kernels/gemv.cu's E4M3 kernel, other K version 3. Version 3's
+    quantiser keeps x in registers up to 2 groups of 8 values a thread: K = 3976 at one row and (3, 513)
+    do, K = 24592, (3, 2064) and (8, 513) read x again in each pass."""
     x, g = random_normal(rng, (M, K), dtype, 3.0), random_normal(rng, (K,), dtype)
     weight = quantize_weight(random_normal(rng, (N, K), "fp32", 1 / np.sqrt(K)) *
                              np.geomspace(0.1, 10, N)[:, None].astype(np.float32), per_channel=per_channel)
@@ -186,6 +189,22 @@ def test_rms_norm_linear_gemv_with_e4m3_weights_matches_reference(rng, M, N, K, 
     unfused = rms_norm_linear(gpu(x), gpu(g), gpu(weight.data), gpu(b), w_scale=gpu(weight.scale), glu=glu,
                               path="unfused")
     assert rel_error(unfused, expected) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("glu", [None, "swiglu"])
+def test_e4m3_weights_with_misaligned_x_and_norm_weight(rng, glu):
+    """kernels/gemv.cu's E4M3 kernel reads x and the norm's weight value by value where either is not on 16
+    bytes (each one element past an aligned start here); its weight stays aligned."""
+    import cupy
+
+    M, N, K = 1, 38, 96
+    x, g = random_normal(rng, (M, K), "bf16", 3.0), random_normal(rng, (K,), "bf16")
+    weight = quantize_weight(random_normal(rng, (N, K), "fp32", 0.1))
+    xg, gg = cupy.empty(K + 1, x.dtype)[1:].reshape(M, K), cupy.empty(K + 1, g.dtype)[1:]
+    xg[...], gg[...] = gpu(x), gpu(g)
+    y = rms_norm_linear(xg, gg, gpu(weight.data), w_scale=gpu(weight.scale), glu=glu, path="gemv")
+    expected = rms_norm_linear(x, g, weight.data, w_scale=weight.scale, glu=glu, path="reference")
+    assert rel_error(y, expected) <= dtypes.TOLERANCE["bf16"]
 
 
 def test_e4m3_weights_past_one_row_take_the_unfused_path(rng):

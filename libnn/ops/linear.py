@@ -437,39 +437,48 @@ def _reference(problem: LinearProblem, x, w, b, r, pf=()):
 
 
 # --- gemv path: kernels/gemv.cu --------------------------------------------------------------------
-_GEMV = contracts.params("gemv.cu", "GEMV_PARAMS")  # every gemv kernel's parameters
+_GEMV = contracts.params("gemv.cu", "GEMV_PARAMS")  # every gemv kernel's parameters (16-bit weights)
+_GEMV_E4M3 = contracts.params("gemv.cu", "GEMV_E4M3_PARAMS")  # and with E4M3 weights
 _GV = contracts.constants("gemv.cu")
 GEMV_DTYPES = ("fp16", "bf16")
 
 
-def gemv_support(M: int, N: int, K: int, dtype: str) -> str | None:
-    """Why kernels/gemv.cu cannot take M rows of K features to N outputs in `dtype` (None: it can)."""
+def gemv_support(M: int, N: int, K: int, dtype: str, e4m3: bool = False) -> str | None:
+    """Why kernels/gemv.cu cannot take M rows of K features to N outputs in `dtype` (None: it can), with a
+    weight in `dtype` or, with `e4m3`, in E4M3 codes (16 to a 16-byte chunk, so K a multiple of 16)."""
     if M != 1:
-        faster = "; from 2 rows cuBLASLt is faster" if M > 1 else ""
+        faster = "; from 2 rows cuBLASLt is faster" if M > 1 and not e4m3 else ""
         return f"M={M}: the GEMV kernel takes one row (a batch-1 decode step){faster}"
     if N == 0:
         return "N=0: no output for the GEMV kernel to compute (the other paths return the empty result)"
     if dtype not in GEMV_DTYPES:
         return f"dtype {dtype} is not supported (supported: {', '.join(GEMV_DTYPES)})"
-    if K % 8 or not 8 <= K <= _GV["GEMV_MAX_K"]:
-        return f"K={K}: the GEMV kernel takes K a multiple of 8 from 8 to {_GV['GEMV_MAX_K']}"
+    multiple = 16 if e4m3 else 8
+    if K % multiple or not multiple <= K <= _GV["GEMV_MAX_K"]:
+        return f"K={K}: the GEMV kernel takes K a multiple of {multiple} from {multiple} to {_GV['GEMV_MAX_K']}"
     return None
 
 
 def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0,
-                     prefetch: tuple[int, ...] = ()):
+                     prefetch: tuple[int, ...] = (), per_channel: bool | None = None):
     """kernels/gemv.cu's launch for y (R,) = act(x' @ w.T + bias + residual), or with `glu` SwiGLU of the
     (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y, *hint), each
     a pointer or None; gamma (K,) RMS-normalises x with `eps` first; `prefetch` the bytes of each array of
-    the hint (runtime/l2_prefetch.py), which the launch takes last. Programmatic on sm_90 and newer."""
+    the hint (runtime/l2_prefetch.py), which the launch takes last. Programmatic on sm_90 and newer. With
+    `per_channel` True or False, w holds E4M3 codes scaled per output channel or per tensor and x is
+    quantised as linear_fp8 quantises it: run(x, w, w_scale, bias, residual, gamma, y, *hint)."""
     rows = N // 2 if glu else N
     blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
                  _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(device_info.gpu_index(device)))
-    kernel = f"gemv{'_glu' if glu else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
-    return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],),
-                       _GEMV.pack(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY,
-                                  gamma=launch.ARRAY, y=launch.ARRAY, N=N, K=K, eps=eps,
-                                  act=activations.KERNEL_CODES[activation], **l2_prefetch.kernel_parameters(prefetch)),
+    e4m3 = per_channel is not None
+    kernel = f"gemv{'_glu' if glu else ''}{'_e4m3' if e4m3 else ''}_{dtypes.KERNEL_SUFFIX[dtype]}"
+    arguments = dict(x=launch.ARRAY, w=launch.ARRAY, bias=launch.ARRAY, residual=launch.ARRAY, gamma=launch.ARRAY,
+                     y=launch.ARRAY, N=N, K=K, eps=eps, act=activations.KERNEL_CODES[activation],
+                     **l2_prefetch.kernel_parameters(prefetch))
+    params = _GEMV_E4M3 if e4m3 else _GEMV
+    if e4m3:
+        arguments.update(w_scale=launch.ARRAY, per_channel=int(per_channel))
+    return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],), params.pack(**arguments),
                        shared_mem=4 * K, programmatic=launch.programmatic_supported(device))
 
 

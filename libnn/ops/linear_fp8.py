@@ -49,12 +49,12 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.ops import activations
-from libnn.ops.linear import bind_epilogue_pass, degenerate_result
+from libnn.ops.linear import bind_epilogue_pass, bind_gemv_kernel, degenerate_result, gemv_support
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, l2_prefetch, launch, memory
 from libnn.runtime.device import gpu_index, multiprocessors
-from libnn.runtime.arrays import allocator, as_array, contiguous, device_of, signature, stream_key
+from libnn.runtime.arrays import allocator, as_array, contiguous, data_pointer, device_of, signature, stream_key
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_erf")
 FUSED_ACTIVATIONS = (None, "relu", "gelu")  # what cuBLASLt's epilogues compute
@@ -303,15 +303,26 @@ def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, act
                        shared_mem=M * _gemv_x_stride(K), programmatic=launch.programmatic_supported(device))
 
 
+def bind_decode_gemv_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, activation: str | None,
+                            device: str, w: Any, glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = ()):
+    """The decode GEMV's launch for the codes `w` (read only for its layout): run(x, wq, w_scale, bias,
+    residual, gamma, y, *hint), as bind_gemv3_kernel's. At one row, K a multiple of 16 and w 16-byte aligned
+    (or strided: copied, aligned, at every call), kernels/gemv.cu's E4M3 kernel, which streams w at close to
+    the copy rate; else kernels/linear_fp8.cu's version 3 (any K within its shared memory, up to 8 rows)."""
+    if gemv_support(M, N, K, dtype, e4m3=True) is None and not (w.flags.c_contiguous and data_pointer(w) % 16):
+        return bind_gemv_kernel(dtype, N, K, activation, glu, device, eps, prefetch, per_channel=per_channel)
+    return bind_gemv3_kernel(dtype, M, N, K, per_channel, activation, device, glu, eps, prefetch)
+
+
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
               r: Any = None) -> Callable[[Any, Any, Any, Any, Any], Any]:
-    """The runner of kernels/linear_fp8.cu's version 3, run(x, w, w_scale, b, r, pf=()) -> y: one launch that
-    quantises x (as kernels/quantize_fp8.cu does) and computes the problem on the FP8 tensor cores, for x of
-    any rank and strides (copied to a contiguous (M, K) where it is not one) and the residual likewise; pf
-    the problem's prefetch hint, where it has one."""
+    """The runner of the decode GEMV (bind_decode_gemv_kernel), run(x, w, w_scale, b, r, pf=()) -> y: one launch
+    that quantises x (as kernels/quantize_fp8.cu does) and computes the problem, for x of any rank and strides
+    (copied to a contiguous (M, K) where it is not one) and the residual likewise; pf the problem's prefetch
+    hint, where it has one."""
     M, N, K = problem.M, problem.N, problem.K
-    kernel = bind_gemv3_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation, problem.device,
-                               prefetch=problem.prefetch)
+    kernel = bind_decode_gemv_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation,
+                                     problem.device, w, prefetch=problem.prefetch)
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 

@@ -41,7 +41,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.ops import row_kernels
 from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
-from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_gemv3_kernel, gemv3_support, linear_fp8
+from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_decode_gemv_kernel, gemv3_support, linear_fp8
 from libnn.ops.quantize_fp8 import fp8_gpu_missing
 from libnn.ops.rms_norm import rms_norm
 from libnn.ops.swiglu import swiglu
@@ -166,8 +166,8 @@ def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s, pf=()):
     """One launch for x of any leading shape; strided arrays are copied first."""
     glu = problem.glu is not None
     if problem.e4m3:
-        kernel = bind_gemv3_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
-                                   problem.device, glu, problem.eps, problem.prefetch)
+        kernel = bind_decode_gemv_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
+                                         problem.device, w, glu, problem.eps, problem.prefetch)
     else:
         # a strided array is copied (256-byte aligned) at every call: only the others' pointers matter
         refuse_unaligned_gemv(*(a if a.flags.c_contiguous else None for a in (x, w)))
