@@ -1,16 +1,20 @@
 /*
-linear's and rms_norm_linear's GEMV path: a decode step's matrix-vector products at batch 1, streaming w once
-at close to the copy rate, with the fusions a decoder layer wants around its GEMMs (version 2: version 1
-plus the L2 prefetch of the next kernel's weight; the figures are in benchmarks/RESULTS.md, fourteenth and
-sixteenth sessions):
+linear's, linear_fp8's and rms_norm_linear's GEMV path: a decode step's matrix-vector products at batch 1,
+streaming w once at close to the copy rate, with the fusions a decoder layer wants around its GEMMs (version
+3: version 2 (version 1 plus the L2 prefetch of the next kernel's weight) plus E4M3 weights; the figures are
+in benchmarks/RESULTS.md, fourteenth, sixteenth and twenty-first sessions):
 
     x         (K,) one row; with `gamma`, RMS-normalised first (below)
-    w         (N, K) row-major, contiguous (nn.Linear's weight; a stacked QKV or gate_up weight)
-    y[n]      = act(sum_k x'[k] w[n, k] + bias[n] + residual[n])              gemv_*
-    y[f]      = silu(v[f]) * v[F + f],  v = x' @ w.T + bias,  F = N / 2         gemv_glu_* (SwiGLU)
+    w         (N, K) row-major, contiguous: T values (nn.Linear's weight; a stacked QKV or gate_up weight), or
+              E4M3 codes (gemv_*e4m3_*), W[n, k] = w_scale[n or 0] * e4m3(w[n, k])
+    y[n]      = act(sum_k x'[k] W[n, k] + bias[n] + residual[n])              gemv_*
+    y[f]      = silu(v[f]) * v[F + f],  v = x' @ W.T + bias,  F = N / 2         gemv_glu_* (SwiGLU)
     x'[k]     = x[k] where gamma is null; else (x[k] * rstd * gamma[k]) rounded to T,
                 rstd = 1 / sqrt((1/K) sum_k x[k]^2 + eps)        (kernels/rms_norm.cu's formula: rsqrtf, the
                 mean by div.full; the sum of squares in another order, so not always the same bits)
+    E4M3:     x' is quantised as linear_fp8 quantises x (kernels/quantize_fp8.cu's amax, scale sx and codes,
+              computed as linear_fp8.cu's version 3 computes them), and the sum is
+              sx * w_scale[n or 0] * sum_k e4m3(x'q[k]) * e4m3(w[n, k])
 
 Algorithm (a bandwidth kernel in the style of llm.c dev/cuda, not a tiled GEMM): each warp takes whole
 rows of w, grid-strided (with GLU the pair of rows f and F + f, so that the gate and up sums meet in one
@@ -21,22 +25,35 @@ per lane and the lanes' sums by a butterfly (__shfl_xor_sync): a fixed order, so
 bit. The epilogue (bias, residual, activation; or SwiGLU) is in fp32, rounded once to T. No tensor
 cores: at one row the GEMV is bound by w's bytes, which FFMA keeps up with; at 2 and 4 rows (an earlier
 draft) the FFMA and shared-memory reads of x' were the bound, and cuBLASLt won, so M = 1 only.
+E4M3 weights: a chunk is 16 codes, widened by the hardware's conversion (cvt.rn.f16x2.e4m3x2, sm_89 and
+newer) to fp16 and then fp32, exactly; x's codes are staged as their values (exact in fp32), in four
+planes of float4 so that the lanes' reads of x do not collide in the banks (stage_x_e4m3). Every product
+of two E4M3 values is exact in fp32; the sums are as above, two per lane (even and odd words of a chunk).
+A row's scale is read with its last batch, and gamma's first group before the wait, so that neither costs
+a round trip after the data it goes with. The tensor cores (mma.sync on the lanes' own codes) were slower
+here: benchmarks/RESULTS.md, twenty-first session. This replaced linear_fp8.cu's version 3 at one row.
 
-Activations (kernels/common.cuh's codes): none, relu, gelu (tanh), gelu_erf. NaN propagates.
-T: fp16 or bf16 (raw 16-bit words converted with PTX; no CUDA toolkit header); sm_80 or newer.
+Activations (kernels/common.cuh's codes): none, relu, gelu (tanh), gelu_erf. NaN propagates (an inf or NaN
+in x' makes every E4M3 output NaN: E4M3 has no infinity, and neither takes part in sx).
+T: fp16 or bf16 (raw 16-bit words converted with PTX; no CUDA toolkit header); sm_80 or newer, E4M3 sm_89.
 
-LAUNCH (every kernel takes the same parameters)
+LAUNCH (gemv_{,glu_}{f16,bf16}: GEMV_PARAMS; gemv_{,glu_}e4m3_{f16,bf16}: GEMV_E4M3_PARAMS, the same plus
+the weight's scales)
     (const T* x, const T* w, const T* bias, const T* residual, const T* gamma, T* y, int N, int K,
      float eps, int act, const void* prefetch0, long long prefetch0_bytes, const void* prefetch1,
      long long prefetch1_bytes)
+    (const T* x, const unsigned char* w, const float* w_scale, int per_channel, const T* bias, const T* residual,
+     const T* gamma, T* y, int N, int K, float eps, int act, <the same four prefetch parameters>)
     block (GEMV_THREADS, 1, 1), grid (min(ceil(R / GEMV_WARPS), GEMV_BLOCKS_PER_SM x SMs), 1, 1), R = N rows
     (N / 2 row pairs with GLU); dynamic shared memory 4 * K bytes (above 48 KB the launcher opts in).
-    Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0; x, w and gamma 16-byte
-    aligned; bias, residual and gamma may be null (residual null and act none with GLU); y (R,) overlaps
-    no input. On sm_90 and newer it is launched with programmatic stream serialization: it loads its
-    first two batches of w, then waits (pdl_wait) for the kernel ahead, whose output x is, and lets the
-    kernel after it start once every block has staged x'. So w must be what no kernel in flight writes
-    (a weight), as for linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
+    Preconditions: N >= 1 (even with GLU), 8 <= K <= GEMV_MAX_K, K % 8 == 0 (E4M3: K % 16 == 0); w
+    16-byte aligned; x and gamma 16-byte aligned (E4M3: read value by value where either is not); bias,
+    residual and gamma may be null (residual null and act none with GLU); w_scale (N,) with per_channel,
+    else (1,); y (R,) overlaps no input. On sm_90 and newer it is launched with programmatic stream
+    serialization: it loads its first two batches of w, then waits (pdl_wait) for the kernel ahead, whose
+    output x is, and lets the kernel after it start once every block has staged x'. So w (and gamma and
+    w_scale, read before the wait too) must be what no kernel in flight writes (a weight), as for
+    linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
     Behind its first loads, on sm_90 and newer, the grid's warps prefetch into L2 the byte ranges
     [prefetch0, + prefetch0_bytes) and [prefetch1, + prefetch1_bytes) (common.cuh l2_prefetch_hint: null
     or 0 bytes, nothing): what the next GEMV reads first, which no kernel in flight may write either.
@@ -200,23 +217,27 @@ __device__ __forceinline__ void load8(const typename DT::T* __restrict__ p, bool
 
 // x' quantised as kernels/quantize_fp8.cu quantises a tensor (the same amax, scale and codes; linear_fp8.cu's
 // quantize_x computes them alike), the codes' values into xs (e4m3_plane_slot's layout); returns the scale sx.
-// x' is x, or with gamma its RMS normalisation rounded to T (stage_x's). Each thread codes the groups of 8 it
-// normalised, from where it put them in xs: no barrier between the passes but the amax's. Ends with a
-// __syncthreads().
+// x' is x, or with gamma its RMS normalisation rounded to T (stage_x's); gamma0 is gamma's group t (this
+// thread's first), read before the kernel ahead finished. x is read from L2 once: each pass leaves its values
+// (x, then x') in this thread's own slots of xs, where the next pass reads them, so the passes meet only at
+// the norm's and the amax's barriers. Ends with a __syncthreads().
 template <class DT>
 __device__ __forceinline__ float stage_x_e4m3(const typename DT::T* __restrict__ x,
-                                              const typename DT::T* __restrict__ gamma, float* xs, int K, float eps) {
+                                              const typename DT::T* __restrict__ gamma, float* xs, int K, float eps,
+                                              u32x4 gamma0) {
     __shared__ float red[GEMV_WARPS], top[GEMV_WARPS];
     const int t = threadIdx.x, groups = K / 8, chunks = K / 16;
     const bool vec = ((u64)x & 15) == 0 && ((u64)gamma & 15) == 0;   // gamma: null, or 16-byte aligned
     float rstd = 1.f;
-    if (gamma) {
+    if (gamma) {   // x into this thread's slots of xs on the way: the second pass reads it there, not from L2
         float ss = 0.f;
         for (int i = t; i < groups; i += GEMV_THREADS) {
             float f[8];
             load8<DT>(x + 8 * i, vec, f);
 #pragma unroll
             for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
+            *e4m3_plane_slot(xs, chunks, 8 * i) = make_float4(f[0], f[1], f[2], f[3]);
+            *e4m3_plane_slot(xs, chunks, 8 * i + 4) = make_float4(f[4], f[5], f[6], f[7]);
         }
         ss = warp_sum(ss);
         if ((t & 31) == 0) red[t >> 5] = ss;
@@ -230,12 +251,16 @@ __device__ __forceinline__ float stage_x_e4m3(const typename DT::T* __restrict__
     bool finite = true;
     for (int i = t; i < groups; i += GEMV_THREADS) {
         float f[8];
-        load8<DT>(x + 8 * i, vec, f);
         if (gamma) {
+            const float4 lo = *e4m3_plane_slot(xs, chunks, 8 * i), hi = *e4m3_plane_slot(xs, chunks, 8 * i + 4);
             float g[8];
-            load8<DT>(gamma + 8 * i, vec, g);
+            if (i == t && vec) unpack8<DT>(gamma0, g);
+            else load8<DT>(gamma + 8 * i, vec, g);
+            const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(f[e] * rstd * g[e]));
+            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(v[e] * rstd * g[e]));
+        } else {
+            load8<DT>(x + 8 * i, vec, f);
         }
 #pragma unroll
         for (int e = 0; e < 8; e++) {
@@ -289,37 +314,48 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     const int R = N / RW, chunks = K / CODES, batches = (chunks + 32 * B - 1) / (32 * B);
     const int items = gw < R ? ((R - 1 - gw) / warps + 1) * batches : 0;
     // item j: batch j % batches of this warp's row j / batches (rows gw, gw + warps, ...)
-    auto load = [&](u32x4* buf, int j) {
+    // with E4M3 codes each buffer also holds its rows' scales, read with their last batch: the epilogue that
+    // uses them follows that batch's products without a round trip of its own
+    auto load = [&](u32x4* buf, float* scale, int j) {
         const i64 row = gw + (i64)(j / batches) * warps;
 #pragma unroll
-        for (int r = 0; r < RW; r++)
+        for (int r = 0; r < RW; r++) {
             load_batch<B>(buf + r * B, w, row + (i64)r * R, j % batches, chunks, K, lane, j < items);
+            if (E4M3 && j < items && j % batches == batches - 1) scale[r] = w_scale[per_channel ? row + r * R : 0];
+        }
     };
     u32x4 buf0[RW * B], buf1[RW * B];
-    load(buf0, 0);
-    load(buf1, 1);
+    float scale0[RW] = {}, scale1[RW] = {};
+    load(buf0, scale0, 0);
+    load(buf1, scale1, 1);
     if (lane == 0)   // behind this kernel's first loads: DRAM serves them first
         l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, gw, warps);
+    u32x4 gamma0 = {0u, 0u, 0u, 0u};
+    if (E4M3 && gamma && (int)threadIdx.x < K / 8 && ((u64)gamma & 15) == 0)
+        gamma0 = *reinterpret_cast<const u32x4*>(gamma + 8 * threadIdx.x);
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
-    const float sx = E4M3 ? stage_x_e4m3<DT>(x, gamma, xs, K, eps) : stage_x<DT>(x, gamma, xs, K, eps);
+    const float sx = E4M3 ? stage_x_e4m3<DT>(x, gamma, xs, K, eps, gamma0) : stage_x<DT>(x, gamma, xs, K, eps);
     pdl_launch_dependents();
     float acc[RW];
 #pragma unroll
     for (int r = 0; r < RW; r++) acc[r] = 0.f;
-    auto step = [&](u32x4* buf, int j) {
+    auto step = [&](u32x4* buf, float* scale, int j) {
         const int b = j % batches;
 #pragma unroll
         for (int r = 0; r < RW; r++)
             acc[r] = E4M3 ? fma_batch_e4m3<B>(acc[r], buf + r * B, xs, b, chunks, lane)
                           : fma_batch<DT, B>(acc[r], buf + r * B, xs, b, chunks, lane);
-        load(buf, j + 2);
+        float row_scale[RW];
+#pragma unroll
+        for (int r = 0; r < RW; r++) row_scale[r] = E4M3 ? sx * scale[r] : 1.f;
+        load(buf, scale, j + 2);
         if (b != batches - 1) return;
         const int n = gw + (j / batches) * warps;
         float v[RW];
 #pragma unroll
         for (int r = 0; r < RW; r++) {
             const float sum = warp_sum(acc[r]);
-            v[r] = (E4M3 ? sum * (sx * w_scale[per_channel ? n + r * R : 0]) : sum) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
+            v[r] = (E4M3 ? sum * row_scale[r] : sum) + (bias ? DT::ld(bias[n + r * R]) : 0.f);
             acc[r] = 0.f;
         }
         if (lane != 0) return;
@@ -327,8 +363,8 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
         else y[n] = DT::st(apply_act<ACT_LINEAR | 1u << ACT_GELU_ERF>(v[0] + (residual ? DT::ld(residual[n]) : 0.f), act));
     };
     for (int j = 0; j < items; j += 2) {
-        step(buf0, j);
-        if (j + 1 < items) step(buf1, j + 1);
+        step(buf0, scale0, j);
+        if (j + 1 < items) step(buf1, scale1, j + 1);
     }
 }
 

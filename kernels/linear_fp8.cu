@@ -23,10 +23,11 @@ Version 1: fp8_gemm1_tiled_{f16,bf16}
     pointers 8-byte aligned), byte by byte with zeros past M, N and K otherwise.
 
 Version 3: fp8_gemv3_{f16,bf16}, decode-sized M (M <= FP8_GEMV_MAX_M, M * gemv3_x_stride(K) <= FP8_GEMV3_XS_BYTES)
-    One kernel for the whole call, on the FP8 tensor cores. It quantises x itself to the codes
-    kernels/quantize_fp8.cu writes (the same amax and scale; the quotient x / sx from the reciprocal with two
-    FMA corrections, correctly rounded, and the hardware's E4M3 conversion where x is finite, e4m3_code
-    otherwise: kernels/fp8.cuh), so a decode step launches no quantiser. Each block quantises all of x
+    One kernel for the whole call, on the FP8 tensor cores (at one row with K % 16 == 0 and w 16-byte
+    aligned, kernels/gemv.cu's E4M3 kernel runs instead: it streams w faster on the H100). It quantises x
+    itself to the codes kernels/quantize_fp8.cu writes (the same amax and scale; the quotient x / sx from the
+    reciprocal with two FMA corrections, correctly rounded, and the hardware's E4M3 conversion where x is
+    finite, e4m3_code otherwise: kernels/fp8.cuh), so a decode step launches no quantiser. Each block quantises all of x
     (a few KB at decode) into shared memory and then takes tiles of 16 rows of w, grid-strided; its 8 warps
     each take an eighth of K of every tile. A lane streams 16 codes of two rows of w per load (rows g and
     g + 8 of the tile, lane 4g + q: bytes 16q .. 16q + 15 of each 64-code chunk), two loads of U chunks in

@@ -23,9 +23,12 @@ Paths, in `auto` order:
 - custom:    kernels/linear_fp8.cu: the codes decoded to fp32 in shared memory, FFMA in fp32, scales,
              bias, residual and activation in the epilogue. Any shape; not tuned, the comparison. At
              decode-sized M (M <= 8, and x's codes within the GEMV's shared memory: K up to 36736 at
-             M = 1, 4480 at M = 8) its version 3, a GEMV on the FP8 tensor cores that quantises x
-             itself: one kernel per call, each weight byte read once; `auto` takes it there before
-             cuBLASLt, whose FP8 GEMM at one row plus the two quantiser kernels took longer on the H100.
+             M = 1, 4480 at M = 8) a decode GEMV that quantises x itself: one kernel per call, each
+             weight byte read once; `auto` takes it there before cuBLASLt, whose FP8 GEMM at one row
+             plus the two quantiser kernels took longer on the H100. At one row with K a multiple of 16
+             (up to 24576) and w 16-byte aligned that is kernels/gemv.cu's E4M3 kernel (linear's batch-1
+             GEMV streaming E4M3 codes, FFMA in fp32); elsewhere linear_fp8.cu's version 3, on the FP8
+             tensor cores' mma.sync (benchmarks/RESULTS.md, twenty-first session, compares the two).
 - reference: NumPy in float64 from the dequantised values: x quantised by the NumPy twin of the GPU
              quantiser (the same codes and scale, bit for bit), both operands decoded and scaled, the
              product and epilogue in float64, rounded to x's dtype once.
@@ -266,7 +269,8 @@ def _gemv_x_stride(K: int) -> int:
 
 def gemv3_support(M: int, N: int, K: int) -> str | None:
     """Why kernels/linear_fp8.cu's version 3 (the GEMV that quantises x itself) cannot take M rows of K
-    features to N outputs (None: it can)."""
+    features to N outputs (None: it can). It takes every shape kernels/gemv.cu's E4M3 kernel takes, so
+    this is the decode GEMV's support."""
     if not 1 <= M <= _G["FP8_GEMV_MAX_M"]:
         return f"M={M}: the FP8 GEMV takes 1 to {_G['FP8_GEMV_MAX_M']} rows (a decode step's batch)"
     if N < 1 or K < 1:
@@ -278,7 +282,8 @@ def gemv3_support(M: int, N: int, K: int) -> str | None:
 
 
 def gemv_fits(problem: LinearFp8Problem) -> bool:
-    """Whether kernels/linear_fp8.cu's version 3 (the GEMV that quantises x itself) takes the problem."""
+    """Whether the decode GEMV (bind_decode_gemv_kernel's kernels, which quantise x themselves) takes the
+    problem."""
     return gemv3_support(problem.M, problem.N, problem.K) is None
 
 

@@ -17,9 +17,10 @@ Paths, in `auto` order:
              session): the RMS norm staged in front of the GEMV (n rounded to x's dtype, as rms_norm returns
              it) and SwiGLU in its epilogue. For weights in x's dtype, kernels/gemv.cu (linear's gemv path):
              one row of x (a batch-1 decode step), fp16/bf16, K a multiple of 8 to 24576, x, w and
-             norm_weight 16-byte aligned. For E4M3 codes, kernels/linear_fp8.cu's version 3 (linear_fp8's
-             decode GEMV, on the FP8 tensor cores), n then quantised as linear_fp8 quantises x: one row
-             too (the kernel takes up to 8, but from 2 rows the unfused ops were faster on the H100).
+             norm_weight 16-byte aligned. For E4M3 codes, linear_fp8's decode GEMV (kernels/gemv.cu's
+             E4M3 kernel where K is a multiple of 16 and w 16-byte aligned, else kernels/linear_fp8.cu's
+             version 3), n then quantised as linear_fp8 quantises x: one row too (version 3 takes up to
+             8, but from 2 rows the unfused ops were faster on the H100).
              With glu, v is not rounded to x's dtype before SwiGLU (linear's output is, on the unfused
              path): the two differ by that rounding too, within the dtype's tolerance.
 - unfused:   the ops above, each on its own `auto` path (cuBLASLt for the GEMM from 2 rows on).
@@ -148,8 +149,8 @@ def rms_norm_linear(x: Any, norm_weight: Any, w: Any, b: Any = None, *, w_scale:
                    checks=(x, g, w, b, s, eps, glu, pf))
 
 
-# --- gemv path: kernels/gemv.cu, or for E4M3 codes kernels/linear_fp8.cu's version 3 ---------------------------
-# (their launches: libnn.ops.linear.bind_gemv_kernel and libnn.ops.linear_fp8.bind_gemv3_kernel)
+# --- gemv path: kernels/gemv.cu, or for E4M3 codes linear_fp8's decode GEMV -------------------------------------
+# (their launches: libnn.ops.linear.bind_gemv_kernel and libnn.ops.linear_fp8.bind_decode_gemv_kernel)
 def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
     if not problem.e4m3:
         return gemv_support(problem.M, problem.N, problem.K, problem.dtype)
