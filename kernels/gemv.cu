@@ -87,6 +87,19 @@ __device__ __forceinline__ void unpack8(const u32x4& v, float* f) {
     for (int e = 0; e < 8; e++) f[e] = DT::ld((typename DT::T)(words[e / 2] >> (16 * (e & 1))));
 }
 
+// 1 / sqrt((1/K) sum of squares + eps) (kernels/rms_norm.cu's formula: the mean by div.full, rsqrtf) from each
+// thread's share ss: the warps' sums through `red` (GEMV_WARPS floats), added in a fixed order
+__device__ __forceinline__ float block_rstd(float ss, int K, float eps, float* red) {
+    const int t = threadIdx.x;
+    ss = warp_sum(ss);
+    if ((t & 31) == 0) red[t >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+#pragma unroll
+    for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
+    return rsqrtf(fdiv_full(ss, (float)K) + eps);
+}
+
 // x' into xs (K floats): x, or its RMS normalisation rounded to T; returns 1 (x's scale, as
 // stage_x_e4m3 returns its own). Ends with a __syncthreads().
 template <class DT>
@@ -103,13 +116,7 @@ __device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, c
 #pragma unroll
             for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
         }
-        ss = warp_sum(ss);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        ss = 0.f;
-#pragma unroll
-        for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
-        rstd = rsqrtf(fdiv_full(ss, (float)K) + eps);
+        rstd = block_rstd(ss, K, eps, red);
     }
     for (int i = t; i < groups; i += GEMV_THREADS) {
         float f[8];
@@ -239,13 +246,7 @@ __device__ __forceinline__ float stage_x_e4m3(const typename DT::T* __restrict__
             *e4m3_plane_slot(xs, chunks, 8 * i) = make_float4(f[0], f[1], f[2], f[3]);
             *e4m3_plane_slot(xs, chunks, 8 * i + 4) = make_float4(f[4], f[5], f[6], f[7]);
         }
-        ss = warp_sum(ss);
-        if ((t & 31) == 0) red[t >> 5] = ss;
-        __syncthreads();
-        ss = 0.f;
-#pragma unroll
-        for (int w = 0; w < GEMV_WARPS; w++) ss += red[w];
-        rstd = rsqrtf(fdiv_full(ss, (float)K) + eps);
+        rstd = block_rstd(ss, K, eps, red);
     }
     float amax = 0.f;
     bool finite = true;
