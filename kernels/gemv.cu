@@ -29,8 +29,8 @@ E4M3 weights: a chunk is 16 codes, widened by the hardware's conversion (cvt.rn.
 newer) to fp16 and then fp32, exactly; x's codes are staged as their values (exact in fp32), in four
 planes of float4 so that the lanes' reads of x do not collide in the banks (stage_x_e4m3). Every product
 of two E4M3 values is exact in fp32; the sums are as above, two per lane (even and odd words of a chunk).
-A row's scale is read with its last batch, and gamma's first group before the wait, so that neither costs
-a round trip after the data it goes with. The tensor cores (mma.sync on the lanes' own codes) were slower
+A row's scale is read with its last batch, so that it costs no round trip after the data it goes with.
+Both stagings read gamma's first group before the wait and x from L2 once. The tensor cores (mma.sync on the lanes' own codes) were slower
 here: benchmarks/RESULTS.md, twenty-first session. This replaced linear_fp8.cu's version 3 at one row.
 
 Activations (kernels/common.cuh's codes): none, relu, gelu (tanh), gelu_erf. NaN propagates (an inf or NaN
@@ -101,10 +101,12 @@ __device__ __forceinline__ float block_rstd(float ss, int K, float eps, float* r
 }
 
 // x' into xs (K floats): x, or its RMS normalisation rounded to T; returns 1 (x's scale, as
-// stage_x_e4m3 returns its own). Ends with a __syncthreads().
+// stage_x_e4m3 returns its own). gamma0 is gamma's group t (this thread's first), read before the kernel
+// ahead finished; with gamma the first pass leaves x in this thread's slots of xs, where the second reads it
+// (x is read from L2 once). Ends with a __syncthreads().
 template <class DT>
 __device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, const typename DT::T* __restrict__ gamma,
-                                        float* xs, int K, float eps) {
+                                        float* xs, int K, float eps, u32x4 gamma0) {
     __shared__ float red[GEMV_WARPS];
     const int t = threadIdx.x, groups = K / 8;
     float rstd = 1.f;
@@ -115,19 +117,25 @@ __device__ __forceinline__ float stage_x(const typename DT::T* __restrict__ x, c
             unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
 #pragma unroll
             for (int e = 0; e < 8; e++) ss = fmaf(f[e], f[e], ss);
+            float4* d = reinterpret_cast<float4*>(xs + 8 * i);
+            d[0] = make_float4(f[0], f[1], f[2], f[3]);
+            d[1] = make_float4(f[4], f[5], f[6], f[7]);
         }
         rstd = block_rstd(ss, K, eps, red);
     }
     for (int i = t; i < groups; i += GEMV_THREADS) {
         float f[8];
-        unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
-        if (gamma) {
-            float g[8];
-            unpack8<DT>(*reinterpret_cast<const u32x4*>(gamma + 8 * i), g);
-#pragma unroll
-            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(f[e] * rstd * g[e]));
-        }
         float4* d = reinterpret_cast<float4*>(xs + 8 * i);
+        if (gamma) {
+            const float4 lo = d[0], hi = d[1];
+            const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            float g[8];
+            unpack8<DT>(i == t ? gamma0 : *reinterpret_cast<const u32x4*>(gamma + 8 * i), g);
+#pragma unroll
+            for (int e = 0; e < 8; e++) f[e] = DT::ld(DT::st(v[e] * rstd * g[e]));
+        } else {
+            unpack8<DT>(*reinterpret_cast<const u32x4*>(x + 8 * i), f);
+        }
         d[0] = make_float4(f[0], f[1], f[2], f[3]);
         d[1] = make_float4(f[4], f[5], f[6], f[7]);
     }
@@ -332,10 +340,10 @@ __device__ __forceinline__ void gemv(const typename DT::T* __restrict__ x, const
     if (lane == 0)   // behind this kernel's first loads: DRAM serves them first
         l2_prefetch_hint(prefetch0, prefetch0_bytes, prefetch1, prefetch1_bytes, gw, warps);
     u32x4 gamma0 = {0u, 0u, 0u, 0u};
-    if (E4M3 && gamma && (int)threadIdx.x < K / 8 && ((u64)gamma & 15) == 0)
+    if (gamma && (int)threadIdx.x < K / 8 && ((u64)gamma & 15) == 0)
         gamma0 = *reinterpret_cast<const u32x4*>(gamma + 8 * threadIdx.x);
     pdl_wait();   // x is the kernel ahead's output, and y may be what it reads
-    const float sx = E4M3 ? stage_x_e4m3<DT>(x, gamma, xs, K, eps, gamma0) : stage_x<DT>(x, gamma, xs, K, eps);
+    const float sx = E4M3 ? stage_x_e4m3<DT>(x, gamma, xs, K, eps, gamma0) : stage_x<DT>(x, gamma, xs, K, eps, gamma0);
     pdl_launch_dependents();
     float acc[RW];
 #pragma unroll
