@@ -1,8 +1,8 @@
 """NaN in attention's inputs, on the GPU paths against the float64 reference: a NaN score (a NaN in a query
 row, or in a key the row may see) makes the row NaN, and a NaN value makes its column NaN in the rows that
-see it, as the reference's softmax does; rows with no key stay zeros, and NaN in the keys past a
-sequence's length (what the mask hides) changes nothing. The custom kernels once took a NaN softmax sum
-for "no key" and wrote zeros there: a silently finite answer to a NaN input."""
+see it, as the reference's softmax does; rows with no key stay zeros, and NaN in the keys and values past a
+sequence's length (what the mask hides: a stale KV cache row) changes nothing. The custom kernels once took
+a NaN softmax sum for "no key" and wrote zeros there: a silently finite answer to a NaN input."""
 
 from __future__ import annotations
 
@@ -33,19 +33,22 @@ def nan_inputs(rng, case, dtype):
     q[0, Sq - 1, 0, 0] = np.nan          # one query row: all of it NaN
     k[1, 0, Hkv - 1, 1] = np.nan         # a key every row of batch 1 sees: the kv head's rows NaN
     v[0, 0, 0, D - 1] = np.nan           # a value: column D - 1 of batch 0's kv head 0 NaN
-    k[1, lens[1]:] = np.nan              # past batch 1's length: hidden
+    k[1, lens[1]:] = v[1, lens[1]:] = np.nan   # past batch 1's length: hidden
     k[2:] = np.nan                       # batch 2 and on have no key: zeros whatever their keys hold
     return q, k, v, lens
 
 
 def run(path, case, q, k, v, lens):
+    """The path's output as float64 on the host: the reference on float64 copies, a GPU path on the device."""
     import cupy
 
     causal = case[6]
-    arrays = [cupy.asarray(a) for a in (q, k, v)] if path != "reference" else [a.astype(np.float64) for a in (q, k, v)]
-    lengths = CheckedLengths(cupy.asarray(lens)) if path != "reference" else lens
-    got = attention(*arrays, layout="BSHD", causal=causal, seq_lens_kv=lengths, path=path)
-    return got.get().astype(np.float64) if path != "reference" else got
+    if path == "reference":
+        return attention(*(a.astype(np.float64) for a in (q, k, v)), layout="BSHD", causal=causal, seq_lens_kv=lens,
+                         path=path)
+    got = attention(*(cupy.asarray(a) for a in (q, k, v)), layout="BSHD", causal=causal,
+                    seq_lens_kv=CheckedLengths(cupy.asarray(lens)), path=path)
+    return got.get().astype(np.float64)
 
 
 @pytest.mark.parametrize("path, dtype", [("custom", "fp16"), ("custom", "bf16"), ("custom", "fp32"),

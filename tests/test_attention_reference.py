@@ -70,6 +70,23 @@ def test_attention_fully_masked_rows_are_zeros(rng):
     assert np.all(o == 0)
 
 
+@pytest.mark.parametrize("stale", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_attention_reference_ignores_stale_keys_and_values_past_the_lengths(rng, causal, stale):
+    """Keys and values past a sequence's length weigh nothing, so a stale NaN or inf there (a KV cache row
+    left from an earlier sequence) leaves the result the loop's, which never reads them; GQA, BSHD."""
+    B, Hq, Hkv, Sq, Skv, D = 3, 4, 2, 3, 11, 8
+    q = random_normal(rng, (B, Hq, Sq, D), "fp64")
+    k, v = (random_normal(rng, (B, Hkv, Skv, D), "fp64") for _ in range(2))
+    lens_kv = [11, 5, 3]
+    expected = looped(q, k, v, 0.25, causal, None, lens_kv)
+    for b, length in enumerate(lens_kv):
+        k[b, :, length:], v[b, :, length:] = stale, stale
+    got = attention(*(a.transpose(0, 2, 1, 3) for a in (q, k, v)), scale=0.25, causal=causal or False,
+                    seq_lens_kv=lens_kv, layout="BSHD", path="reference")
+    assert np.all(np.isfinite(got)) and rel_error(got.transpose(0, 2, 1, 3), expected) < 1e-12
+
+
 def test_attention_layouts_agree(rng):
     q, k, v = (random_normal(rng, (2, 3, 5, 8), "fp32") for _ in range(3))
     bhsd = attention(q, k, v, causal=True, path="reference")

@@ -216,7 +216,8 @@ def _attention_stubs(monkeypatch):
     monkeypatch.setattr(launch, "bind", bind)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
         empty=np.empty, ndarray=host_ndarray, cuda=CUDA, zeros=np.zeros, broadcast_to=np.broadcast_to,
-        ascontiguousarray=np.ascontiguousarray, matmul=np.matmul, float32=np.float32))
+        ascontiguousarray=np.ascontiguousarray, matmul=np.matmul, float32=np.float32, where=np.where,
+        arange=np.arange))
     return binds, launches
 
 
@@ -312,7 +313,8 @@ def test_attention_custom_binds_its_kernel_once_and_each_call_passes_that_calls_
 def test_attention_unfused_binds_its_softmax_once_and_each_call_runs_on_that_calls_arrays(rng, monkeypatch):
     """The unfused path's bind packs the softmax kernel once; each call multiplies its own q and k (the
     recorder sees the fp32 scores q·kᵀ of that call, GQA heads grouped), passes its own bias and
-    lengths, and writes s·v into a new o (the recorder leaves s unnormalised, so o = (q·kᵀ)·v)."""
+    lengths, and writes s·v into a new o (the recorder leaves s unnormalised, so o = (q·kᵀ)·v), with v's
+    rows past each sequence's length as zeros: a stale NaN there never reaches o."""
     attn = importlib.import_module("libnn.ops.attention")
     kernels = importlib.import_module("libnn.ops.attention_kernels")
     case = dict(shape=(2, 4, 2, 5, 7, 3), dtype="fp32", layout="BSHD", lens=True, bias=(2, 1, 1, 7))
@@ -334,16 +336,21 @@ def test_attention_unfused_binds_its_softmax_once_and_each_call_runs_on_that_cal
         np.testing.assert_allclose(s.reshape(B, Hq, Sq, Skv), scores, rtol=1e-5, atol=1e-5)
         assert _shares(sent_bias, bias) and np.array_equal(sent_q, lens_q) and np.array_equal(sent_kv, lens_kv)
         assert o.shape == (B, Sq, Hq, D) and o.flags.c_contiguous
-        np.testing.assert_allclose(o, (scores @ v64).transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-5)
+        live = np.arange(Skv)[None, None, :, None] < lens_kv[:, None, None, None]
+        np.testing.assert_allclose(o, (scores @ np.where(live, v64, 0)).transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-5)
 
     check(*first)
+    stale = first[2].copy()
+    for b, length in enumerate(first[4]):
+        stale[b, length:] = np.nan  # BSHD: past the sequence's length
+    check(first[0], first[1], stale, *first[3:])
     second = _attention_arrays(rng, case)
     check(*second)
     for old, new in zip(second, _attention_arrays(rng, case)):
         old[...] = new
     check(*second)
     asked = [needed for needed, device in required if device == "gpu"]  # (the host arrays' problem asks for "cpu")
-    assert asked == [4 * (B * Hq * Sq * (Skv + 2 * D) + 2 * B * Hkv * Skv * D)]
+    assert asked == [4 * (B * Hq * Sq * (Skv + 2 * D) + 3 * B * Hkv * Skv * D)]  # v twice: zeroed past the lengths
     ((file, kernel, grid, block, args, smem),) = binds
     named = dict(zip(kernels._SOFTMAX.names, args))
     assert (file, kernel, grid, block, smem) == ("attention.cu", "attn_softmax_f32", (B * Hq * Sq,), (128,), 0)

@@ -17,7 +17,8 @@ dimensions (a key-padding bias (B, 1, 1, Skv), a relative-position bias (1, Hq, 
 dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed come out as zeros on
 every path, never NaN. NaN in the inputs spreads as in the reference: a NaN score (a NaN in a query row, or
 in a key the row may see) makes the row NaN, a NaN value its column in the rows that see its key; a key
-past its sequence's length weighs nothing, so a NaN in its k changes nothing.
+past its sequence's length weighs nothing, so a NaN in its k or v (a stale row of a KV cache) changes
+nothing.
 
 Paths, in `auto` order (except that small encoder attention and a decode step that the split-K kernel
 takes, see _cudnn_slower, try cudnn last):
@@ -928,9 +929,9 @@ def _custom(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias_or
 @op.path("unfused", kind="custom", device="gpu", supports=_unfused_support, binds=True)
 def _unfused(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias):
     p = problem
-    # fp32 copies of q, k, v and the (B, Hq, Sq, Skv) fp32 scores, then the (B, Hq, Sq, D) product; checked
-    # once per signature, at the bind, as the registry checks the output
-    temporaries = 4 * (p.B * p.Hq * p.Sq * (p.Skv + 2 * p.D) + 2 * p.B * p.Hkv * p.Skv * p.D)
+    # fp32 copies of q, k, v (v's twice where lengths zero it past them) and the (B, Hq, Sq, Skv) fp32 scores,
+    # then the (B, Hq, Sq, D) product; checked once per signature, at the bind, as the registry checks the output
+    temporaries = 4 * (p.B * p.Hq * p.Sq * (p.Skv + 2 * p.D) + (2 + p.has_seq_lens_kv) * p.B * p.Hkv * p.Skv * p.D)
     memory.require(temporaries, "gpu", "attention", f"the unfused path's fp32 scores and copies for {p.describe()}")
     return _bind_kernels(bind_unfused, problem, q, k, v, bias, views_per_call=True)
 
@@ -963,6 +964,8 @@ def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias
     q64 = _bhsd(q, p.layout).astype(np.float64)
     k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)
     v64 = np.repeat(_bhsd(v, p.layout).astype(np.float64), group, axis=1)
+    if lens_kv is not None:  # zeros past a sequence's length: its weight 0 times a stale NaN there is NaN
+        v64 = np.where((np.arange(p.Skv) < lens_kv[:, None])[:, None, :, None], v64, 0.0)
     scores = (q64 @ k64.swapaxes(-1, -2)) * p.scale  # matmul, not einsum: BLAS keeps S=4096 fast
     if bias is not None:
         scores = scores + bias.astype(np.float64)

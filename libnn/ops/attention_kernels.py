@@ -319,6 +319,8 @@ def bind_unfused(q, k, v, o, bias=None, *, scale: float, causal: str | None):
         q32 = cupy.ascontiguousarray(q, dtype=cupy.float32).reshape(grouped)
         k32 = cupy.ascontiguousarray(k, dtype=cupy.float32)
         v32 = cupy.ascontiguousarray(v, dtype=cupy.float32)
+        if lens_kv is not None:  # zeros past a sequence's length, as the kernels read: 0 · a stale NaN is NaN
+            v32 = cupy.where(cupy.arange(Skv)[:, None] < lens_kv[:, None, None, None], v32, cupy.float32(0))
         s = cupy.matmul(q32, k32.transpose(0, 1, 3, 2))   # (B, Hkv, g*Sq, Skv) = (B, Hq, Sq, Skv), contiguous
         softmax(s, bias, lens_q, lens_kv)
         o[...] = cupy.matmul(s, v32).reshape(B, Hq, Sq, D)
