@@ -53,7 +53,8 @@ the weight's scales)
     serialization: it loads its first two batches of w, then waits (pdl_wait) for the kernel ahead, whose
     output x is, and lets the kernel after it start once every block has staged x'. So w (and gamma and
     w_scale, read before the wait too) must be what no kernel in flight writes (a weight), as for
-    linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read.
+    linear_fp8.cu's GEMV: a kernel ahead may still be running when w is first read. Where a call copies
+    one of them first (it came strided), the launchers launch plainly (ops/linear.py read_in_place).
     Behind its first loads, on sm_90 and newer, the grid's warps prefetch into L2 the byte ranges
     [prefetch0, + prefetch0_bytes) and [prefetch1, + prefetch1_bytes) (common.cuh l2_prefetch_hint: null
     or 0 bytes, nothing): what the next GEMV reads first, which no kernel in flight may write either.

@@ -1,7 +1,8 @@
 """Launch configurations on the CPU: launch.bind's for cuLaunchKernelEx, with (programmatic=True) and
 without (CUDA's programmatic stream serialization attribute, the grid, block, shared memory and
 stream given), and the FP8 GEMV asking for it on sm_90 and newer only (griddepcontrol needs sm_90; the
-GEMV runs from sm_89). The launches themselves run in the GPU tests (test_linear_fp8_gpu.py, the decoder's)."""
+GEMV runs from sm_89), and the decode GEMVs not asking for it where the call copies an operand they read
+before their wait. The launches themselves run in the GPU tests (test_linear_fp8_gpu.py, the decoder's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from libnn.runtime import launch
-from gpu_stand_ins import CUDA, host_ndarray
+from gpu_stand_ins import CUDA, device_empty, host_ndarray
 
 l8 = importlib.import_module("libnn.ops.linear_fp8")
 
@@ -51,6 +52,80 @@ def test_the_fp8_gemv_launches_programmatically_from_sm_90(monkeypatch, capabili
                                   activation=None, has_residual=False, device="gpu:0")
     l8.bind_gemv(problem, np.ones((1, K), np.float16), np.ones((48, K), np.uint8), None, None)
     assert binds[-1][0] == file and binds[-1][1]["programmatic"] is programmatic
+
+
+def _record_binds_on_sm_90(monkeypatch) -> list:
+    """launch.bind recorded as (file, kwargs) on a stand-in sm_90 GPU of 132 SMs, CuPy stood in for."""
+    binds = []
+    monkeypatch.setattr(launch, "bind", lambda *args, **kwargs: binds.append((args[0], kwargs)))
+    monkeypatch.setattr(launch, "compute_capability", lambda device_id: (9, 0))
+    monkeypatch.setattr(l8, "multiprocessors", lambda device_id: 132)
+    monkeypatch.setattr(importlib.import_module("libnn.ops.linear").device_info, "multiprocessors",
+                        lambda device_id: 132)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=host_ndarray, cuda=CUDA,
+                                                                   ascontiguousarray=_copy))
+    return binds
+
+
+def _copy(a):
+    """cupy.ascontiguousarray's stand-in: a C-contiguous copy at CuPy's alignment."""
+    copy = device_empty(a.shape, a.dtype)
+    copy[...] = a
+    return copy
+
+
+def _strided(shape, dtype):
+    """A view of `shape` that is not C-contiguous (every other column of one twice as wide), 16-byte aligned."""
+    wide = device_empty((*shape[:-1], 2 * shape[-1]), dtype)
+    wide[...] = 1
+    return wide[..., ::2]
+
+
+def _contiguous(shape, dtype):
+    a = device_empty(shape, dtype)
+    a[...] = 1
+    return a
+
+
+# A decode GEMV reads w, w_scale and gamma before its pdl_wait. Where the call copies one of them (it came
+# strided), the copy is a kernel just ahead of the GEMV, which a programmatic launch could overtake: that
+# GEMV is launched plainly, after the copy. In place (C-contiguous), it starts early.
+@pytest.mark.parametrize("strided", [None, "w", "w_scale"])
+@pytest.mark.parametrize("K, file", [(64, "gemv.cu"), (72, "linear_fp8.cu")])
+def test_the_fp8_gemv_waits_for_the_copy_of_a_strided_weight_or_scale(monkeypatch, strided, K, file):
+    binds = _record_binds_on_sm_90(monkeypatch)
+    problem = l8.LinearFp8Problem(M=1, N=48, K=K, dtype="fp16", per_channel=True, has_bias=False,
+                                  activation=None, has_residual=False, device="gpu:0")
+    w = (_strided if strided == "w" else _contiguous)((48, K), np.uint8)
+    w_scale = (_strided if strided == "w_scale" else _contiguous)((48,), np.float32)
+    l8.bind_gemv(problem, _contiguous((1, K), np.float16), w, w_scale, None)
+    assert binds[-1][0] == file and binds[-1][1]["programmatic"] is (strided is None)
+
+
+@pytest.mark.parametrize("strided", [None, "w"])
+def test_linears_gemv_waits_for_the_copy_of_a_strided_weight(monkeypatch, strided):
+    linear = importlib.import_module("libnn.ops.linear")
+    binds = _record_binds_on_sm_90(monkeypatch)
+    problem = linear.LinearProblem(M=1, N=40, K=64, dtype="fp16", has_bias=False, activation=None,
+                                   allow_tf32=False, device="gpu:0")
+    w = (_strided if strided else _contiguous)((40, 64), np.float16)
+    linear.op.paths["gemv"].bind(problem, (_contiguous((1, 64), np.float16), w, None, None))
+    assert binds[-1][0] == "gemv.cu" and binds[-1][1]["programmatic"] is (strided is None)
+
+
+@pytest.mark.parametrize("e4m3, strided", [(False, None), (False, "norm_weight"), (False, "w"), (True, None),
+                                            (True, "norm_weight"), (True, "w"), (True, "w_scale")])
+def test_rms_norm_linears_gemv_waits_for_the_copy_of_a_strided_operand(monkeypatch, strided, e4m3):
+    rnl = importlib.import_module("libnn.ops.rms_norm_linear")
+    binds = _record_binds_on_sm_90(monkeypatch)
+    K, N = 64, 40
+    arrays = {"norm_weight": ((K,), np.float16), "w": ((N, K), np.uint8 if e4m3 else np.float16),
+              "w_scale": ((N,), np.float32)}
+    g, w, s = ((_strided if name == strided else _contiguous)(*arrays[name]) for name in arrays)
+    problem = rnl.RMSNormLinearProblem(M=1, N=N, K=K, dtype="fp16", has_bias=False, glu=None, eps=1e-6,
+                                       device="gpu:0", e4m3=e4m3, per_channel=e4m3)
+    rnl.op.paths["gemv"].bind(problem, (_contiguous((1, K), np.float16), g, w, None, s if e4m3 else None))
+    assert binds[-1][0] == "gemv.cu" and binds[-1][1]["programmatic"] is (strided is None)
 
 
 # the kernels launched programmatically (runtime/launch.py's programmatic_supported on sm_90 and newer), by

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -459,14 +460,23 @@ def gemv_support(M: int, N: int, K: int, dtype: str, e4m3: bool = False) -> str 
     return None
 
 
+def read_in_place(*arrays: Any) -> bool:
+    """Whether a decode GEMV's runner passes each of `arrays` (those its kernel reads before its wait: w,
+    w_scale, gamma) as it came, None or C-contiguous, rather than a copy made in the same call. A kernel
+    launched programmatically may start before the kernel ahead of it ends, and a copy is such a kernel:
+    where one is made, the GEMV waits for it (early_start=False)."""
+    return all(a is None or a.flags.c_contiguous for a in arrays)
+
+
 def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bool, device: str, eps: float = 0.0,
-                     prefetch: tuple[int, ...] = (), per_channel: bool | None = None):
+                     prefetch: tuple[int, ...] = (), per_channel: bool | None = None, early_start: bool = True):
     """kernels/gemv.cu's launch for y (R,) = act(x' @ w.T + bias + residual), or with `glu` SwiGLU of the
     (N,) result's halves (R = N / 2), by its LAUNCH table: run(x, w, bias, residual, gamma, y, *hint), each
     a pointer or None; gamma (K,) RMS-normalises x with `eps` first; `prefetch` the bytes of each array of
-    the hint (runtime/l2_prefetch.py), which the launch takes last. Programmatic on sm_90 and newer. With
-    `per_channel` True or False, w holds E4M3 codes scaled per output channel or per tensor and x is
-    quantised as linear_fp8 quantises it: run(x, w, w_scale, bias, residual, gamma, y, *hint)."""
+    the hint (runtime/l2_prefetch.py), which the launch takes last. Programmatic on sm_90 and newer unless
+    `early_start` is False (see read_in_place). With `per_channel` True or False, w holds E4M3 codes scaled
+    per output channel or per tensor and x is quantised as linear_fp8 quantises it: run(x, w, w_scale,
+    bias, residual, gamma, y, *hint)."""
     rows = N // 2 if glu else N
     blocks = min(-(-rows // (_GV["GEMV_THREADS"] // 32)),
                  _GV["GEMV_BLOCKS_PER_SM"] * device_info.multiprocessors(device_info.gpu_index(device)))
@@ -479,7 +489,7 @@ def bind_gemv_kernel(dtype: str, N: int, K: int, activation: str | None, glu: bo
     if e4m3:
         arguments.update(w_scale=launch.ARRAY, per_channel=int(per_channel))
     return launch.bind("gemv.cu", kernel, (blocks,), (_GV["GEMV_THREADS"],), params.pack(**arguments),
-                       shared_mem=4 * K, programmatic=launch.programmatic_supported(device))
+                       shared_mem=4 * K, programmatic=early_start and launch.programmatic_supported(device))
 
 
 def refuse_unaligned_gemv(x, w) -> None:
@@ -494,15 +504,16 @@ def _gemv_support(problem: LinearProblem) -> str | None:
 
 @op.path("gemv", kind="custom", device="gpu", supports=_gemv_support, binds=True)
 def _gemv(problem: LinearProblem, x, w, b, r, pf=()):
-    return _bind_gpu(bind_gemv, True, problem, x, w, b, r, prefetches=True)
+    bind = partial(bind_gemv, early_start=read_in_place(w))  # a strided w is copied at each call
+    return _bind_gpu(bind, True, problem, x, w, b, r, prefetches=True)
 
 
-def bind_gemv(problem: LinearProblem, x, w, b, r=None):
+def bind_gemv(problem: LinearProblem, x, w, b, r=None, early_start: bool = True):
     """The runner of kernels/gemv.cu for C-contiguous (1, K), (N, K), (N,) and (1, N) CuPy arrays, and the
-    problem's prefetch hint last where it has one."""
+    problem's prefetch hint last where it has one; early_start as bind_gemv_kernel's."""
     refuse_unaligned_gemv(x, w)
     kernel = bind_gemv_kernel(problem.dtype, problem.N, problem.K, problem.activation, False, problem.device,
-                              prefetch=problem.prefetch)
+                              prefetch=problem.prefetch, early_start=early_start)
     new = allocator((problem.M, problem.N), x.dtype)
 
     def run(x, w, b, r, pf=()):

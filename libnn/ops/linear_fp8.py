@@ -52,7 +52,7 @@ import numpy as np
 from libnn import dtypes
 from libnn.backends import cublaslt
 from libnn.ops import activations
-from libnn.ops.linear import bind_epilogue_pass, bind_gemv_kernel, degenerate_result, gemv_support
+from libnn.ops.linear import bind_epilogue_pass, bind_gemv_kernel, degenerate_result, gemv_support, read_in_place
 from libnn.ops.quantize_fp8 import bind_quantize, decode_e4m3, fp8_gpu_missing, quantize_fp8
 from libnn.registry import Op
 from libnn.runtime import contracts, l2_prefetch, launch, memory
@@ -288,12 +288,13 @@ def gemv_fits(problem: LinearFp8Problem) -> bool:
 
 
 def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, activation: str | None, device: str,
-                      glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = ()):
+                      glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = (), early_start: bool = True):
     """kernels/linear_fp8.cu version 3's launch by its LAUNCH table: run(x, wq, w_scale, bias, residual, gamma,
     y, *hint), each a pointer or None; gamma (K,) RMS-normalises x with `eps` before it is quantised, and `glu`
     writes y (M, N / 2) = silu(gate) * up of the gate and up halves of w's rows (no activation then, and
     run with a null residual); `prefetch` the bytes of each array of the hint (runtime/l2_prefetch.py),
-    which the launch takes last."""
+    which the launch takes last. Programmatic on sm_90 and newer unless `early_start` is False
+    (linear.read_in_place)."""
     if glu and (activation is not None or N % 2):
         raise ValueError(f"linear_fp8: the GEMV's SwiGLU epilogue takes no activation and an even N, got "
                          f"{activation!r} and N={N}")
@@ -305,18 +306,22 @@ def bind_gemv3_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, act
                                   residual=launch.ARRAY, gamma=launch.ARRAY, y=launch.ARRAY, M=M, N=N, K=K,
                                   per_channel=int(per_channel), act=activations.KERNEL_CODES[activation], eps=eps,
                                   glu=int(glu), **l2_prefetch.kernel_parameters(prefetch)),
-                       shared_mem=M * _gemv_x_stride(K), programmatic=launch.programmatic_supported(device))
+                       shared_mem=M * _gemv_x_stride(K),
+                       programmatic=early_start and launch.programmatic_supported(device))
 
 
 def bind_decode_gemv_kernel(dtype: str, M: int, N: int, K: int, per_channel: bool, activation: str | None,
-                            device: str, w: Any, glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = ()):
+                            device: str, w: Any, glu: bool = False, eps: float = 0.0, prefetch: tuple[int, ...] = (),
+                            early_start: bool = True):
     """The decode GEMV's launch for the codes `w` (read only for its layout): run(x, wq, w_scale, bias,
     residual, gamma, y, *hint), as bind_gemv3_kernel's. At one row, K a multiple of 16 and w 16-byte aligned
     (or strided: copied, aligned, at every call), kernels/gemv.cu's E4M3 kernel, which streams w at close to
-    the copy rate; else kernels/linear_fp8.cu's version 3 (any K within its shared memory, up to 8 rows)."""
+    the copy rate; else kernels/linear_fp8.cu's version 3 (any K within its shared memory, up to 8 rows).
+    early_start False where the runner copies w, w_scale or gamma in the call (linear.read_in_place)."""
     if gemv_support(M, N, K, dtype, e4m3=True) is None and not (w.flags.c_contiguous and data_pointer(w) % 16):
-        return bind_gemv_kernel(dtype, N, K, activation, glu, device, eps, prefetch, per_channel=per_channel)
-    return bind_gemv3_kernel(dtype, M, N, K, per_channel, activation, device, glu, eps, prefetch)
+        return bind_gemv_kernel(dtype, N, K, activation, glu, device, eps, prefetch, per_channel=per_channel,
+                                early_start=early_start)
+    return bind_gemv3_kernel(dtype, M, N, K, per_channel, activation, device, glu, eps, prefetch, early_start)
 
 
 def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
@@ -327,7 +332,8 @@ def bind_gemv(problem: LinearFp8Problem, x: Any, w: Any, w_scale: Any, b: Any,
     hint, where it has one."""
     M, N, K = problem.M, problem.N, problem.K
     kernel = bind_decode_gemv_kernel(problem.dtype, M, N, K, problem.per_channel, problem.activation,
-                                     problem.device, w, prefetch=problem.prefetch)
+                                     problem.device, w, prefetch=problem.prefetch,
+                                     early_start=read_in_place(w, w_scale))   # strided ones are copied per call
     out_shape, dtype = (*x.shape[:-1], N), dtypes.parse(problem.dtype)
     new = allocator(out_shape, dtype)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from libnn import dtypes
 from libnn.ops import row_kernels
-from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, refuse_unaligned_gemv
+from libnn.ops.linear import bind_gemv_kernel, gemv_support, linear, read_in_place, refuse_unaligned_gemv
 from libnn.ops.linear_fp8 import GPU_DTYPES as FP8_DTYPES, bind_decode_gemv_kernel, gemv3_support, linear_fp8
 from libnn.ops.quantize_fp8 import fp8_gpu_missing
 from libnn.ops.rms_norm import rms_norm
@@ -166,16 +166,17 @@ def _gemv_support(problem: RMSNormLinearProblem) -> str | None:
 def _gemv(problem: RMSNormLinearProblem, x, g, w, b, s, pf=()):
     """One launch for x of any leading shape; strided arrays are copied first."""
     glu = problem.glu is not None
+    early_start = read_in_place(g, w, s)  # what the kernel reads before its wait: copying_strided copies it per call
     if problem.e4m3:
         kernel = bind_decode_gemv_kernel(problem.dtype, problem.M, problem.N, problem.K, problem.per_channel, None,
-                                         problem.device, w, glu, problem.eps, problem.prefetch)
+                                         problem.device, w, glu, problem.eps, problem.prefetch, early_start)
     else:
         # a strided array is copied (256-byte aligned) at every call: only the others' pointers matter
         refuse_unaligned_gemv(*(a if a.flags.c_contiguous else None for a in (x, w)))
         refuse_misaligned("kernels/gemv.cu needs norm_weight 16-byte aligned",
                           {"norm_weight": g if g.flags.c_contiguous else None})
         gemv = bind_gemv_kernel(problem.dtype, problem.N, problem.K, None, glu, problem.device, problem.eps,
-                                problem.prefetch)
+                                problem.prefetch, early_start=early_start)
 
         def kernel(x, w, s, b, r, g, y, *pf):
             gemv(x, w, b, r, g, y, *pf)
