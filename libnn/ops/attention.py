@@ -965,7 +965,8 @@ def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias
     k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)
     v64 = np.repeat(_bhsd(v, p.layout).astype(np.float64), group, axis=1)
     if lens_kv is not None:  # zeros past a sequence's length: its weight 0 times a stale NaN there is NaN
-        v64 = np.where((np.arange(p.Skv) < lens_kv[:, None])[:, None, :, None], v64, 0.0)
+        live = (np.arange(p.Skv) < lens_kv[:, None])[:, None, :, None]
+        k64, v64 = np.where(live, k64, 0.0), np.where(live, v64, 0.0)
     scores = (q64 @ k64.swapaxes(-1, -2)) * p.scale  # matmul, not einsum: BLAS keeps S=4096 fast
     if bias is not None:
         scores = scores + bias.astype(np.float64)
