@@ -146,10 +146,10 @@ def directory(tmp_path, rng):
     return write_checkpoint(tmp_path / "gqa", config, random_state(rng, config))
 
 
-def models(directory, page_size: int, decode_graphs: bool) -> tuple[CausalLM, CausalLM]:
+def models(directory, page_size: int, decode_graphs: bool, kv_pages: int | None = None) -> tuple[CausalLM, CausalLM]:
     kwargs = dict(dtype="fp16", device="gpu", max_batch=MAX_BATCH, max_len=MAX_LEN, decode_graphs=decode_graphs)
     return (CausalLM.from_pretrained(directory, **kwargs),
-            CausalLM.from_pretrained(directory, kv_layout="paged", page_size=page_size, **kwargs))
+            CausalLM.from_pretrained(directory, kv_layout="paged", page_size=page_size, kv_pages=kv_pages, **kwargs))
 
 
 def margin(logits: np.ndarray) -> np.ndarray:
@@ -178,6 +178,32 @@ def test_paged_logits_match_dense_step_by_step_and_pick_the_same_tokens(rng, dir
     np.testing.assert_array_equal(paged.lengths, dense.lengths)
     if decode_graphs:
         assert paged.decode_graph_stats()
+
+
+@pytest.mark.parametrize("decode_graphs", [True, False])
+def test_a_pool_of_just_the_pages_the_sequences_reach_gives_the_dense_logits(rng, directory, decode_graphs):
+    """17 pages of 16 (of the 30 that 5 sequences of 96 tokens could hold): prompts of 9, 4, 1, 6 and 17
+    tokens and 40 steps hold 4 + 3 + 3 + 3 + 4 of them; the step that starts a page next (sequence 3's 49th
+    token, two steps on) is refused with nothing changed, and a new prefill runs."""
+    import cupy
+
+    dense, paged = models(directory, 16, decode_graphs, kv_pages=17)
+    ids, lengths = padded(prompts(rng, (9, 4, 1, 6, 17)))
+    expected, got = dense.prefill(ids, lengths), paged.prefill(ids, lengths)
+    for step in range(40):
+        e, g = expected.astype(cupy.float32).get(), got.astype(cupy.float32).get()
+        assert rel_error(g, e) <= 1e-2, f"step {step}"
+        tokens = cupy.asarray(e.argmax(-1))
+        expected, got = dense.decode_step(tokens), paged.decode_step(tokens)
+    assert rel_error(got.astype(cupy.float32).get(), expected.astype(cupy.float32).get()) <= 1e-2
+    tokens = cupy.asarray(expected.astype(cupy.float32).get().argmax(-1))
+    for _ in range(2):
+        paged.decode_step(tokens)
+    with pytest.raises(ValueError, match=r"CausalLM.decode_step: sequences \[3\] need 1 new pages of 16 tokens but 0 "
+                                         r"of the paged KV cache's 17 \(kv_pages\) are free"):
+        paged.decode_step(tokens)
+    np.testing.assert_array_equal(paged.lengths, [51, 46, 43, 48, 59])
+    assert paged.generate(prompts(rng, (30, 2)), 8, eos_token_id=())
 
 
 @pytest.mark.parametrize("decode_graphs", [True, False])

@@ -186,12 +186,12 @@ MAX_LEN, MAX_BATCH = 20, 4
 ARCHITECTURES = {"llama": (LlamaConfig, LLAMA_CONFIG), "gpt2": (GPT2Config, GPT2_CONFIG)}
 
 
-def dense_and_paged(name: str, page_size: int) -> tuple[CausalLM, CausalLM]:
+def dense_and_paged(name: str, page_size: int, kv_pages: int | None = None) -> tuple[CausalLM, CausalLM]:
     config_class, fields = ARCHITECTURES[name]
     config = config_class.from_dict(fields, "test")
     dense = CausalLM(config, dtype="fp64", max_batch=MAX_BATCH, max_len=MAX_LEN)
     paged = CausalLM(config, dtype="fp64", max_batch=MAX_BATCH, max_len=MAX_LEN, kv_layout="paged",
-                     page_size=page_size)
+                     page_size=page_size, kv_pages=kv_pages)
     paged.load_state_dict(dict(dense.state_dict()))
     return dense, paged
 
@@ -244,6 +244,76 @@ def test_pages_interleave_as_sequences_grow_and_the_spare_takes_the_padding(rng)
     assert "KV cache: paged" in "\n".join(paged.describe())
 
 
+# --- a pool smaller than every sequence's worst case -------------------------------------------------------
+def test_a_pool_of_the_pages_a_generation_reaches_gives_the_dense_caches_tokens(rng):
+    """Prompts of 7, 3, 1 and 5 tokens and 9 new ones cache 15, 11, 9 and 13 positions: 4 + 3 + 3 + 4 = 14
+    pages of 4, of the 20 that 4 sequences of 20 tokens could hold. A pool of 14 gives the dense cache's
+    tokens and holds no page twice; one of 13 refuses the call before it runs, and the model then runs a
+    call that fits."""
+    seqs = prompts(rng, (7, 3, 1, 5))
+    dense, paged = dense_and_paged("llama", 4, kv_pages=14)
+    expected = dense.generate(seqs, 9, eos_token_id=())
+    for b, (g, e) in enumerate(zip(paged.generate(seqs, 9, eos_token_id=()), expected)):
+        np.testing.assert_array_equal(g, e, err_msg=f"sequence {b}")
+    check_page_table(paged)
+    assert paged._cache.pages == 14 and paged._cache.k.shape[1] == 15  # and the spare
+    _, small = dense_and_paged("llama", 4, kv_pages=13)
+    small.load_state_dict(dict(dense.state_dict()))
+    with pytest.raises(ValueError, match=r"CausalLM.generate: the prompts and max_new_tokens 9 \(every generated token "
+                                         r"but the last is cached\) need 14 pages of 4 tokens, more than the paged KV "
+                                         r"cache's 13 \(kv_pages\)"):
+        small.generate(seqs, 9, eos_token_id=())
+    for b, (g, e) in enumerate(zip(small.generate(seqs, 8, eos_token_id=()), expected)):
+        np.testing.assert_array_equal(g, e[:8], err_msg=f"sequence {b}")
+    check_page_table(small)
+
+
+def test_prompts_past_the_pool_are_refused_and_the_cached_sequences_stay(rng):
+    dense, paged = dense_and_paged("llama", 4, kv_pages=3)
+    ids, lengths = padded(prompts(rng, (5, 2)))  # 2 + 1 pages
+    expected, got = dense.prefill(ids, lengths), paged.prefill(ids, lengths)
+    with pytest.raises(ValueError, match=r"CausalLM.prefill: the prompts need 6 pages of 4 tokens, more than the "
+                                         r"paged KV cache's 3 \(kv_pages\)"):
+        paged.prefill(*padded(prompts(rng, (7, 3, 1, 5))))
+    np.testing.assert_array_equal(paged.lengths, [5, 2])
+    tokens = np.argmax(expected, axis=-1)
+    assert rel_error(paged.decode_step(tokens), dense.decode_step(tokens)) <= 1e-12
+
+
+def test_a_decode_step_past_the_free_pages_is_refused_with_nothing_taken(rng):
+    """6 pages for prompts of 7, 3, 1 and 5 tokens (2 + 1 + 1 + 2): the first step takes none; the second
+    needs new pages for sequences 0 (its 9th position) and 1 (its 5th), finds none free and changes nothing;
+    a new prefill then runs."""
+    dense, paged = dense_and_paged("llama", 4, kv_pages=6)
+    ids, lengths = padded(prompts(rng, (7, 3, 1, 5)))
+    expected, got = dense.prefill(ids, lengths), paged.prefill(ids, lengths)
+    tokens = np.argmax(expected, axis=-1)
+    expected, got = dense.decode_step(tokens), paged.decode_step(tokens)
+    assert rel_error(got, expected) <= 1e-12
+    table = paged._cache.table.copy()
+    with pytest.raises(ValueError, match=r"CausalLM.decode_step: sequences \[0, 1\] need 2 new pages of 4 tokens but 0 "
+                                         r"of the paged KV cache's 6 \(kv_pages\) are free"):
+        paged.decode_step(np.argmax(expected, axis=-1))
+    np.testing.assert_array_equal(paged.lengths, [8, 4, 2, 6])
+    np.testing.assert_array_equal(paged._cache.table, table)
+    check_page_table(paged)
+    ids, lengths = padded(prompts(rng, (9, 6)))
+    assert rel_error(paged.prefill(ids, lengths), dense.prefill(ids, lengths)) <= 1e-12
+    check_page_table(paged)
+
+
+def test_a_smaller_pool_is_what_the_cache_allocates_and_describes():
+    config = LlamaConfig.from_dict(LLAMA_CONFIG, "test")
+    model = CausalLM(config, dtype="fp64", max_batch=MAX_BATCH, max_len=MAX_LEN, kv_layout="paged", page_size=4,
+                     kv_pages=9)
+    model.prefill([[1, 2, 3]])
+    cache = model._cache
+    assert cache.k.shape[1] == cache.v.shape[1] == 10 and cache.table.shape == (MAX_BATCH, 5)
+    assert config.cache_bytes(MAX_BATCH, MAX_LEN, "fp64", 4, 9) == cache.k.nbytes + cache.v.nbytes
+    assert config.cache_bytes(MAX_BATCH, MAX_LEN, "fp64", 4) == config.cache_bytes(MAX_BATCH, MAX_LEN, "fp64", 4, 20)
+    assert "(layers, 9 + 1 spare pages" in "\n".join(model.describe())
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(kv_layout="blocked"), ValueError, r"kv_layout must be one of \('dense', 'paged'\), got 'blocked'"),
     (dict(kv_layout=None), ValueError, r"kv_layout must be one of \('dense', 'paged'\), got None"),
@@ -253,6 +323,11 @@ def test_pages_interleave_as_sequences_grow_and_the_spare_takes_the_padding(rng)
     (dict(kv_layout="paged", page_size=8.0), TypeError, "page_size must be an int, got float 8.0"),
     (dict(kv_layout="paged", page_size="8"), TypeError, "page_size must be an int, got str '8'"),
     (dict(page_size=8), ValueError, "page_size 8 goes with kv_layout='paged'"),
+    (dict(kv_pages=4), ValueError, "kv_pages 4 goes with kv_layout='paged'"),
+    (dict(kv_layout="paged", kv_pages=0), ValueError, "kv_pages must be a positive int, got 0"),
+    (dict(kv_layout="paged", kv_pages=2.0), TypeError, "kv_pages must be an int, got float 2.0"),
+    (dict(kv_layout="paged", page_size=8, kv_pages=4), ValueError,
+     r"kv_pages 4 is more than max_batch 1 sequences of max_len 20 tokens can hold \(3 pages of 8\)"),
     (dict(kv_layout="paged", path="custom"), ValueError,
      r"kv_layout 'paged' needs attention on one of \('auto', 'cudnn', 'reference'\) .* got path 'custom'"),
     (dict(kv_layout="paged", path={"attention": "unfused"}), ValueError,

@@ -52,14 +52,15 @@ a prefill gives every page back and takes ceil(length / page_size) for each prom
 one for a sequence whose new token starts a page, before the step runs (a graph replay reads the table
 from its fixed buffer, updated in place, a few bytes, only when a page was taken, copied from pinned memory
 on the stream: a step that takes a page queues without waiting for the GPU, as one that takes none). The
-pool holds max_batch * ceil(max_len / page_size) pages, every row's worst case, so a page is always free;
-the sequences' pages interleave as they grow, which is what the page table is for (a smaller pool shared
-by more sequences is the next step, not done). Page `pages` is a spare page that every table entry not
-handed out names: the prompt's padding positions past a sequence's last page and a graph bucket's padding
-rows write there, and no sequence reads it. kv_append writes through the table, and attention reads
-through it (cuDNN's SDPA on the GPU, the pages gathered in NumPy on the reference path; the custom decode
-kernels do not read pages, so a paged model's attention runs on cudnn or reference). The dense cache is
-the default.
+pool holds `kv_pages` pages, by default max_batch * ceil(max_len / page_size), every row's worst case, so
+that a page is always free; the sequences' pages interleave as they grow, which is what the page table is
+for. A smaller pool is shared by the batch's sequences as they grow: what a call could need is refused
+before it runs (a prefill's prompts, generate's prompts and every token but the last, a decode step's new
+pages), naming the pages, and the model stays usable. Page `pages` is a spare page that every table entry
+not handed out names: the prompt's padding positions past a sequence's last page and a graph bucket's
+padding rows write there, and no sequence reads it. kv_append writes through the table, and attention reads
+through it (cuDNN's SDPA on the GPU, or for a decode step the custom split-K kernel, which reads pages of 64
+tokens or more; the pages gathered in NumPy on the reference path). The dense cache is the default.
 
 The reference path runs the whole model on the host (device="cpu", dtype fp32 or fp64): every op's
 float64 reference, what the CPU tests compare against independent NumPy models.
@@ -121,10 +122,12 @@ class DecoderConfig:
     def max_positions(self) -> int:
         return getattr(self, self.POSITIONS_FIELD)
 
-    def cache_bytes(self, max_batch: int, max_len: int, dtype: Any, page_size: int | None = None) -> int:
+    def cache_bytes(self, max_batch: int, max_len: int, dtype: Any, page_size: int | None = None,
+                    pages: int | None = None) -> int:
         """The KV cache's bytes: k and v for every layer, sequence, position, KV head; paged (`page_size`),
-        every sequence's positions rounded up to whole pages, and the spare page."""
-        positions = max_batch * max_len if page_size is None else paged_positions(max_batch, max_len, page_size)
+        `pages` pages (default every sequence's positions rounded up to whole pages) and the spare page."""
+        positions = (max_batch * max_len if page_size is None else
+                     paged_positions(max_batch, max_len, page_size, pages))
         elements = 2 * self.num_hidden_layers * positions * self.num_key_value_heads * self.head_dim
         return elements * dtypes.parse(dtype).itemsize
 
@@ -418,22 +421,35 @@ def _rotated_q(q: Any, rotated: Any) -> Any:
     return q if rotated is None else rotated
 
 
-def paged_positions(max_batch: int, max_len: int, page_size: int) -> int:
-    """A paged cache's positions per layer: max_batch rows of whole pages, and the spare page."""
-    return (max_batch * -(-max_len // page_size) + 1) * page_size
+def paged_positions(max_batch: int, max_len: int, page_size: int, pages: int | None = None) -> int:
+    """A paged cache's positions per layer: `pages` pages (default max_batch rows of whole pages, every
+    sequence's longest), and the spare page."""
+    return ((worst_case_pages(max_batch, max_len, page_size) if pages is None else pages) + 1) * page_size
+
+
+def worst_case_pages(max_batch: int, max_len: int, page_size: int) -> int:
+    """The pages that max_batch sequences of max_len tokens hold: a pool of them never runs out."""
+    return max_batch * -(-max_len // page_size)
+
+
+def pages_for(lengths: np.ndarray, page_size: int) -> int:
+    """The pages that sequences of `lengths` tokens hold together."""
+    return int((-(-np.asarray(lengths, np.int64) // page_size)).sum())
 
 
 class PagedKVCache:
     """k and v, each a pool (layers, pages + 1, Hkv, page_size, D) zeroed once, and a page table
     (max_batch, max_pages) int32 on the model's device whose row b lists the pages of the sequence in
-    cache row b; pages handed out from a free list on the host (see the module docstring). Page `pages`
-    is the spare: every entry not handed out names it. kv_append writes through the table, attention
-    reads through it; both take the model's word for its entries (handed out here, in range)."""
+    cache row b; pages handed out from a free list on the host (see the module docstring): `pages` of
+    them (default every row's worst case, so that a page is always free). Page `pages` is the spare:
+    every entry not handed out names it. kv_append writes through the table, attention reads through it;
+    both take the model's word for its entries (handed out here, in range)."""
 
-    def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, page_size: int, like: Any):
+    def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, page_size: int, like: Any,
+                 pages: int | None = None):
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
         self.max_pages = -(-max_len // page_size)
-        self.pages = max_batch * self.max_pages  # every row's worst case: a page is always free
+        self.pages = worst_case_pages(max_batch, max_len, page_size) if pages is None else pages
         shape = (c.num_hidden_layers, self.pages + 1, c.num_key_value_heads, page_size, c.head_dim)
         self.k, self.v = _zeroed_pair(shape, like)
         self._host = np.full((max_batch, self.max_pages), self.pages, np.int32)  # the table, kept on the host
@@ -450,25 +466,31 @@ class PagedKVCache:
 
     def begin(self, lengths: np.ndarray) -> None:
         """A prefill's prompts of `lengths` (B,) replace the cache's sequences: every page back on the free
-        list (lowest first), every entry the spare, then each prompt's pages."""
+        list (lowest first), every entry the spare, then each prompt's pages (which the caller has checked
+        the pool holds: CausalLM._refuse_unless_pages_fit)."""
         self._free = list(range(self.pages - 1, -1, -1))
         self._host[:] = self.pages
         self._held[:] = 0
-        self._take(lengths)
+        self._take(lengths, "CausalLM.prefill")
         self._upload()
 
     def extend(self, lengths: np.ndarray) -> None:
         """Pages for each sequence's first lengths[b] positions (a decode step: its length + 1), the table
-        uploaded where one was taken."""
-        if self._take(lengths):
+        uploaded where one was taken; refused, nothing taken, where the free pages are too few."""
+        if self._take(lengths, "CausalLM.decode_step"):
             self._upload()
 
-    def _take(self, lengths: np.ndarray) -> bool:
+    def _take(self, lengths: np.ndarray, where: str) -> bool:
         """Pages from the free list, row by row, until row b holds ceil(lengths[b] / page_size); whether
-        any was taken. Only the rows that grow are visited: most decode steps take no page."""
+        any was taken. Only the rows that grow are visited: most decode steps take no page. Where the free
+        list holds fewer than they need, a ValueError and nothing taken."""
         needed = -(-np.asarray(lengths, np.int64) // self.page_size)
         held = self._held[:len(needed)]
         growing = np.flatnonzero(needed > held)
+        if growing.size and (wanted := int((needed[growing] - held[growing]).sum())) > len(self._free):
+            raise ValueError(f"{where}: sequences {growing.tolist()} need {wanted} new pages of {self.page_size} "
+                             f"tokens but {len(self._free)} of the paged KV cache's {self.pages} (kv_pages) are free; "
+                             "a new prefill with fewer or shorter sequences, or a model with more kv_pages")
         for b in growing.tolist():
             for j in range(int(held[b]), int(needed[b])):
                 self._host[b, j] = self._free.pop()
@@ -561,19 +583,22 @@ class CausalLM(Module):
 
     def __init__(self, config: DecoderConfig, *, dtype: Any = "fp32", device: str = "cpu", max_batch: int = 1,
                  max_len: int | None = None, path: str | dict[str, str] = "auto", init: bool = True,
-                 decode_graphs: bool = True, kv_layout: str = "dense", page_size: int | None = None):
+                 decode_graphs: bool = True, kv_layout: str = "dense", page_size: int | None = None,
+                 kv_pages: int | None = None):
         """A model of `config` (its class picks the architecture) with random weights (PyTorch's default
         initialisers; norm weights 1), or with `init=False` uninitialised ones, for a loader that replaces
         every parameter (from_pretrained: no values are drawn, and the host memory check counts no
         float64 draws). `kv_layout` "dense" (the default) or "paged" with `page_size` tokens a page (a
-        power of two; default DEFAULT_PAGE_SIZE): see the module docstring."""
+        power of two; default DEFAULT_PAGE_SIZE) in a pool of `kv_pages` pages (default max_batch *
+        ceil(max_len / page_size), every sequence's longest; fewer are shared as the sequences grow): see
+        the module docstring."""
         super().__init__()
         architecture = architecture_of(config)
         init = checks.flag("CausalLM", "init", init)
         self.decode_graphs = checks.flag("CausalLM", "decode_graphs", decode_graphs)
         self.page_size = _page_size("CausalLM", kv_layout, page_size)
-        max_batch, max_len = _check_fits("CausalLM", config, architecture, dtype, device, max_batch, max_len,
-                                         "the config", init, self.page_size)
+        max_batch, max_len, self.kv_pages = _check_fits("CausalLM", config, architecture, dtype, device, max_batch,
+                                                        max_len, "the config", init, self.page_size, kv_pages)
         checks.path("CausalLM", path, architecture.ops, per_op=True)
         _check_paged("CausalLM", self.page_size, path, dtype, device)
         self.architecture, self.config, self.path = architecture, config, path
@@ -591,12 +616,12 @@ class CausalLM(Module):
     def from_pretrained(cls, directory: str | Path, *, dtype: Any = "fp16", device: str = "gpu", max_batch: int = 1,
                         max_len: int | None = None, path: str | dict[str, str] = "auto",
                         decode_graphs: bool = True, kv_layout: str = "dense",
-                        page_size: int | None = None) -> CausalLM:
+                        page_size: int | None = None, kv_pages: int | None = None) -> CausalLM:
         """Load config.json and model.safetensors (or the shards model.safetensors.index.json lists) from
         `directory` into a CausalLM of the architecture its config names, in `dtype` ("fp16", "bf16",
         "fp32"; "fp64" too on the CPU) on `device` ("gpu" or "cpu"), with a KV cache for `max_batch`
         sequences of `max_len` tokens (default min(2048, the model's positions)); `decode_graphs`,
-        `kv_layout` and `page_size` as for the constructor. The parameters and the cache are refused
+        `kv_layout`, `page_size` and `kv_pages` as for the constructor. The parameters and the cache are refused
         before anything is read if they would not fit; a key, shape or dtype that does not match the
         config is an error naming the file and the keys, and nothing is kept."""
         where = "CausalLM.from_pretrained"
@@ -604,7 +629,8 @@ class CausalLM(Module):
         architecture = architecture_for(config_json, str(config_file))
         config = architecture.config_class.from_dict(config_json, str(config_file))
         pages = _page_size(where, kv_layout, page_size)
-        _check_fits(where, config, architecture, dtype, device, max_batch, max_len, str(config_file), False, pages)
+        _check_fits(where, config, architecture, dtype, device, max_batch, max_len, str(config_file), False, pages,
+                    kv_pages)
         checks.path(where, path, architecture.ops, per_op=True)  # before the checkpoint is read, not after
         _check_paged(where, pages, path, dtype, device)
         checks.flag(where, "decode_graphs", decode_graphs)
@@ -612,7 +638,7 @@ class CausalLM(Module):
         raw, files = checkpoint.read_tensors(directory, where, others=("*.bin", "*.pth"), check_placement=True)
         # every parameter is replaced by the checkpoint's, or the load fails
         model = cls(config, dtype=dtype, device="cpu", max_batch=max_batch, max_len=max_len, path=path, init=False,
-                    decode_graphs=decode_graphs, kv_layout=kv_layout, page_size=page_size)
+                    decode_graphs=decode_graphs, kv_layout=kv_layout, page_size=page_size, kv_pages=kv_pages)
         context = (f"{where}({str(directory)!r}): the checkpoint ({', '.join(files)}) does not match its config "
                    f"({config.summary()})")
         state, report = architecture.checkpoint_state(raw, model, context)
@@ -676,13 +702,15 @@ class CausalLM(Module):
         """The KV cache, made (zeroed) the first time, refused first if it would not fit."""
         if self._cache is None:
             like = self._table
-            memory.require(self.config.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size),
+            memory.require(self.config.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size,
+                                                   self.kv_pages),
                            "gpu" if is_cupy(like) else "cpu", "CausalLM",
                            f"the KV cache ({self.max_batch} sequences of {self.max_len} tokens)")
             inv_freq = self.base_model.rotary_frequencies()
             self._inv_freq = None if inv_freq is None else on_device_of(inv_freq, like, "CausalLM", "inv_freq")
             self._cache = (KVCache(self.config, self.max_batch, self.max_len, like) if self.page_size is None else
-                           PagedKVCache(self.config, self.max_batch, self.max_len, self.page_size, like))
+                           PagedKVCache(self.config, self.max_batch, self.max_len, self.page_size, like,
+                                        self.kv_pages))
         return self._cache
 
     # -- forward passes -----------------------------------------------------------------------------------
@@ -787,6 +815,15 @@ class CausalLM(Module):
             return norm_then_dense(rows, norm, *head, self.path)
         return dense(self.base_model.final_norm(rows), *head[:2], w_scale=head[2], path=path_for(self.path, "linear"))
 
+    def _refuse_unless_pages_fit(self, where: str, lengths: np.ndarray, what: str) -> None:
+        """A paged cache's pool holds the pages of sequences of `lengths` tokens, or a ValueError naming
+        `what` needs them; nothing to check for the dense cache, whose rows are all allocated."""
+        if self.page_size is None or (needed := pages_for(lengths, self.page_size)) <= self.kv_pages:
+            return
+        raise ValueError(f"{where}: {what} need {needed} pages of {self.page_size} tokens, more than the paged KV "
+                         f"cache's {self.kv_pages} (kv_pages); fewer or shorter sequences, or a model with more "
+                         "kv_pages")
+
     def _check_ids(self, ids: Any, where: str, name: str) -> None:
         """ids in [0, vocab_size): one synchronisation on the GPU."""
         if not ids.size:
@@ -847,6 +884,7 @@ class CausalLM(Module):
             raise ValueError(f"{where}: a prompt of {int(lengths.max())} tokens is longer than the KV cache's "
                              f"max_len {self.max_len}")
         lengths = lengths.astype(np.int64)  # after the checks: a uint64 length past 2**63 would wrap
+        self._refuse_unless_pages_fit(where, lengths, "the prompts")
         ids = ids[:, :int(lengths.max())]
         xp = array_module(like)
         valid = xp.arange(ids.shape[1])[None, :] < xp.asarray(lengths)[:, None]
@@ -867,7 +905,8 @@ class CausalLM(Module):
         the host) with a RandomState of `seed` (None: fresh entropy). A sequence ends at its first
         token in `eos_token_id` (an id or ids; None: the config's; () never), which is yielded.
         The arguments are checked here, before anything runs; the prompt and every generated token but
-        the last must fit the cache (prompt length + max_new_tokens - 1 <= max_len)."""
+        the last must fit the cache (prompt length + max_new_tokens - 1 <= max_len), and a paged cache's
+        pool must hold all of their pages (kv_pages)."""
         return self._generation("stream", input_ids, max_new_tokens, lengths, temperature, top_k, top_p,
                                 eos_token_id, seed)
 
@@ -885,6 +924,10 @@ class CausalLM(Module):
             raise ValueError(f"{where}: max_new_tokens {max_new_tokens} after a prompt of {int(lengths.max())} "
                              f"tokens needs {int(lengths.max()) + max_new_tokens - 1} cache positions, more than "
                              f"max_len {self.max_len}")
+        if max_new_tokens:
+            self._refuse_unless_pages_fit(where, lengths + max_new_tokens - 1,
+                                          f"the prompts and max_new_tokens {max_new_tokens} (every generated token "
+                                          "but the last is cached)")
         return self._stream(ids, lengths, max_new_tokens, sample, np.asarray(eos, np.int64))
 
     def _stream(self, ids: Any, lengths: np.ndarray, max_new_tokens: int, sample: Sampler,
@@ -938,13 +981,14 @@ class CausalLM(Module):
         base = self.base_model
         lines = base.describe(f"{dtypes.short_name(like.dtype)} on the {'GPU' if is_cupy(like) else 'CPU'}")
         tied = f"tied to {self.architecture.prefix}.{base.EMBEDDINGS}"
-        cache_bytes = memory.format_bytes(c.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size))
+        cache_bytes = memory.format_bytes(c.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size,
+                                                        self.kv_pages))
         if self.page_size is None:
             cache = (f"KV cache: k and v (layers, {self.max_batch}, {self.max_len}, {c.num_key_value_heads}, "
                      f"{c.head_dim}), {cache_bytes}")
         else:
             max_pages = -(-self.max_len // self.page_size)
-            cache = (f"KV cache: paged, k and v (layers, {self.max_batch * max_pages} + 1 spare pages, "
+            cache = (f"KV cache: paged, k and v (layers, {self.kv_pages} + 1 spare pages, "
                      f"{c.num_key_value_heads}, {self.page_size}, {c.head_dim}), {cache_bytes}, a page table "
                      f"({self.max_batch}, {max_pages}), pages handed out as sequences grow")
         head = tied if self.lm_head is None else "its own weight"
@@ -1079,10 +1123,11 @@ def _as_float32(a: Any) -> Any:
 
 # --- helpers -----------------------------------------------------------------------------------------------
 def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any, device: str, max_batch: Any,
-                max_len: Any, source: str, drawn: bool, page_size: int | None) -> tuple[int, int]:
+                max_len: Any, source: str, drawn: bool, page_size: int | None,
+                kv_pages: Any) -> tuple[int, int, int | None]:
     """The config (from `source`), dtype, device and cache size checked, and the parameters and the KV
-    cache (paged where `page_size` is given) refused before anything is drawn if they would not fit;
-    (max_batch, max_len). `drawn`: the
+    cache (paged where `page_size` is given, of `kv_pages` pages: _kv_pages) refused before anything is
+    drawn if they would not fit; (max_batch, max_len, the pool's pages or None). `drawn`: the
     parameters are drawn in float64 on the host (checks.parameters_fit); else read from a checkpoint,
     which the host holds as stored (counted as 4 bytes a value at most) beside the cast and stacked
     copies (the model's itemsize)."""
@@ -1094,6 +1139,7 @@ def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any,
     if max_len > config.max_positions:
         raise ValueError(f"{where}: max_len {max_len} is beyond the model's {config.POSITIONS_FIELD} "
                          f"{config.max_positions} ({source})")
+    kv_pages = _kv_pages(where, page_size, kv_pages, max_batch, max_len)
     elements = config.parameter_count()
     what = (f"the model of {source} (vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
             f"{config.num_hidden_layers} layers: {elements} parameters)")
@@ -1103,11 +1149,31 @@ def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any,
         memory.require(elements * (4 + parsed.itemsize), "cpu", where, what)
         if device != "cpu":
             memory.require(elements * parsed.itemsize, "gpu", where, what)
-    memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size), "cpu" if device == "cpu" else "gpu",
-                   where,
-                   f"the KV cache ({max_batch} sequences of {max_len} tokens, {config.num_hidden_layers} layers, "
-                   f"{config.num_key_value_heads} KV heads of {config.head_dim})")
-    return max_batch, max_len
+    cache = (f"{max_batch} sequences of {max_len} tokens" if page_size is None else
+             f"{kv_pages} pages of {page_size} tokens for {max_batch} sequences of up to {max_len}")
+    memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size, kv_pages),
+                   "cpu" if device == "cpu" else "gpu", where,
+                   f"the KV cache ({cache}, {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads "
+                   f"of {config.head_dim})")
+    return max_batch, max_len, kv_pages
+
+
+def _kv_pages(where: str, page_size: int | None, kv_pages: Any, max_batch: int, max_len: int) -> int | None:
+    """A paged cache's pool of pages checked: kv_pages, default worst_case_pages, from 1 up to it (more could
+    never be held); None for the dense cache, which takes none."""
+    if page_size is None:
+        if kv_pages is not None:
+            raise ValueError(f"{where}: kv_pages {kv_pages!r} goes with kv_layout='paged'; the dense cache has no pages")
+        return None
+    worst = worst_case_pages(max_batch, max_len, page_size)
+    if kv_pages is None:
+        return worst
+    kv_pages = checks.size(where, "kv_pages", kv_pages, 1)
+    if kv_pages > worst:
+        raise ValueError(f"{where}: kv_pages {kv_pages} is more than max_batch {max_batch} sequences of max_len "
+                         f"{max_len} tokens can hold ({worst} pages of {page_size}); the extra pages would never "
+                         "be used")
+    return kv_pages
 
 
 def _page_size(where: str, kv_layout: Any, page_size: Any) -> int | None:
