@@ -199,7 +199,7 @@ def test_a_pool_of_just_the_pages_the_sequences_reach_gives_the_dense_logits(rng
     tokens = cupy.asarray(expected.astype(cupy.float32).get().argmax(-1))
     for _ in range(2):
         paged.decode_step(tokens)
-    with pytest.raises(ValueError, match=r"CausalLM.decode_step: sequences \[3\] need 1 new pages of 16 tokens but 0 "
+    with pytest.raises(ValueError, match=r"CausalLM.decode_step: sequences \[3\] need 1 new page of 16 tokens but 0 "
                                          r"of the paged KV cache's 17 \(kv_pages\) are free"):
         paged.decode_step(tokens)
     np.testing.assert_array_equal(paged.lengths, [51, 46, 43, 48, 59])

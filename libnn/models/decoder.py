@@ -488,9 +488,10 @@ class PagedKVCache:
         held = self._held[:len(needed)]
         growing = np.flatnonzero(needed > held)
         if growing.size and (wanted := int((needed[growing] - held[growing]).sum())) > len(self._free):
-            raise ValueError(f"{where}: sequences {growing.tolist()} need {wanted} new pages of {self.page_size} "
-                             f"tokens but {len(self._free)} of the paged KV cache's {self.pages} (kv_pages) are free; "
-                             "a new prefill with fewer or shorter sequences, or a model with more kv_pages")
+            raise ValueError(f"{where}: sequences {growing.tolist()} need {wanted} new page{'s' * (wanted > 1)} of "
+                             f"{self.page_size} tokens but {len(self._free)} of the paged KV cache's {self.pages} "
+                             "(kv_pages) are free; a new prefill with fewer or shorter sequences, or a model with more "
+                             "kv_pages")
         for b in growing.tolist():
             for j in range(int(held[b]), int(needed[b])):
                 self._host[b, j] = self._free.pop()
@@ -705,7 +706,8 @@ class CausalLM(Module):
             memory.require(self.config.cache_bytes(self.max_batch, self.max_len, like.dtype, self.page_size,
                                                    self.kv_pages),
                            "gpu" if is_cupy(like) else "cpu", "CausalLM",
-                           f"the KV cache ({self.max_batch} sequences of {self.max_len} tokens)")
+                           "the KV cache (" + cache_summary(self.max_batch, self.max_len, self.page_size, self.kv_pages)
+                           + ")")
             inv_freq = self.base_model.rotary_frequencies()
             self._inv_freq = None if inv_freq is None else on_device_of(inv_freq, like, "CausalLM", "inv_freq")
             self._cache = (KVCache(self.config, self.max_batch, self.max_len, like) if self.page_size is None else
@@ -1149,13 +1151,18 @@ def _check_fits(where: str, config: Any, architecture: Architecture, dtype: Any,
         memory.require(elements * (4 + parsed.itemsize), "cpu", where, what)
         if device != "cpu":
             memory.require(elements * parsed.itemsize, "gpu", where, what)
-    cache = (f"{max_batch} sequences of {max_len} tokens" if page_size is None else
-             f"{kv_pages} pages of {page_size} tokens for {max_batch} sequences of up to {max_len}")
     memory.require(config.cache_bytes(max_batch, max_len, parsed, page_size, kv_pages),
                    "cpu" if device == "cpu" else "gpu", where,
-                   f"the KV cache ({cache}, {config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads "
-                   f"of {config.head_dim})")
+                   f"the KV cache ({cache_summary(max_batch, max_len, page_size, kv_pages)}, "
+                   f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads of {config.head_dim})")
     return max_batch, max_len, kv_pages
+
+
+def cache_summary(max_batch: int, max_len: int, page_size: int | None, kv_pages: int | None) -> str:
+    """What a KV cache holds, for the memory checks' messages."""
+    if page_size is None:
+        return f"{max_batch} sequences of {max_len} tokens"
+    return f"{kv_pages} pages of {page_size} tokens for {max_batch} sequences of up to {max_len}"
 
 
 def _kv_pages(where: str, page_size: int | None, kv_pages: Any, max_batch: int, max_len: int) -> int | None:
@@ -1163,7 +1170,8 @@ def _kv_pages(where: str, page_size: int | None, kv_pages: Any, max_batch: int, 
     never be held); None for the dense cache, which takes none."""
     if page_size is None:
         if kv_pages is not None:
-            raise ValueError(f"{where}: kv_pages {kv_pages!r} goes with kv_layout='paged'; the dense cache has no pages")
+            raise ValueError(f"{where}: kv_pages {kv_pages!r} goes with kv_layout='paged'; the dense cache has no "
+                             "pages")
         return None
     worst = worst_case_pages(max_batch, max_len, page_size)
     if kv_pages is None:
@@ -1201,8 +1209,9 @@ def _check_paged(where: str, page_size: int | None, path: str | dict[str, str], 
         raise ValueError(f"{where}: kv_layout 'paged' needs attention on one of {PAGED_ATTENTION_PATHS} (the paths "
                          f"that read pages), got path {name!r} for attention")
     if device != "cpu" and (short := dtypes.short_name(dtypes.parse(dtype))) not in PAGED_GPU_DTYPES:
-        raise ValueError(f"{where}: kv_layout 'paged' on the GPU needs dtype fp16 or bf16 (cuDNN's paged attention "
-                         f"reads the pages; the custom kernels do not), got {short}")
+        raise ValueError(f"{where}: kv_layout 'paged' on the GPU needs dtype fp16 or bf16 (what cuDNN's paged "
+                         f"attention and the custom split-K decode kernel, the paths that read pages, take), got "
+                         f"{short}")
 
 
 def layer_range(count: int) -> str:

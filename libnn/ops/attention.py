@@ -18,7 +18,8 @@ dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed
 every path, never NaN. NaN in the inputs spreads as in the reference: a NaN score (a NaN in a query row, or
 in a key the row may see) makes the row NaN, a NaN value its column in the rows that see its key; a key
 past its sequence's length weighs nothing, so a NaN in its k or v (a stale row of a KV cache) changes
-nothing.
+nothing (the reference and unfused paths zero those values, the custom kernels never read them; on cudnn
+it rests on cuDNN's padding mask, which tests/test_attention_nan_gpu.py checks).
 
 Paths, in `auto` order (except that small encoder attention and a decode step that the split-K kernel
 takes, see _cudnn_slower, try cudnn last):
@@ -962,11 +963,12 @@ def _reference(problem: AttentionProblem, q, k, v, seq_lens_q, seq_lens_kv, bias
     lens_q, lens_kv = _lengths(p, q, seq_lens_q, seq_lens_kv)
     group = p.Hq // p.Hkv
     q64 = _bhsd(q, p.layout).astype(np.float64)
-    k64 = np.repeat(_bhsd(k, p.layout).astype(np.float64), group, axis=1)
-    v64 = np.repeat(_bhsd(v, p.layout).astype(np.float64), group, axis=1)
+    k64, v64 = (_bhsd(a, p.layout).astype(np.float64) for a in (k, v))  # copies, (B, Hkv, Skv, D)
     if lens_kv is not None:  # zeros past a sequence's length: its weight 0 times a stale NaN there is NaN
-        live = (np.arange(p.Skv) < lens_kv[:, None])[:, None, :, None]
-        k64, v64 = np.where(live, k64, 0.0), np.where(live, v64, 0.0)
+        past = (np.arange(p.Skv) >= lens_kv[:, None])[:, None, :, None]
+        for a in (k64, v64):
+            np.copyto(a, 0.0, where=past)
+    k64, v64 = (np.repeat(a, group, axis=1) for a in (k64, v64))
     scores = (q64 @ k64.swapaxes(-1, -2)) * p.scale  # matmul, not einsum: BLAS keeps S=4096 fast
     if bias is not None:
         scores = scores + bias.astype(np.float64)
