@@ -322,6 +322,19 @@ def test_gemv_reads_a_weight_one_byte_off_and_strided_x(rng):
     check(y, expected, x_host, weight, b, None, "bf16")
 
 
+@pytest.mark.parametrize("K", [64, 72], ids=["gemv.cu", "version 3"])
+def test_the_decode_gemv_takes_a_strided_weight_and_scale(rng, K):
+    """One row, w every other row of a larger weight and w_scale every other value: both copied in the call,
+    which the GEMV then waits for (launched plainly, not programmatically: tests/test_launch_programmatic.py)."""
+    import cupy
+
+    x, weight, b, _ = draw(rng, 1, 40, K, "fp16")
+    w = cupy.asarray(np.repeat(weight.data, 2, axis=0))[::2]
+    scale = cupy.asarray(np.repeat(weight.scale, 2))[::2]
+    y = linear_fp8(cupy.asarray(x), w, scale, cupy.asarray(b), path="custom")
+    check(y, linear_fp8(x, *weight, b, path="reference").astype(np.float64), x, weight, b, None, "fp16")
+
+
 def test_a_misaligned_weight_falls_back_from_cublaslt_to_custom(rng):
     import cupy
 
