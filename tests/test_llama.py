@@ -462,7 +462,22 @@ def test_decode_steps_vouch_their_kv_lengths_nonempty(small_model, monkeypatch):
 
 # --- against transformers: the reference path on the host, and on the GPU (marked gpu) ------------------------
 HF_VARIANTS = {"gqa": {"num_key_value_heads": 2, "tie_word_embeddings": False},
-               "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True}}
+               "mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True},
+               "llama3-scaling": {"num_key_value_heads": 2, "tie_word_embeddings": False}}
+# Llama 3's frequency scaling: with head_dim 16, wavelengths of 6.3 to 2.8e3 positions against these bounds
+# (4 and 16) put one frequency in the smoothed band and the rest in the scaled one
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
+
+
+def hf_rope_fields(transformers, variant: str) -> dict:
+    """The variant's rope fields as this transformers version takes them: rope_parameters from version 5,
+    rope_theta and rope_scaling before."""
+    if variant != "llama3-scaling":
+        return {}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {**LLAMA3_SCALING, "rope_theta": 10000.0}}
+    return {"rope_theta": 10000.0, "rope_scaling": dict(LLAMA3_SCALING)}
 
 
 def hf_checkpoint(tmp_path, variant: str):
@@ -473,7 +488,7 @@ def hf_checkpoint(tmp_path, variant: str):
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
                                       num_attention_heads=HEADS, max_position_embeddings=2 * HF_MAX_LEN,
                                       rms_norm_eps=1e-5, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-                                      **HF_VARIANTS[variant])
+                                      **HF_VARIANTS[variant], **hf_rope_fields(transformers, variant))
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -489,8 +504,8 @@ def hf_variant(request) -> str:
 
 class TestLlama(DecoderCases):
     """tests/decoder_cases.py's checks, for LLaMA: against NumpyLlama on the checkpoint fixture's two
-    configs (GQA untied, MHA tied), against transformers' LlamaForCausalLM on hf_checkpoint's two (GQA
-    untied, MQA tied), and BAD_CONFIGS and BAD_CHECKPOINTS refused."""
+    configs (GQA untied, MHA tied), against transformers' LlamaForCausalLM on hf_checkpoint's three (GQA
+    untied, MQA tied, GQA with Llama 3's rope scaling), and BAD_CONFIGS and BAD_CHECKPOINTS refused."""
     config = CONFIG
     reference = NumpyLlama
     random_state = staticmethod(random_state)
