@@ -64,8 +64,8 @@ LAUNCH (version 3)
     row-major and contiguous (y (M, N / 2) with glu); gamma (K,) or null, eps > 0 with it; y does not overlap the inputs; sm_89 or newer. On sm_90 and newer it is launched with
     programmatic stream serialization: it loads its first codes of w, then waits (pdl_wait) for the kernel
     ahead, whose output x is, before it reads x (so w must be what no kernel in flight writes: where a call
-    copies a strided w first, it is launched plainly, ops/linear.py read_in_place); rms_norm, layer_norm, swiglu, attention's zeroing kernel
-    and attn3_combine let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
+    copies a strided w first, it is launched plainly, ops/linear.py read_in_place); rms_norm, layer_norm,
+    swiglu, attention's zeroing kernel and attn3_combine let it start (pdl_launch_dependents). It lets the kernel after it start in turn once every block
     has quantised x (rms_norm, rope, kv_append and swiglu are launched programmatically and wait first).
     Behind its first loads it prefetches into L2 what the next GEMV reads first, as kernels/gemv.cu does
     (the prefetch ranges: common.cuh l2_prefetch_hint).

@@ -441,15 +441,13 @@ class PagedKVCache:
     """k and v, each a pool (layers, pages + 1, Hkv, page_size, D) zeroed once, and a page table
     (max_batch, max_pages) int32 on the model's device whose row b lists the pages of the sequence in
     cache row b; pages handed out from a free list on the host (see the module docstring): `pages` of
-    them (default every row's worst case, so that a page is always free). Page `pages` is the spare:
+    them (CausalLM's kv_pages; worst_case_pages: a page is always free). Page `pages` is the spare:
     every entry not handed out names it. kv_append writes through the table, attention reads through it;
     both take the model's word for its entries (handed out here, in range)."""
 
-    def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, page_size: int, like: Any,
-                 pages: int | None = None):
-        self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
+    def __init__(self, c: DecoderConfig, max_batch: int, max_len: int, page_size: int, pages: int, like: Any):
+        self.max_batch, self.max_len, self.page_size, self.pages = max_batch, max_len, page_size, pages
         self.max_pages = -(-max_len // page_size)
-        self.pages = worst_case_pages(max_batch, max_len, page_size) if pages is None else pages
         shape = (c.num_hidden_layers, self.pages + 1, c.num_key_value_heads, page_size, c.head_dim)
         self.k, self.v = _zeroed_pair(shape, like)
         self._host = np.full((max_batch, self.max_pages), self.pages, np.int32)  # the table, kept on the host
@@ -711,8 +709,8 @@ class CausalLM(Module):
             inv_freq = self.base_model.rotary_frequencies()
             self._inv_freq = None if inv_freq is None else on_device_of(inv_freq, like, "CausalLM", "inv_freq")
             self._cache = (KVCache(self.config, self.max_batch, self.max_len, like) if self.page_size is None else
-                           PagedKVCache(self.config, self.max_batch, self.max_len, self.page_size, like,
-                                        self.kv_pages))
+                           PagedKVCache(self.config, self.max_batch, self.max_len, self.page_size, self.kv_pages,
+                                        like))
         return self._cache
 
     # -- forward passes -----------------------------------------------------------------------------------
