@@ -24,8 +24,9 @@ CASES = {
 }
 
 
-def nan_inputs(rng, case, dtype):
-    """q (B, Sq, Hq, D), k and v (B, Skv, Hkv, D) host arrays with NaNs, and the keys' lengths."""
+def nan_inputs(rng, case, dtype, stale_values: bool = True):
+    """q (B, Sq, Hq, D), k and v (B, Skv, Hkv, D) host arrays with NaNs, and the keys' lengths; with
+    `stale_values`, NaN in the values past batch 1's length too, not only in its keys."""
     B, Hq, Hkv, Sq, Skv, D, _, lens = case
     lens = np.array(lens if lens else [Skv] + [Skv // 2] + [0] * (B - 2), np.int32)
     q = random_normal(rng, (B, Sq, Hq, D), dtype)
@@ -33,7 +34,9 @@ def nan_inputs(rng, case, dtype):
     q[0, Sq - 1, 0, 0] = np.nan          # one query row: all of it NaN
     k[1, 0, Hkv - 1, 1] = np.nan         # a key every row of batch 1 sees: the kv head's rows NaN
     v[0, 0, 0, D - 1] = np.nan           # a value: column D - 1 of batch 0's kv head 0 NaN
-    k[1, lens[1]:] = v[1, lens[1]:] = np.nan   # past batch 1's length: hidden
+    k[1, lens[1]:] = np.nan              # past batch 1's length: hidden
+    if stale_values:
+        v[1, lens[1]:] = np.nan
     k[2:] = np.nan                       # batch 2 and on have no key: zeros whatever their keys hold
     return q, k, v, lens
 
@@ -56,7 +59,8 @@ def run(path, case, q, k, v, lens):
 @pytest.mark.parametrize("name", list(CASES))
 def test_nan_inputs_give_nan_where_the_reference_does(rng, name, path, dtype):
     case = CASES[name]
-    q, k, v, lens = nan_inputs(rng, case, dtype)
+    # cuDNN's prefill (several query rows) multiplies values past a length by zero weights: see below
+    q, k, v, lens = nan_inputs(rng, case, dtype, stale_values=not (path == "cudnn" and case[3] > 1))
     expected = run("reference", case, q, k, v, lens)
     got = run(path, case, q, k, v, lens)
     nan = np.isnan(expected)
@@ -67,3 +71,13 @@ def test_nan_inputs_give_nan_where_the_reference_does(rng, name, path, dtype):
         f"{np.argwhere(~np.isnan(got) & nan)[:3].tolist()}")
     assert np.all(got[2:] == 0), "a sequence with no key gives zeros, whatever its keys hold"
     assert rel_error(got[~nan], expected[~nan]) <= dtypes.TOLERANCE[dtype]
+
+
+@pytest.mark.xfail(strict=True, reason="cuDNN 9.19's SDPA with several query rows reads the values past a "
+                   "sequence's length and multiplies them by zero weights: a NaN there makes the rows NaN "
+                   "(measured on the H100, twenty-second session); its decode (one query row) does not")
+def test_cudnn_prefill_ignores_nan_values_past_a_length(rng):
+    case = CASES["prefill_gqa"]
+    q, k, v, lens = nan_inputs(rng, case, "bf16")
+    expected, got = run("reference", case, q, k, v, lens), run("cudnn", case, q, k, v, lens)
+    assert np.array_equal(np.isnan(got), np.isnan(expected))

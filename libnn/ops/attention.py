@@ -18,8 +18,9 @@ dtype, and -inf in it masks a key. Rows i >= Lq and rows where no key is allowed
 every path, never NaN. NaN in the inputs spreads as in the reference: a NaN score (a NaN in a query row, or
 in a key the row may see) makes the row NaN, a NaN value its column in the rows that see its key; a key
 past its sequence's length weighs nothing, so a NaN in its k or v (a stale row of a KV cache) changes
-nothing (the reference and unfused paths zero those values, the custom kernels never read them; on cudnn
-it rests on cuDNN's padding mask, which tests/test_attention_nan_gpu.py checks).
+nothing (the reference and unfused paths zero those values, the custom kernels never read them, cuDNN's
+decode keeps them out); except on cudnn with several query rows, where cuDNN 9.19 multiplies a value past a
+length by a zero weight, so a NaN there makes the rows NaN (tests/test_attention_nan_gpu.py).
 
 Paths, in `auto` order (except that small encoder attention and a decode step that the split-K kernel
 takes, see _cudnn_slower, try cudnn last):
